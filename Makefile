@@ -1,0 +1,44 @@
+# gpuledger entry points. `make demo` runs the main job; `make test` runs every test (what CI runs).
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+CARGO ?= cargo
+JOBS ?= 2
+export CARGO_BUILD_JOBS ?= $(JOBS)
+
+.PHONY: help demo test unit e2e crds crds-check bench lint fmt k8s-binaries cluster-up cluster-down
+
+help:
+	@echo "make demo        run the main job on a local control plane with simulated GPUs"
+	@echo "make test        run every test (unit, integration, end-to-end)"
+	@echo "make crds        regenerate crds/yaml from the Rust types"
+	@echo "make bench       run the benchmarks"
+	@echo "make lint        cargo fmt --check and clippy -D warnings"
+	@echo "make cluster-up  start a local control plane; make cluster-down stops it"
+
+demo:
+	@echo "make demo: not yet — the end-to-end demo lands with the demo issue (#8)."
+	@echo "Until then: 'make cluster-up' starts a real local control plane."
+
+## Kubernetes binaries (kube-apiserver, kube-scheduler, kube-controller-manager) built once from
+## the k8s.io/kubernetes Go module into /var/cache/gpuledger; see e2e/k8s/build.sh.
+k8s-binaries:
+	@e2e/k8s/build.sh
+
+test: k8s-binaries
+	GPULEDGER_K8S_BIN="$$(e2e/k8s/build.sh 2>/dev/null | tail -n1)" $(CARGO) test --workspace --all-targets -j $(JOBS)
+
+unit:
+	$(CARGO) test --workspace --lib --bins -j $(JOBS)
+
+crds:
+	$(CARGO) run -q -p gpuledger-operator -- crds --out-dir crds/yaml
+
+bench:
+	$(CARGO) bench --workspace -j $(JOBS)
+
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -j $(JOBS) -- -D warnings
+
+fmt:
+	$(CARGO) fmt --all

@@ -1,0 +1,201 @@
+//! `NumaPolicy`: sets the NUMA alignment mode for the pods its selector matches in its
+//! namespace. A pod's own `hami.io/numa-alignment` annotation still wins; see
+//! [`crate::alignment::resolve`] for the tie-break between several matching policies.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, LabelSelector};
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::Alignment;
+use crate::alignment::MatchedPolicy;
+
+/// Which pods, which mode.
+#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "gpuledger.io",
+    version = "v1alpha1",
+    kind = "NumaPolicy",
+    plural = "numapolicies",
+    shortname = "numapol",
+    category = "gpuledger",
+    namespaced,
+    status = "NumaPolicyStatus",
+    printcolumn = r#"{"name":"Alignment","type":"string","jsonPath":".spec.alignment"}"#,
+    printcolumn = r#"{"name":"Priority","type":"integer","jsonPath":".spec.priority","priority":1}"#,
+    printcolumn = r#"{"name":"Matched","type":"integer","jsonPath":".status.matchedPods","description":"GPU pods this policy currently decides"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct NumaPolicySpec {
+    /// Pods in this namespace the policy applies to; an empty selector matches every pod.
+    #[serde(default)]
+    pub pod_selector: LabelSelector,
+    /// Alignment mode for the matched pods.
+    pub alignment: Alignment,
+    /// When several policies match a pod, the highest priority wins (then the stricter mode,
+    /// then the smaller name).
+    #[serde(default)]
+    pub priority: i32,
+}
+
+/// Observed state of a policy.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NumaPolicyStatus {
+    /// Generation of the spec the operator last processed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// GPU pods for which this policy is the deciding one.
+    #[serde(default)]
+    pub matched_pods: u32,
+    /// `Ready`: the selector is valid.
+    #[serde(default)]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+}
+
+/// A label selector that cannot be evaluated.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SelectorError {
+    /// Unknown `matchExpressions` operator.
+    #[error("unknown label selector operator {operator:?} for key {key:?}")]
+    UnknownOperator {
+        /// The expression's key.
+        key: String,
+        /// The operator as written.
+        operator: String,
+    },
+    /// `In`/`NotIn` without values, or `Exists`/`DoesNotExist` with values.
+    #[error("label selector operator {operator} for key {key:?} {problem}")]
+    BadValues {
+        /// The expression's key.
+        key: String,
+        /// The operator.
+        operator: String,
+        /// What is wrong with the values.
+        problem: &'static str,
+    },
+}
+
+/// Evaluates a label selector against a pod's labels, with Kubernetes semantics.
+pub fn selector_matches(
+    selector: &LabelSelector,
+    labels: &BTreeMap<String, String>,
+) -> Result<bool, SelectorError> {
+    for (k, v) in selector.match_labels.iter().flatten() {
+        if labels.get(k) != Some(v) {
+            return Ok(false);
+        }
+    }
+    for expr in selector.match_expressions.iter().flatten() {
+        let values = expr.values.as_deref().unwrap_or_default();
+        let bad = |problem| SelectorError::BadValues {
+            key: expr.key.clone(),
+            operator: expr.operator.clone(),
+            problem,
+        };
+        let present = labels.get(&expr.key);
+        let ok = match expr.operator.as_str() {
+            "In" | "NotIn" if values.is_empty() => return Err(bad("needs values")),
+            "Exists" | "DoesNotExist" if !values.is_empty() => return Err(bad("takes no values")),
+            "In" => present.is_some_and(|v| values.contains(v)),
+            "NotIn" => present.is_none_or(|v| !values.contains(v)),
+            "Exists" => present.is_some(),
+            "DoesNotExist" => present.is_none(),
+            other => {
+                return Err(SelectorError::UnknownOperator {
+                    key: expr.key.clone(),
+                    operator: other.to_string(),
+                });
+            }
+        };
+        if !ok {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// The policies of `policies` (all in the pod's namespace) whose selectors match `labels`.
+/// Policies with an invalid selector match nothing; their status says why.
+pub fn matching_policies<'a>(
+    policies: impl IntoIterator<Item = &'a NumaPolicy>,
+    labels: &BTreeMap<String, String>,
+) -> Vec<MatchedPolicy> {
+    policies
+        .into_iter()
+        .filter(|p| selector_matches(&p.spec.pod_selector, labels).unwrap_or(false))
+        .map(|p| MatchedPolicy {
+            name: p.metadata.name.clone().unwrap_or_default(),
+            priority: p.spec.priority,
+            alignment: p.spec.alignment,
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelectorRequirement;
+
+    fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    fn expr(key: &str, op: &str, values: &[&str]) -> LabelSelectorRequirement {
+        LabelSelectorRequirement {
+            key: key.into(),
+            operator: op.into(),
+            values: (!values.is_empty()).then(|| values.iter().map(|v| v.to_string()).collect()),
+        }
+    }
+
+    #[test]
+    fn empty_selector_matches_everything() {
+        assert!(selector_matches(&LabelSelector::default(), &labels(&[])).unwrap());
+    }
+
+    #[test]
+    fn match_labels_and_expressions() {
+        let sel = LabelSelector {
+            match_labels: Some(labels(&[("team", "ml")])),
+            match_expressions: Some(vec![
+                expr("tier", "In", &["train", "infer"]),
+                expr("debug", "DoesNotExist", &[]),
+            ]),
+        };
+        assert!(selector_matches(&sel, &labels(&[("team", "ml"), ("tier", "train")])).unwrap());
+        assert!(!selector_matches(&sel, &labels(&[("team", "ml"), ("tier", "batch")])).unwrap());
+        assert!(!selector_matches(&sel, &labels(&[("team", "web"), ("tier", "train")])).unwrap());
+        assert!(
+            !selector_matches(
+                &sel,
+                &labels(&[("team", "ml"), ("tier", "train"), ("debug", "1")])
+            )
+            .unwrap()
+        );
+    }
+
+    #[test]
+    fn bad_selectors_are_errors() {
+        let sel = LabelSelector {
+            match_expressions: Some(vec![expr("a", "Near", &["b"])]),
+            ..Default::default()
+        };
+        assert!(matches!(
+            selector_matches(&sel, &labels(&[])),
+            Err(SelectorError::UnknownOperator { .. })
+        ));
+        let sel = LabelSelector {
+            match_expressions: Some(vec![expr("a", "In", &[])]),
+            ..Default::default()
+        };
+        assert!(selector_matches(&sel, &labels(&[])).is_err());
+    }
+}

@@ -1,0 +1,1 @@
+//! placeholder: pod-facing API parsing (owned by the fit-engine work)

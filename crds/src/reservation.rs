@@ -1,0 +1,180 @@
+//! `GpuReservation`: the ledger entry for one pod — which GPU shares it holds on which node.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::Alignment;
+
+/// What the operator reserved for a pod. Written by the operator only.
+#[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[kube(
+    group = "gpuledger.io",
+    version = "v1alpha1",
+    kind = "GpuReservation",
+    plural = "gpureservations",
+    shortname = "gres",
+    category = "gpuledger",
+    namespaced,
+    status = "GpuReservationStatus",
+    printcolumn = r#"{"name":"Pod","type":"string","jsonPath":".spec.podName"}"#,
+    printcolumn = r#"{"name":"Node","type":"string","jsonPath":".spec.nodeName"}"#,
+    printcolumn = r#"{"name":"Devices","type":"string","jsonPath":".status.devices","description":"Reserved GPUs (index:memory/cores)"}"#,
+    printcolumn = r#"{"name":"NUMA","type":"string","jsonPath":".status.numa","description":"NUMA nodes of the reserved GPUs"}"#,
+    printcolumn = r#"{"name":"Alignment","type":"string","jsonPath":".spec.alignment"}"#,
+    printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuReservationSpec {
+    /// Name of the pod (same namespace).
+    #[schemars(length(min = 1, max = 253))]
+    pub pod_name: String,
+    /// UID of the pod; a pod recreated under the same name never matches an old reservation.
+    #[schemars(length(min = 1, max = 64))]
+    pub pod_uid: String,
+    /// Node the pod is bound to.
+    #[schemars(length(min = 1, max = 253))]
+    pub node_name: String,
+    /// Effective NUMA alignment mode.
+    #[serde(default)]
+    pub alignment: Alignment,
+    /// Where the alignment came from: `annotation`, `numapolicy/<name>` or `default`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub alignment_source: Option<String>,
+    /// Per-container reservations, init containers first, then regular containers; containers
+    /// without GPUs are omitted.
+    #[serde(default)]
+    #[schemars(length(max = 64))]
+    pub containers: Vec<ContainerReservation>,
+    /// Whether the init containers have finished and their usage was released.
+    #[serde(default)]
+    pub init_released: bool,
+}
+
+/// One container's reserved GPUs.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ContainerReservation {
+    /// Position in the pod, counting init containers first (HAMi's PodDevices index).
+    pub index: u32,
+    /// Container name.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    /// Whether it is an init container.
+    #[serde(default)]
+    pub init: bool,
+    /// The reserved GPUs.
+    #[schemars(length(max = 64))]
+    pub devices: Vec<ReservedDevice>,
+}
+
+/// A share of one GPU.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ReservedDevice {
+    /// GPU UUID.
+    #[schemars(length(min = 1, max = 128))]
+    pub uuid: String,
+    /// Reserved memory in MiB.
+    #[serde(rename = "memoryMiB")]
+    pub memory_mib: u64,
+    /// Reserved cores in percent of the SMs.
+    pub cores: u32,
+    /// NUMA node of the GPU when it was reserved.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub numa_node: Option<u32>,
+}
+
+/// Life of a reservation.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+pub enum ReservationPhase {
+    /// Written by the extender's bind, before the pod is bound.
+    #[default]
+    Reserved,
+    /// The pod is bound and holds the node's allocation Lease; the kubelet is admitting it.
+    Allocating,
+    /// Every GPU container was allocated by the device plugin.
+    Allocated,
+    /// The pod finished or was deleted; the capacity is free.
+    Released,
+    /// Binding or allocation failed or timed out; the capacity is free.
+    Failed,
+}
+
+impl ReservationPhase {
+    /// Whether a reservation in this phase holds capacity.
+    pub fn holds_capacity(self) -> bool {
+        matches!(
+            self,
+            ReservationPhase::Reserved | ReservationPhase::Allocating | ReservationPhase::Allocated
+        )
+    }
+}
+
+/// What the device plugin recorded for one container at Allocate.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ContainerAllocation {
+    /// Position in the pod, counting init containers first.
+    pub index: u32,
+    /// Container name.
+    pub name: String,
+    /// The replica IDs the kubelet allocated.
+    #[schemars(length(max = 512))]
+    pub replica_ids: Vec<String>,
+    /// The physical GPUs those replicas belong to.
+    #[schemars(length(max = 512))]
+    pub devices: Vec<String>,
+    /// When Allocate ran.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allocated_at: Option<Time>,
+}
+
+/// Observed state of a reservation.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GpuReservationStatus {
+    /// Generation of the spec the operator last processed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Phase (operator).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<ReservationPhase>,
+    /// When the phase last changed (operator); drives the Allocating timeout.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase_since: Option<Time>,
+    /// Short list of reserved GPUs for `kubectl get` (operator).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub devices: Option<String>,
+    /// NUMA nodes of the reserved GPUs for `kubectl get` (operator).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub numa: Option<String>,
+    /// What the kubelet allocated, per container (device plugin).
+    #[serde(default)]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["index"]))]
+    pub allocation: Vec<ContainerAllocation>,
+    /// `Misaligned`, `Refitted` (operator).
+    #[serde(default)]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+}
+
+impl GpuReservationSpec {
+    /// Every reserved GPU UUID, in container then device order, without repeats.
+    pub fn device_uuids(&self) -> Vec<&str> {
+        let mut out: Vec<&str> = Vec::new();
+        for d in self.containers.iter().flat_map(|c| c.devices.iter()) {
+            if !out.contains(&d.uuid.as_str()) {
+                out.push(&d.uuid);
+            }
+        }
+        out
+    }
+
+    /// The container at pod position `index`, if it has GPUs.
+    pub fn container(&self, index: u32) -> Option<&ContainerReservation> {
+        self.containers.iter().find(|c| c.index == index)
+    }
+}

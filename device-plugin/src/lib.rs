@@ -1,0 +1,1 @@
+//! The gpuledger kubelet device plugin.
