@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 #[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[kube(
     group = "gpuledger.io",
+    doc = "A node's GPUs as the device plugin discovered them, and the share of them gpuledger has reserved.",
     version = "v1alpha1",
     kind = "GpuNode",
     plural = "gpunodes",

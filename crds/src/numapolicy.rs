@@ -16,6 +16,7 @@ use crate::alignment::MatchedPolicy;
 #[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[kube(
     group = "gpuledger.io",
+    doc = "Sets the NUMA alignment mode (none, best-effort, strict) for the pods its selector matches in its namespace.",
     version = "v1alpha1",
     kind = "NumaPolicy",
     plural = "numapolicies",

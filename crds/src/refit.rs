@@ -10,9 +10,10 @@ use serde::{Deserialize, Serialize};
 pub const MAX_ALLOWED_DEVICES: usize = 512;
 
 /// What the device plugin asks for.
-#[derive(CustomResource, KubeSchema, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(CustomResource, KubeSchema, Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[kube(
     group = "gpuledger.io",
+    doc = "A device plugin's request to move one container's reservation onto GPUs the kubelet's Topology Manager allows; the operator answers in status.",
     version = "v1alpha1",
     kind = "RefitRequest",
     plural = "refitrequests",
@@ -34,6 +35,7 @@ pub struct RefitRequestSpec {
     pub pod_name: String,
     /// UID of that pod.
     #[schemars(length(min = 1, max = 64))]
+    #[serde(rename = "podUID")]
     pub pod_uid: String,
     /// Node whose kubelet is admitting the pod; must be the pod's node.
     #[schemars(length(min = 1, max = 253))]

@@ -11,6 +11,7 @@ use crate::Alignment;
 #[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[kube(
     group = "gpuledger.io",
+    doc = "The ledger entry of one pod: the GPU shares the operator reserved for it, and what the kubelet allocated.",
     version = "v1alpha1",
     kind = "GpuReservation",
     plural = "gpureservations",
@@ -33,6 +34,7 @@ pub struct GpuReservationSpec {
     pub pod_name: String,
     /// UID of the pod; a pod recreated under the same name never matches an old reservation.
     #[schemars(length(min = 1, max = 64))]
+    #[serde(rename = "podUID")]
     pub pod_uid: String,
     /// Node the pod is bound to.
     #[schemars(length(min = 1, max = 253))]

@@ -1,0 +1,152 @@
+//! The drift gate: `crds/yaml/` must be exactly what the Rust types generate. Changing a field
+//! without running `make crds` fails here (and so in CI).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+
+fn yaml_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("yaml")
+}
+
+#[test]
+fn committed_yaml_matches_the_types() {
+    for crd in gpuledger_crds::crds() {
+        let file = yaml_dir().join(gpuledger_crds::crd_file_name(&crd));
+        let committed = std::fs::read_to_string(&file)
+            .unwrap_or_else(|e| panic!("{}: {e}; run `make crds`", file.display()));
+        let generated = gpuledger_crds::crd_yaml(&crd).unwrap();
+        assert!(
+            committed == generated,
+            "{} is out of date with the Rust types; run `make crds` and commit the result",
+            file.display()
+        );
+    }
+}
+
+#[test]
+fn yaml_dir_holds_exactly_the_four_crds() {
+    let on_disk: BTreeSet<String> = std::fs::read_dir(yaml_dir())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".yaml"))
+        .collect();
+    let expected: BTreeSet<String> = gpuledger_crds::crds()
+        .iter()
+        .map(gpuledger_crds::crd_file_name)
+        .collect();
+    assert_eq!(on_disk, expected);
+    assert_eq!(expected.len(), 4);
+}
+
+#[test]
+fn every_crd_is_in_the_group_with_category_status_and_columns() {
+    let want = [
+        (
+            "GpuNode",
+            "Cluster",
+            "gnode",
+            vec!["GPUs", "NUMA", "Healthy", "Reserved", "Age"],
+        ),
+        (
+            "GpuReservation",
+            "Namespaced",
+            "gres",
+            vec![
+                "Pod",
+                "Node",
+                "Devices",
+                "NUMA",
+                "Alignment",
+                "Phase",
+                "Age",
+            ],
+        ),
+        (
+            "RefitRequest",
+            "Namespaced",
+            "refit",
+            vec!["Pod", "Container", "Phase", "Result", "Age"],
+        ),
+        (
+            "NumaPolicy",
+            "Namespaced",
+            "numapol",
+            vec!["Alignment", "Priority", "Matched", "Age"],
+        ),
+    ];
+    let crds = gpuledger_crds::crds();
+    assert_eq!(crds.len(), want.len());
+    for (crd, (kind, scope, short, columns)) in crds.iter().zip(want) {
+        assert_eq!(crd.spec.group, "gpuledger.io");
+        assert_eq!(crd.spec.names.kind, kind);
+        assert_eq!(crd.spec.scope, scope, "{kind}");
+        assert_eq!(
+            crd.spec.names.short_names.as_deref(),
+            Some(&[short.to_string()][..])
+        );
+        assert_eq!(
+            crd.spec.names.categories.as_deref(),
+            Some(&["gpuledger".to_string()][..])
+        );
+        let v = &crd.spec.versions[0];
+        assert_eq!(v.name, "v1alpha1");
+        assert!(
+            v.subresources
+                .as_ref()
+                .and_then(|s| s.status.as_ref())
+                .is_some(),
+            "{kind}"
+        );
+        let got: Vec<&str> = v
+            .additional_printer_columns
+            .iter()
+            .flatten()
+            .map(|c| c.name.as_str())
+            .collect();
+        assert_eq!(got, columns, "{kind}");
+        let schema = serde_json::to_string(&v.schema).unwrap();
+        assert!(
+            schema.contains("observedGeneration"),
+            "{kind} status lacks observedGeneration"
+        );
+        assert!(
+            schema.contains("conditions"),
+            "{kind} status lacks conditions"
+        );
+    }
+}
+
+#[test]
+fn refit_request_spec_is_immutable_and_bounded() {
+    let crd = gpuledger_crds::crds()
+        .into_iter()
+        .find(|c| c.spec.names.kind == "RefitRequest")
+        .unwrap();
+    let schema = serde_json::to_value(&crd.spec.versions[0].schema).unwrap();
+    let spec = &schema["openAPIV3Schema"]["properties"]["spec"];
+    assert_eq!(
+        spec["x-kubernetes-validations"][0]["rule"],
+        "self == oldSelf"
+    );
+    let allowed = &spec["properties"]["allowedDevices"];
+    assert_eq!(allowed["minItems"], 1);
+    assert_eq!(allowed["maxItems"], 512);
+}
+
+#[test]
+fn alignment_is_an_enum_in_the_schema() {
+    for kind in ["GpuReservation", "NumaPolicy"] {
+        let crd = gpuledger_crds::crds()
+            .into_iter()
+            .find(|c| c.spec.names.kind == kind)
+            .unwrap();
+        let schema = serde_json::to_value(&crd.spec.versions[0].schema).unwrap();
+        let alignment = &schema["openAPIV3Schema"]["properties"]["spec"]["properties"]["alignment"];
+        let text = alignment.to_string();
+        for v in ["none", "best-effort", "strict"] {
+            assert!(text.contains(&format!("\"{v}\"")), "{kind}: {text}");
+        }
+        assert!(text.contains("enum"), "{kind}: {text}");
+    }
+}
