@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds kube-apiserver, kube-scheduler and kube-controller-manager from the k8s.io/kubernetes Go
+# Builds kube-apiserver, kube-scheduler and kube-controller-manager (and helm, for the chart tests) from the k8s.io/kubernetes Go
 # module into a fixed cache path, once per pinned version. The published k8s.io/kubernetes go.mod
 # points its staging modules at ./staging, so we build through this small module of ours, which
 # replaces each staging module with its published v0.<minor>.<patch> tag (see go.mod).
@@ -15,8 +15,19 @@ export GOTOOLCHAIN=local GOWORK=off CGO_ENABLED=0 GOFLAGS=-mod=mod
 export GOMODCACHE=$CACHE/go/mod GOCACHE=$CACHE/go/build
 CMDS="kube-apiserver kube-scheduler kube-controller-manager"
 
+HELM=$(cat "$here/HELM_VERSION")                # helm renders the chart in the manifest tests
+
+build_helm() {
+  [ -x "$BIN/helm-v$HELM" ] && return 0
+  echo "building helm v$HELM into $BIN" >&2
+  GOBIN=$BIN go install -trimpath -ldflags="-s -w -X helm.sh/helm/v3/internal/version.version=v$HELM" \
+    "helm.sh/helm/v3/cmd/helm@v$HELM"
+  mv "$BIN/helm" "$BIN/helm-v$HELM" && ln -sf "helm-v$HELM" "$BIN/helm"
+}
+
 if [ -f "$BIN/.complete" ]; then
   echo "kubernetes v$K binaries already built in $BIN" >&2
+  build_helm
   echo "$BIN"; exit 0
 fi
 mkdir -p "$BIN" "$GOMODCACHE" "$GOCACHE"
@@ -35,5 +46,6 @@ go build -p "${GO_BUILD_JOBS:-2}" -trimpath -buildvcs=false -tags=selinux,notest
   -ldflags="$LD" -o "$BIN/" $pkgs
 for c in $CMDS; do "$BIN/$c" --version >&2; done
 touch "$BIN/.complete"
+build_helm
 echo "built in $(( $(date +%s) - start ))s" >&2
 echo "$BIN"
