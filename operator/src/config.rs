@@ -1,0 +1,134 @@
+//! Flags of `gpuledger-operator run` (each also read from an environment variable).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use gpuledger_crds::Alignment;
+use gpuledger_crds::names::DEFAULT_NAMESPACE;
+use gpuledger_crds::podapi::SchedulerPolicy;
+
+/// How a duration flag failed to parse.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid duration {raw:?}: expected a number followed by ms, s, m or h (e.g. 5m)")]
+pub struct DurationError {
+    raw: String,
+}
+
+/// Parses `500ms`, `30s`, `5m`, `1h` (a bare number is seconds).
+pub fn parse_duration(raw: &str) -> Result<Duration, DurationError> {
+    let err = || DurationError {
+        raw: raw.to_string(),
+    };
+    let s = raw.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num.parse().map_err(|_| err())?;
+    match unit {
+        "ms" => Ok(Duration::from_millis(n)),
+        "" | "s" => Ok(Duration::from_secs(n)),
+        "m" => Ok(Duration::from_secs(n * 60)),
+        "h" => Ok(Duration::from_secs(n * 3600)),
+        _ => Err(err()),
+    }
+}
+
+fn parse_policy(raw: &str) -> Result<SchedulerPolicy, String> {
+    SchedulerPolicy::parse("policy", raw).map_err(|e| e.to_string())
+}
+
+fn parse_alignment(raw: &str) -> Result<Alignment, String> {
+    Alignment::parse("--default-alignment", raw).map_err(|e| e.to_string())
+}
+
+/// `gpuledger-operator run`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct RunConfig {
+    /// Kubeconfig file; in-cluster config or $KUBECONFIG when absent.
+    #[arg(long, env = "GPULEDGER_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Address of the scheduler extender (HTTP, or HTTPS with --tls-cert/--tls-key).
+    #[arg(
+        long,
+        env = "GPULEDGER_EXTENDER_ADDR",
+        default_value = "127.0.0.1:9443"
+    )]
+    pub extender_addr: SocketAddr,
+    /// PEM certificate chain for the extender (in-cluster use).
+    #[arg(long, env = "GPULEDGER_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key for the extender.
+    #[arg(long, env = "GPULEDGER_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Address of /metrics, /healthz and /readyz.
+    #[arg(long, env = "GPULEDGER_METRICS_ADDR", default_value = "127.0.0.1:9090")]
+    pub metrics_addr: SocketAddr,
+    /// Namespace of the operator's Leases (leader election and per-node allocation).
+    #[arg(long, env = "GPULEDGER_NAMESPACE", default_value = DEFAULT_NAMESPACE)]
+    pub namespace: String,
+    /// Alignment of pods that have neither an annotation nor a matching NumaPolicy.
+    #[arg(long, env = "GPULEDGER_DEFAULT_ALIGNMENT", default_value = "none", value_parser = parse_alignment)]
+    pub default_alignment: Alignment,
+    /// Take part in leader election; without it this replica always leads (single replica).
+    #[arg(long, env = "GPULEDGER_LEADER_ELECT")]
+    pub leader_elect: bool,
+    /// Identity in leader election (defaults to hostname and process id).
+    #[arg(long, env = "GPULEDGER_IDENTITY")]
+    pub identity: Option<String>,
+    /// How long a reservation may stay Allocating before it fails and frees the node's Lease.
+    #[arg(long, env = "GPULEDGER_ALLOCATING_TIMEOUT", default_value = "5m", value_parser = parse_duration)]
+    pub allocating_timeout: Duration,
+    /// Default node choice policy (pods may override with hami.io/node-scheduler-policy).
+    #[arg(long, env = "GPULEDGER_NODE_POLICY", default_value = "binpack", value_parser = parse_policy)]
+    pub node_policy: SchedulerPolicy,
+    /// Default GPU choice policy (pods may override with hami.io/gpu-scheduler-policy).
+    #[arg(long, env = "GPULEDGER_GPU_POLICY", default_value = "spread", value_parser = parse_policy)]
+    pub gpu_policy: SchedulerPolicy,
+    /// How long bind waits for a node's allocation Lease held by another pod being admitted.
+    #[arg(long, env = "GPULEDGER_LEASE_WAIT", default_value = "3s", value_parser = parse_duration)]
+    pub lease_wait: Duration,
+    /// Minimum interval between two writes of one GpuNode's status.usage.
+    #[arg(long, env = "GPULEDGER_USAGE_INTERVAL", default_value = "2s", value_parser = parse_duration)]
+    pub usage_interval: Duration,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        run: RunConfig,
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("5m").unwrap(), Duration::from_secs(300));
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(parse_duration("7").unwrap(), Duration::from_secs(7));
+        assert!(parse_duration("5 minutes").is_err());
+        assert!(parse_duration("m").is_err());
+    }
+
+    #[test]
+    fn defaults_match_the_contract() {
+        let cli = Cli::try_parse_from(["x"]).unwrap();
+        assert_eq!(cli.run.extender_addr.to_string(), "127.0.0.1:9443");
+        assert_eq!(cli.run.namespace, "gpuledger-system");
+        assert_eq!(cli.run.default_alignment, Alignment::None);
+        assert_eq!(cli.run.allocating_timeout, Duration::from_secs(300));
+        assert_eq!(cli.run.node_policy, SchedulerPolicy::Binpack);
+        assert_eq!(cli.run.gpu_policy, SchedulerPolicy::Spread);
+        assert!(!cli.run.leader_elect);
+    }
+
+    #[test]
+    fn rejects_bad_alignment_and_lonely_tls_flags() {
+        assert!(Cli::try_parse_from(["x", "--default-alignment", "always"]).is_err());
+        assert!(Cli::try_parse_from(["x", "--tls-cert", "c.pem"]).is_err());
+        let cli = Cli::try_parse_from(["x", "--default-alignment", "Strict"]).unwrap();
+        assert_eq!(cli.run.default_alignment, Alignment::Strict);
+    }
+}

@@ -1,0 +1,138 @@
+//! What every part of the running operator shares: the client, the ledger, the caches of
+//! GpuNodes and NumaPolicies, the fit engine, metrics and health.
+
+use std::sync::Arc;
+
+use gpuledger_crds::alignment::{self, ResolvedAlignment};
+use gpuledger_crds::numapolicy::matching_policies;
+use gpuledger_crds::podapi::PodApiConfig;
+use gpuledger_crds::{Alignment, AlignmentError, GpuNode, NumaPolicy};
+use k8s_openapi::api::core::v1::{ObjectReference, Pod};
+use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::{Client, Resource, ResourceExt};
+
+use crate::ledger::{LedgerIndex, LedgerWriter, NodeLocks};
+use crate::placement::{Placer, Policies};
+use crate::telemetry::{Health, Metrics};
+
+/// Shared state of one operator process.
+pub struct Context {
+    /// API client.
+    pub client: Client,
+    /// Namespace of the operator's Leases.
+    pub namespace: String,
+    /// Ledger index (watch + own writes).
+    pub index: Arc<LedgerIndex>,
+    /// Ledger writer.
+    pub writer: LedgerWriter,
+    /// Per-node serialisation shared by bind, init shrink and refits.
+    pub node_locks: Arc<NodeLocks>,
+    /// GpuNode cache.
+    pub gpunodes: Store<GpuNode>,
+    /// NumaPolicy cache.
+    pub policies: Store<NumaPolicy>,
+    /// The fit engine.
+    pub placer: Arc<dyn Placer>,
+    /// Pod API defaults.
+    pub pod_api: PodApiConfig,
+    /// Default scheduling policies.
+    pub default_policies: Policies,
+    /// Alignment when neither annotation nor policy decides.
+    pub default_alignment: Alignment,
+    /// Bind's patience for a node's allocation Lease.
+    pub lease_wait: std::time::Duration,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+    /// Health and leadership.
+    pub health: Arc<Health>,
+    /// Event recorder.
+    pub recorder: Recorder,
+}
+
+/// The event reporter name of the operator.
+pub fn reporter(identity: &str) -> Reporter {
+    Reporter {
+        controller: "gpuledger-operator".into(),
+        instance: Some(identity.to_string()),
+    }
+}
+
+impl Context {
+    /// Whether this replica may decide and write: it leads and its ledger index is complete.
+    pub fn may_write(&self) -> bool {
+        self.health.is_leader() && self.index.is_synced()
+    }
+
+    /// The GpuNode of `node`, from the cache.
+    pub fn gpunode(&self, node: &str) -> Option<Arc<GpuNode>> {
+        self.gpunodes.get(&ObjectRef::new(node))
+    }
+
+    /// The pod's alignment: annotation, then the winning NumaPolicy of its namespace, then the
+    /// default.
+    pub fn resolve_alignment(&self, pod: &Pod) -> Result<ResolvedAlignment, AlignmentError> {
+        let ns = pod.namespace().unwrap_or_default();
+        let in_ns: Vec<Arc<NumaPolicy>> = self
+            .policies
+            .state()
+            .into_iter()
+            .filter(|p| p.namespace().as_deref() == Some(ns.as_str()))
+            .collect();
+        let matched = matching_policies(in_ns.iter().map(|p| p.as_ref()), pod.labels());
+        alignment::resolve(pod.annotations(), &matched, self.default_alignment)
+    }
+
+    /// Publishes an event on `pod`; failures are logged, never fatal (events are advisory).
+    pub async fn pod_event(
+        &self,
+        pod: &ObjectReference,
+        warning: bool,
+        reason: &str,
+        note: String,
+    ) {
+        let ev = KubeEvent {
+            type_: if warning {
+                EventType::Warning
+            } else {
+                EventType::Normal
+            },
+            reason: reason.to_string(),
+            note: Some(truncate(note, 1000)),
+            action: reason.to_string(),
+            secondary: None,
+        };
+        if let Err(e) = self.recorder.publish(&ev, pod).await {
+            tracing::warn!(error = %e, reason, "could not publish event");
+        }
+    }
+}
+
+/// Reference to a pod for events.
+pub fn pod_ref(pod: &Pod) -> ObjectReference {
+    pod.object_ref(&())
+}
+
+/// Reference to a pod known only by name and UID.
+pub fn pod_ref_by_name(namespace: &str, name: &str, uid: &str) -> ObjectReference {
+    ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Pod".into()),
+        namespace: Some(namespace.to_string()),
+        name: Some(name.to_string()),
+        uid: Some(uid.to_string()),
+        ..Default::default()
+    }
+}
+
+fn truncate(mut s: String, max: usize) -> String {
+    if s.len() > max {
+        let mut cut = max;
+        while !s.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        s.truncate(cut);
+        s.push('…');
+    }
+    s
+}

@@ -1,0 +1,377 @@
+//! `bind`: fit on the chosen node under that node's lock, write the GpuReservation, take the
+//! node's allocation Lease, POST the Binding, mark the reservation `Allocating`. The ledger
+//! write happens before the Binding, so capacity is never promised twice; any failure after it
+//! is undone (reservation deleted, Lease freed) and the scheduler retries the pod.
+
+use std::time::{Duration, Instant};
+
+use gpuledger_crds::alignment::ResolvedAlignment;
+use gpuledger_crds::names::{NODE_LABEL, lease_holder, reservation_name};
+use gpuledger_crds::{GpuReservation, GpuReservationSpec, ReservationPhase, ReservedDevice};
+use k8s_openapi::api::core::v1::{Binding, ObjectReference, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference, Time};
+use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
+use kube::api::{Api, PostParams};
+
+use super::filter::{fit_on, gpu_request};
+use super::lease::{self, LeaseError};
+use super::wire::{ExtenderBindingArgs, ExtenderBindingResult};
+use crate::context::{Context, pod_ref_by_name};
+use crate::ledger::writer::OperatorStatus;
+use crate::ledger::{ReservationKey, WriteError};
+use crate::placement::Placement;
+
+/// Why a bind failed.
+#[derive(Debug, thiserror::Error)]
+pub enum BindError {
+    /// This replica may not write.
+    #[error("not the leader (or ledger not yet synced)")]
+    NotLeader,
+    /// The pod is gone or was recreated.
+    #[error("pod {pod} is gone or its UID is not {uid}")]
+    PodChanged {
+        /// namespace/name.
+        pod: String,
+        /// The UID the scheduler bound.
+        uid: String,
+    },
+    /// The pod's GPU request cannot be read.
+    #[error("pod {pod}: {reason}")]
+    BadRequest {
+        /// namespace/name.
+        pod: String,
+        /// Why.
+        reason: String,
+    },
+    /// No longer fits on the chosen node (another pod took the capacity since filter).
+    #[error("pod {pod} no longer fits on node {node}: {reason}")]
+    NoFit {
+        /// namespace/name.
+        pod: String,
+        /// Node.
+        node: String,
+        /// Why.
+        reason: String,
+    },
+    /// Ledger write failed.
+    #[error(transparent)]
+    Ledger(#[from] WriteError),
+    /// Lease could not be taken.
+    #[error(transparent)]
+    Lease(#[from] LeaseError),
+    /// Reading the pod or posting the Binding failed.
+    #[error("{action} pod {pod}: {source}")]
+    Api {
+        /// What was attempted.
+        action: &'static str,
+        /// namespace/name.
+        pod: String,
+        /// The client error.
+        #[source]
+        source: kube::Error,
+    },
+}
+
+/// The `bind` verb.
+pub async fn bind(ctx: &Context, args: ExtenderBindingArgs) -> ExtenderBindingResult {
+    let started = Instant::now();
+    let target = pod_ref_by_name(&args.pod_namespace, &args.pod_name, &args.pod_uid);
+    match bind_pod(ctx, &args).await {
+        Ok(Some(summary)) => {
+            ctx.metrics.decision("bind", "bound", started);
+            tracing::info!(pod = %format!("{}/{}", args.pod_namespace, args.pod_name), node = %args.node, devices = %summary, "bound");
+            let note = format!("bound to node {} with GPUs {summary}", args.node);
+            ctx.pod_event(&target, false, "Bound", note).await;
+            ExtenderBindingResult::default()
+        }
+        Ok(None) => {
+            ctx.metrics.decision("bind", "passthrough", started);
+            ExtenderBindingResult::default()
+        }
+        Err(e) => {
+            ctx.metrics.decision("bind", "error", started);
+            tracing::warn!(pod = %format!("{}/{}", args.pod_namespace, args.pod_name), node = %args.node, error = %e, "bind failed");
+            if !matches!(e, BindError::NotLeader) {
+                ctx.pod_event(&target, true, "BindingFailed", e.to_string())
+                    .await;
+            }
+            ExtenderBindingResult {
+                error: e.to_string(),
+            }
+        }
+    }
+}
+
+/// Binds the pod; `Ok(None)` for a pod without GPUs (bound without a reservation), otherwise
+/// the reserved devices' summary.
+async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Option<String>, BindError> {
+    if !ctx.may_write() {
+        return Err(BindError::NotLeader);
+    }
+    let pod_id = format!("{}/{}", args.pod_namespace, args.pod_name);
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &args.pod_namespace);
+    let pod = pods
+        .get_opt(&args.pod_name)
+        .await
+        .map_err(|source| BindError::Api {
+            action: "read",
+            pod: pod_id.clone(),
+            source,
+        })?
+        .filter(|p| p.uid().as_deref() == Some(args.pod_uid.as_str()))
+        .ok_or_else(|| BindError::PodChanged {
+            pod: pod_id.clone(),
+            uid: args.pod_uid.clone(),
+        })?;
+    let bad = |reason: String| BindError::BadRequest {
+        pod: pod_id.clone(),
+        reason,
+    };
+    let Some(req) = gpu_request(ctx, &pod).map_err(bad)? else {
+        post_binding(ctx, args).await?;
+        return Ok(None);
+    };
+    let alignment = ctx
+        .resolve_alignment(&pod)
+        .map_err(|e| bad(e.to_string()))?;
+
+    let reservation = {
+        let _node = ctx.node_locks.lock(&args.node).await;
+        let placement = fit_on(ctx, &pod, &req, &args.node).map_err(|reason| BindError::NoFit {
+            pod: pod_id.clone(),
+            node: args.node.clone(),
+            reason,
+        })?;
+        let desired = reservation_for(&pod, &args.node, &placement, &alignment);
+        write_fresh(ctx, &desired).await?
+    };
+
+    let holder = lease_holder(&args.pod_namespace, &args.pod_name, &args.pod_uid);
+    if let Err(e) = take_lease(ctx, &args.node, &holder).await {
+        undo(ctx, &reservation, None).await;
+        return Err(e.into());
+    }
+    if let Err(e) = post_binding(ctx, args).await {
+        undo(ctx, &reservation, Some(&holder)).await;
+        return Err(e);
+    }
+    let summary = devices_summary(ctx, &reservation);
+    // The pod is bound: a failure here must not fail the bind. The lifecycle controller moves
+    // a Reserved reservation of a pod bound to its node on to Allocating.
+    if let Err(e) = mark_allocating(ctx, reservation).await {
+        tracing::warn!(pod = %pod_id, error = %e, "bound, but could not mark the reservation Allocating");
+    }
+    Ok(Some(summary))
+}
+
+/// The reservation bind writes for `pod` on `node`.
+pub fn reservation_for(
+    pod: &Pod,
+    node: &str,
+    placement: &Placement,
+    alignment: &ResolvedAlignment,
+) -> GpuReservation {
+    let name = pod.name_any();
+    let owner = OwnerReference {
+        api_version: "v1".into(),
+        kind: "Pod".into(),
+        name: name.clone(),
+        uid: pod.uid().unwrap_or_default(),
+        controller: Some(false),
+        block_owner_deletion: Some(false),
+    };
+    GpuReservation {
+        metadata: ObjectMeta {
+            name: Some(reservation_name(&name)),
+            namespace: pod.namespace(),
+            labels: Some([(NODE_LABEL.to_string(), node.to_string())].into()),
+            owner_references: Some(vec![owner]),
+            ..Default::default()
+        },
+        spec: GpuReservationSpec {
+            pod_name: name,
+            pod_uid: pod.uid().unwrap_or_default(),
+            node_name: node.to_string(),
+            alignment: alignment.alignment,
+            alignment_source: Some(alignment.source.to_string()),
+            containers: placement.containers.clone(),
+            init_released: false,
+        },
+        status: None,
+    }
+}
+
+/// Creates `desired`; a reservation already under that name (a stale one of a pod recreated
+/// under the same name, or a leftover of an earlier failed bind of this pod) is deleted first,
+/// with its resourceVersion as precondition.
+async fn write_fresh(ctx: &Context, desired: &GpuReservation) -> Result<GpuReservation, BindError> {
+    let key = ReservationKey::of(desired);
+    for _ in 0..3 {
+        match ctx.writer.create(desired).await {
+            Ok(created) => return Ok(created),
+            Err(WriteError::Conflict { .. }) => {
+                ctx.metrics.conflicts.inc();
+                if let Some(old) = ctx.writer.reread(&key).await? {
+                    tracing::info!(reservation = %key, old_uid = %old.spec.pod_uid, "replacing previous reservation");
+                    match ctx.writer.delete(&old).await {
+                        Ok(()) | Err(WriteError::Conflict { .. }) => {}
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(WriteError::Conflict {
+        key,
+        expected: None,
+    }
+    .into())
+}
+
+/// Takes the Lease, waiting up to `lease_wait` for another pod's admission to finish.
+async fn take_lease(ctx: &Context, node: &str, holder: &str) -> Result<(), LeaseError> {
+    let deadline = Instant::now() + ctx.lease_wait;
+    let mut pause = Duration::from_millis(50);
+    loop {
+        match lease::try_take(&ctx.client, &ctx.namespace, node, holder).await {
+            Ok(_) => return Ok(()),
+            Err(LeaseError::Raced { .. }) => {}
+            Err(held @ LeaseError::Held { .. }) if Instant::now() + pause > deadline => {
+                return Err(held);
+            }
+            Err(LeaseError::Held { .. }) => {}
+            Err(e) => return Err(e),
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_millis(500));
+    }
+}
+
+async fn post_binding(ctx: &Context, args: &ExtenderBindingArgs) -> Result<(), BindError> {
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &args.pod_namespace);
+    let binding = Binding {
+        metadata: ObjectMeta {
+            name: Some(args.pod_name.clone()),
+            namespace: Some(args.pod_namespace.clone()),
+            uid: Some(args.pod_uid.clone()),
+            ..Default::default()
+        },
+        target: ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Node".into()),
+            name: Some(args.node.clone()),
+            ..Default::default()
+        },
+    };
+    pods.create_subresource::<_, serde_json::Value>(
+        "binding",
+        &args.pod_name,
+        &PostParams::default(),
+        &binding,
+    )
+    .await
+    .map(|_| ())
+    .map_err(|source| BindError::Api {
+        action: "bind",
+        pod: format!("{}/{}", args.pod_namespace, args.pod_name),
+        source,
+    })
+}
+
+/// Best-effort rollback of a bind: free the Lease, delete the reservation.
+async fn undo(ctx: &Context, reservation: &GpuReservation, holder: Option<&str>) {
+    if let Some(holder) = holder
+        && let Err(e) = lease::release(
+            &ctx.client,
+            &ctx.namespace,
+            &reservation.spec.node_name,
+            holder,
+        )
+        .await
+    {
+        tracing::warn!(error = %e, "undo: could not free the allocation Lease");
+    }
+    if let Err(e) = ctx.writer.delete(reservation).await {
+        // The lifecycle controller removes reservations of unbound pods later.
+        tracing::warn!(error = %e, "undo: could not delete the reservation");
+    }
+}
+
+/// `0:4000/30,3:4000/30` (device index on the node: memory MiB / cores).
+pub fn devices_summary(ctx: &Context, r: &GpuReservation) -> String {
+    let node = ctx.gpunode(&r.spec.node_name);
+    let index_of = |uuid: &str| {
+        node.as_ref()
+            .and_then(|n| n.status.as_ref())
+            .and_then(|s| s.devices.iter().find(|d| d.uuid == uuid))
+            .map(|d| d.index.to_string())
+            .unwrap_or_else(|| uuid.to_string())
+    };
+    r.spec
+        .containers
+        .iter()
+        .flat_map(|c| c.devices.iter())
+        .map(|d: &ReservedDevice| format!("{}:{}/{}", index_of(&d.uuid), d.memory_mib, d.cores))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// `0,1`: the NUMA nodes of the reserved GPUs.
+pub fn numa_summary(r: &GpuReservation) -> String {
+    let mut numa: Vec<u32> = r
+        .spec
+        .containers
+        .iter()
+        .flat_map(|c| c.devices.iter())
+        .filter_map(|d| d.numa_node)
+        .collect();
+    numa.sort_unstable();
+    numa.dedup();
+    if numa.is_empty() {
+        "-".into()
+    } else {
+        numa.iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+}
+
+/// Moves a freshly bound reservation to `Allocating` (re-reading on a conflict: the device
+/// plugin may already have written an allocation).
+async fn mark_allocating(ctx: &Context, mut current: GpuReservation) -> Result<(), BindError> {
+    let key = ReservationKey::of(&current);
+    for _ in 0..5 {
+        let mut status = OperatorStatus::of(&current);
+        if status
+            .phase
+            .is_some_and(|p| p != ReservationPhase::Reserved)
+        {
+            // The lifecycle controller already moved it on.
+            return Ok(());
+        }
+        status.phase = Some(ReservationPhase::Allocating);
+        status.phase_since = Some(Time(Timestamp::now()));
+        status.devices = Some(devices_summary(ctx, &current));
+        status.numa = Some(numa_summary(&current));
+        status.observed_generation = current.metadata.generation;
+        match ctx.writer.apply_status(&current, &status).await {
+            Ok(_) => return Ok(()),
+            Err(WriteError::Conflict { .. }) => {
+                ctx.metrics.conflicts.inc();
+                match ctx.writer.reread(&key).await? {
+                    Some(r) => current = r,
+                    None => return Err(WriteError::NotFound { key }.into()),
+                }
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(WriteError::Conflict {
+        key,
+        expected: None,
+    }
+    .into())
+}

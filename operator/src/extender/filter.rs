@@ -1,0 +1,128 @@
+//! `filter` and `prioritize`: read-only fits of the pod on each candidate node. Nothing is
+//! reserved here; bind fits again under the node's lock, so a stale answer costs a retry, never
+//! an over-commit.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use gpuledger_crds::podapi::{self, PodRequest};
+use k8s_openapi::api::core::v1::Pod;
+
+use super::wire::{ExtenderArgs, ExtenderFilterResult, HostPriority};
+use crate::context::{Context, pod_ref};
+use crate::placement::{Placement, Policies, scale_scores};
+
+/// The pod's request, `None` for pods without GPUs.
+pub fn gpu_request(ctx: &Context, pod: &Pod) -> Result<Option<PodRequest>, String> {
+    let req = podapi::parse_pod(pod, &ctx.pod_api).map_err(|e| e.to_string())?;
+    Ok(req.wants_gpus().then_some(req))
+}
+
+/// Policies for this pod: its annotations over the operator's defaults.
+pub fn policies_for(ctx: &Context, req: &PodRequest) -> Policies {
+    Policies {
+        node: req.node_policy.unwrap_or(ctx.default_policies.node),
+        gpu: req.gpu_policy.unwrap_or(ctx.default_policies.gpu),
+    }
+}
+
+/// Fits `req` on `node` against the ledger as it stands, leaving out the pod's own reservation.
+pub fn fit_on(ctx: &Context, pod: &Pod, req: &PodRequest, node: &str) -> Result<Placement, String> {
+    let Some(gpunode) = ctx.gpunode(node) else {
+        return Err("node has no GpuNode inventory (no gpuledger device plugin)".into());
+    };
+    let uid = pod.metadata.uid.as_deref();
+    let usage = ctx.index.node_usage(node, uid, ctx.placer.as_ref());
+    ctx.placer
+        .place(req, &gpunode, &usage, policies_for(ctx, req))
+}
+
+/// The `filter` verb.
+pub async fn filter(ctx: &Context, args: ExtenderArgs) -> ExtenderFilterResult {
+    let started = Instant::now();
+    if !ctx.may_write() {
+        ctx.metrics.decision("filter", "error", started);
+        return ExtenderFilterResult::error("gpuledger-operator: not the leader");
+    }
+    let req = match gpu_request(ctx, &args.pod) {
+        Ok(Some(req)) => req,
+        Ok(None) => {
+            ctx.metrics.decision("filter", "passthrough", started);
+            return ExtenderFilterResult::pass_through(&args);
+        }
+        Err(reason) => {
+            // The pod itself is malformed: no node will ever fit it, and the user must know why.
+            let failed: BTreeMap<String, String> = args
+                .candidate_names()
+                .into_iter()
+                .map(|n| (n, reason.clone()))
+                .collect();
+            ctx.pod_event(&pod_ref(&args.pod), true, "FilteringFailed", reason)
+                .await;
+            ctx.metrics.decision("filter", "invalid", started);
+            let mut out = ExtenderFilterResult::verdict(&args, Vec::new(), BTreeMap::new());
+            out.failed_and_unresolvable_nodes = failed;
+            return out;
+        }
+    };
+    let mut fit = Vec::new();
+    let mut failed = BTreeMap::new();
+    for node in args.candidate_names() {
+        match fit_on(ctx, &args.pod, &req, &node) {
+            Ok(_) => fit.push(node),
+            Err(reason) => {
+                failed.insert(node, reason);
+            }
+        }
+    }
+    if fit.is_empty() {
+        let note = failed
+            .iter()
+            .map(|(n, r)| format!("{n}: {r}"))
+            .collect::<Vec<_>>()
+            .join("; ");
+        ctx.pod_event(
+            &pod_ref(&args.pod),
+            true,
+            "FilteringFailed",
+            format!("no node fits the GPU request: {note}"),
+        )
+        .await;
+        ctx.metrics.decision("filter", "nofit", started);
+    } else {
+        ctx.metrics.decision("filter", "fit", started);
+    }
+    ExtenderFilterResult::verdict(&args, fit, failed)
+}
+
+/// The `prioritize` verb: nodes where the pod fits get the fit's score scaled to 0..=10,
+/// others 0.
+pub async fn prioritize(ctx: &Context, args: ExtenderArgs) -> Vec<HostPriority> {
+    let started = Instant::now();
+    let names = args.candidate_names();
+    let req = match gpu_request(ctx, &args.pod) {
+        Ok(Some(req)) if ctx.may_write() => req,
+        _ => {
+            ctx.metrics.decision("prioritize", "passthrough", started);
+            return names
+                .into_iter()
+                .map(|host| HostPriority { host, score: 0 })
+                .collect();
+        }
+    };
+    let mut scored = Vec::new();
+    let mut zero = Vec::new();
+    for node in names {
+        match fit_on(ctx, &args.pod, &req, &node) {
+            Ok(p) => scored.push((node, p.score)),
+            Err(_) => zero.push(node),
+        }
+    }
+    let mut out: Vec<HostPriority> = scale_scores(&scored)
+        .into_iter()
+        .map(|(host, score)| HostPriority { host, score })
+        .collect();
+    out.extend(zero.into_iter().map(|host| HostPriority { host, score: 0 }));
+    ctx.metrics.decision("prioritize", "scored", started);
+    out
+}

@@ -1,0 +1,7 @@
+//! The kube-scheduler extender: `filter`, `prioritize` and `bind` over HTTP.
+
+pub mod bind;
+pub mod filter;
+pub mod lease;
+pub mod server;
+pub mod wire;

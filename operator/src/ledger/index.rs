@@ -1,0 +1,393 @@
+//! In-memory index of every GpuReservation.
+//!
+//! Two sources feed it: the watch on GpuReservations, and the operator's own writes
+//! (read-your-writes), so a bind that just created a reservation is counted by the next fit on
+//! that node even before the watch delivers it. Both sources carry resourceVersions; the index
+//! keeps the newest, so a late watch event never rolls back a write it already saw. Deletions
+//! leave a short-lived tombstone for the same reason.
+//!
+//! resourceVersions are opaque to clients in general, but the API server stores etcd revisions
+//! in them, which are integers that grow with every write; where one does not parse, the index
+//! takes the incoming object (the watch is then the source of truth, as in a plain reflector).
+
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use gpuledger_crds::GpuReservation;
+use kube::ResourceExt;
+use kube::runtime::watcher::Event;
+use tokio::sync::watch;
+
+use super::usage::{NodeUsage, ReservationLoad, sum_usage};
+
+/// How long an own write survives a relist that does not (yet) contain it, and how long a
+/// deletion shadows older watch events.
+const LOCAL_WRITE_GRACE: Duration = Duration::from_secs(30);
+
+/// Namespace and name of a reservation.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ReservationKey {
+    /// Namespace (the pod's).
+    pub namespace: String,
+    /// Name (the pod's).
+    pub name: String,
+}
+
+impl ReservationKey {
+    /// Key of `namespace/name`.
+    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
+        Self {
+            namespace: namespace.into(),
+            name: name.into(),
+        }
+    }
+
+    /// Key of an object.
+    pub fn of(r: &GpuReservation) -> Self {
+        Self::new(r.namespace().unwrap_or_default(), r.name_any())
+    }
+}
+
+impl std::fmt::Display for ReservationKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+#[derive(Default)]
+struct Inner {
+    live: HashMap<ReservationKey, Arc<GpuReservation>>,
+    /// Deleted keys, with the resourceVersion of the deletion (when known) and when it happened.
+    tombstones: HashMap<ReservationKey, (Option<u64>, Instant)>,
+    /// Keys the operator wrote itself, and when.
+    local_writes: HashMap<ReservationKey, Instant>,
+    /// Objects of a relist in progress (between `Init` and `InitDone`).
+    relist: Option<HashMap<ReservationKey, Arc<GpuReservation>>>,
+}
+
+/// The index. Cheap to share (`Arc`).
+pub struct LedgerIndex {
+    inner: RwLock<Inner>,
+    synced: watch::Sender<bool>,
+}
+
+impl Default for LedgerIndex {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn rv(r: &GpuReservation) -> Option<u64> {
+    r.resource_version().and_then(|v| v.parse().ok())
+}
+
+/// Whether `incoming` should replace `current`: it is newer, or the versions cannot be compared.
+fn supersedes(incoming: &GpuReservation, current: &GpuReservation) -> bool {
+    match (rv(incoming), rv(current)) {
+        (Some(new), Some(old)) => new >= old,
+        _ => true,
+    }
+}
+
+impl Inner {
+    fn shadowed_by_tombstone(&self, key: &ReservationKey, obj: &GpuReservation) -> bool {
+        match (self.tombstones.get(key), rv(obj)) {
+            (Some((Some(dead), _)), Some(v)) => v <= *dead,
+            // A deletion of unknown version shadows everything until it expires.
+            (Some((None, at)), _) => at.elapsed() < LOCAL_WRITE_GRACE,
+            _ => false,
+        }
+    }
+
+    fn upsert(&mut self, obj: GpuReservation) {
+        let key = ReservationKey::of(&obj);
+        if self.shadowed_by_tombstone(&key, &obj) {
+            return;
+        }
+        self.tombstones.remove(&key);
+        match self.live.get(&key) {
+            Some(cur) if !supersedes(&obj, cur) => {}
+            _ => {
+                self.live.insert(key, Arc::new(obj));
+            }
+        }
+    }
+
+    fn remove(&mut self, key: ReservationKey, deleted_rv: Option<u64>) {
+        if let (Some(cur), Some(d)) = (self.live.get(&key), deleted_rv)
+            && rv(cur).is_some_and(|c| c > d)
+        {
+            // A newer object already replaced the deleted one (a recreated pod's reservation).
+            return;
+        }
+        self.live.remove(&key);
+        self.tombstones.insert(key, (deleted_rv, Instant::now()));
+    }
+
+    fn finish_relist(&mut self) {
+        let Some(listed) = self.relist.take() else {
+            return;
+        };
+        let mut next = HashMap::with_capacity(listed.len());
+        for (key, obj) in listed {
+            match self.live.get(&key) {
+                Some(cur) if !supersedes(&obj, cur) => next.insert(key, cur.clone()),
+                _ => next.insert(key, obj),
+            };
+        }
+        // Own writes may be newer than the list's snapshot; keep them for a short grace period.
+        for (key, obj) in &self.live {
+            let recent = self
+                .local_writes
+                .get(key)
+                .is_some_and(|at| at.elapsed() < LOCAL_WRITE_GRACE);
+            if recent && !next.contains_key(key) {
+                next.insert(key.clone(), obj.clone());
+            }
+        }
+        self.live = next;
+        self.gc();
+    }
+
+    fn gc(&mut self) {
+        self.tombstones
+            .retain(|_, (_, at)| at.elapsed() < LOCAL_WRITE_GRACE);
+        self.local_writes
+            .retain(|_, at| at.elapsed() < LOCAL_WRITE_GRACE);
+    }
+}
+
+impl LedgerIndex {
+    /// An empty, unsynced index.
+    pub fn new() -> Self {
+        Self {
+            inner: RwLock::new(Inner::default()),
+            synced: watch::channel(false).0,
+        }
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Inner> {
+        // A panic while holding the lock cannot leave the maps half-updated in a way that
+        // matters more than losing the index, so recover the guard instead of propagating.
+        self.inner.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Inner> {
+        self.inner.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Feeds one watch event.
+    pub fn apply_event(&self, event: Event<GpuReservation>) {
+        let mut inner = self.write();
+        match event {
+            Event::Apply(obj) => inner.upsert(obj),
+            Event::Delete(obj) => {
+                let deleted_rv = rv(&obj);
+                inner.remove(ReservationKey::of(&obj), deleted_rv);
+            }
+            Event::Init => inner.relist = Some(HashMap::new()),
+            Event::InitApply(obj) => {
+                let key = ReservationKey::of(&obj);
+                if let Some(buf) = inner.relist.as_mut() {
+                    buf.insert(key, Arc::new(obj));
+                }
+            }
+            Event::InitDone => {
+                inner.finish_relist();
+                drop(inner);
+                self.synced.send_replace(true);
+            }
+        }
+    }
+
+    /// Records an object the operator just wrote (create, update, status patch).
+    pub fn record_write(&self, obj: GpuReservation) {
+        let mut inner = self.write();
+        let key = ReservationKey::of(&obj);
+        inner.local_writes.insert(key.clone(), Instant::now());
+        // Our own write happened after any deletion we know of, so it ends the tombstone.
+        inner.tombstones.remove(&key);
+        inner.upsert(obj);
+    }
+
+    /// Records a deletion the operator just made; `deleted_rv` is the version of the deleted
+    /// object when the API server returned it.
+    pub fn record_delete(&self, key: &ReservationKey, deleted_rv: Option<u64>) {
+        self.write().remove(key.clone(), deleted_rv);
+    }
+
+    /// Whether the first full list has been seen.
+    pub fn is_synced(&self) -> bool {
+        *self.synced.borrow()
+    }
+
+    /// Waits until the first full list has been seen.
+    pub async fn wait_synced(&self) {
+        let mut rx = self.synced.subscribe();
+        // An error means the sender is gone, which cannot happen while `self` lives.
+        let _ = rx.wait_for(|s| *s).await;
+    }
+
+    /// The reservation at `key`.
+    pub fn get(&self, key: &ReservationKey) -> Option<Arc<GpuReservation>> {
+        self.read().live.get(key).cloned()
+    }
+
+    /// Every reservation.
+    pub fn all(&self) -> Vec<Arc<GpuReservation>> {
+        self.read().live.values().cloned().collect()
+    }
+
+    /// Every reservation on `node`.
+    pub fn on_node(&self, node: &str) -> Vec<Arc<GpuReservation>> {
+        self.read()
+            .live
+            .values()
+            .filter(|r| r.spec.node_name == node)
+            .cloned()
+            .collect()
+    }
+
+    /// Per-device usage on `node`, leaving out the reservation of pod `exclude_pod_uid` (a pod
+    /// being re-fitted or re-scheduled must not compete with itself).
+    pub fn node_usage(
+        &self,
+        node: &str,
+        exclude_pod_uid: Option<&str>,
+        load: &dyn ReservationLoad,
+    ) -> NodeUsage {
+        let on_node = self.on_node(node);
+        let others = on_node
+            .iter()
+            .filter(|r| exclude_pod_uid != Some(r.spec.pod_uid.as_str()))
+            .map(|r| r.as_ref());
+        sum_usage(others, load)
+    }
+
+    /// Usage of every node, computed in one pass.
+    pub fn usage_by_node(&self, load: &dyn ReservationLoad) -> HashMap<String, NodeUsage> {
+        let mut by_node: HashMap<String, Vec<Arc<GpuReservation>>> = HashMap::new();
+        for r in self.all() {
+            by_node.entry(r.spec.node_name.clone()).or_default().push(r);
+        }
+        by_node
+            .into_iter()
+            .map(|(node, rs)| {
+                let usage = sum_usage(rs.iter().map(|r| r.as_ref()), load);
+                (node, usage)
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpuledger_crds::GpuReservationSpec;
+
+    fn obj(name: &str, rv: &str, node: &str) -> GpuReservation {
+        let mut r = GpuReservation::new(
+            name,
+            GpuReservationSpec {
+                pod_name: name.into(),
+                pod_uid: format!("uid-{name}-{rv}"),
+                node_name: node.into(),
+                ..Default::default()
+            },
+        );
+        r.metadata.namespace = Some("ns".into());
+        r.metadata.resource_version = Some(rv.into());
+        r
+    }
+
+    fn key(name: &str) -> ReservationKey {
+        ReservationKey::new("ns", name)
+    }
+
+    fn version_of(idx: &LedgerIndex, name: &str) -> Option<String> {
+        idx.get(&key(name)).and_then(|r| r.resource_version())
+    }
+
+    #[test]
+    fn own_write_is_visible_before_the_watch_and_not_rolled_back_by_it() {
+        let idx = LedgerIndex::new();
+        idx.record_write(obj("a", "10", "n1"));
+        assert_eq!(version_of(&idx, "a").as_deref(), Some("10"));
+        // The watch delivers an older state of the same object afterwards.
+        idx.apply_event(Event::Apply(obj("a", "9", "n1")));
+        assert_eq!(version_of(&idx, "a").as_deref(), Some("10"));
+        idx.apply_event(Event::Apply(obj("a", "11", "n1")));
+        assert_eq!(version_of(&idx, "a").as_deref(), Some("11"));
+    }
+
+    #[test]
+    fn late_watch_event_does_not_resurrect_a_deletion() {
+        let idx = LedgerIndex::new();
+        idx.record_write(obj("a", "5", "n1"));
+        idx.record_delete(&key("a"), Some(7));
+        idx.apply_event(Event::Apply(obj("a", "6", "n1")));
+        assert!(idx.get(&key("a")).is_none());
+        // A new object of the same name (a recreated pod) is newer than the deletion.
+        idx.apply_event(Event::Apply(obj("a", "8", "n1")));
+        assert_eq!(version_of(&idx, "a").as_deref(), Some("8"));
+    }
+
+    #[test]
+    fn relist_replaces_content_but_keeps_newer_own_writes() {
+        let idx = LedgerIndex::new();
+        assert!(!idx.is_synced());
+        idx.apply_event(Event::Apply(obj("gone", "3", "n1")));
+        idx.record_write(obj("mine", "20", "n1"));
+        idx.apply_event(Event::Init);
+        idx.apply_event(Event::InitApply(obj("kept", "4", "n2")));
+        idx.apply_event(Event::InitApply(obj("mine", "15", "n1")));
+        // Before InitDone the old content still answers.
+        assert!(idx.get(&key("gone")).is_some());
+        idx.apply_event(Event::InitDone);
+        assert!(idx.is_synced());
+        assert!(idx.get(&key("gone")).is_none());
+        assert_eq!(version_of(&idx, "kept").as_deref(), Some("4"));
+        assert_eq!(version_of(&idx, "mine").as_deref(), Some("20"));
+        assert_eq!(idx.on_node("n1").len(), 1);
+        assert_eq!(idx.on_node("n2").len(), 1);
+    }
+
+    #[test]
+    fn own_write_missing_from_relist_survives_the_grace_period() {
+        let idx = LedgerIndex::new();
+        idx.record_write(obj("fresh", "30", "n1"));
+        idx.apply_event(Event::Init);
+        idx.apply_event(Event::InitDone);
+        assert!(idx.get(&key("fresh")).is_some());
+    }
+
+    #[test]
+    fn node_usage_excludes_the_pod_itself() {
+        struct One;
+        impl ReservationLoad for One {
+            fn load(&self, r: &GpuReservation) -> Vec<(String, super::super::DeviceUsage)> {
+                vec![(
+                    "gpu".into(),
+                    super::super::DeviceUsage {
+                        memory_mib: 1,
+                        cores: 0,
+                        sharers: 1,
+                    },
+                )]
+                .into_iter()
+                .filter(|_| !r.spec.pod_uid.is_empty())
+                .collect()
+            }
+        }
+        let idx = LedgerIndex::new();
+        idx.record_write(obj("a", "1", "n1"));
+        idx.record_write(obj("b", "2", "n1"));
+        idx.record_write(obj("c", "3", "n2"));
+        let all = idx.node_usage("n1", None, &One);
+        assert_eq!(all.get("gpu").map(|u| u.sharers), Some(2));
+        let without_a = idx.node_usage("n1", Some("uid-a-1"), &One);
+        assert_eq!(without_a.get("gpu").map(|u| u.sharers), Some(1));
+        assert_eq!(idx.usage_by_node(&One).len(), 2);
+    }
+}

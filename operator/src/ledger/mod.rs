@@ -1,0 +1,14 @@
+//! The reservation ledger as the operator sees it: an in-memory index of every GpuReservation
+//! (fed by a watch plus the operator's own writes), the per-node serialisation that makes
+//! fit-then-write atomic per node, and the writer that talks to the API server with
+//! resourceVersion preconditions.
+
+pub mod index;
+pub mod node_lock;
+pub mod usage;
+pub mod writer;
+
+pub use index::{LedgerIndex, ReservationKey};
+pub use node_lock::NodeLocks;
+pub use usage::{DeviceUsage, NodeUsage};
+pub use writer::{LedgerWriter, WriteError};

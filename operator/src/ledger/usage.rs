@@ -1,0 +1,159 @@
+//! Per-device usage held by reservations: the numbers the fit compares against capacity.
+
+use std::collections::BTreeMap;
+
+use gpuledger_crds::GpuReservation;
+
+/// Capacity one GPU has handed out to reservations.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceUsage {
+    /// Reserved memory in MiB.
+    pub memory_mib: u64,
+    /// Reserved cores in percent points.
+    pub cores: u64,
+    /// Sharer slots in use.
+    pub sharers: u32,
+}
+
+impl DeviceUsage {
+    /// Adds `other` to `self`.
+    pub fn add(&mut self, other: DeviceUsage) {
+        self.memory_mib += other.memory_mib;
+        self.cores += other.cores;
+        self.sharers += other.sharers;
+    }
+}
+
+/// Usage of every GPU of one node that any reservation holds, keyed by GPU UUID.
+pub type NodeUsage = BTreeMap<String, DeviceUsage>;
+
+/// How one reservation loads each of its GPUs. The fit engine owns the rule (init containers
+/// collapse to max(init, sum of app containers), like HAMi); the ledger only sums.
+pub trait ReservationLoad: Send + Sync {
+    /// Effective per-device usage of `reservation`, keyed by GPU UUID.
+    fn load(&self, reservation: &GpuReservation) -> Vec<(String, DeviceUsage)>;
+}
+
+/// Whether `reservation` currently holds capacity (a missing phase means it was just created by
+/// bind and is `Reserved`).
+pub fn holds_capacity(reservation: &GpuReservation) -> bool {
+    reservation
+        .status
+        .as_ref()
+        .and_then(|s| s.phase)
+        .unwrap_or_default()
+        .holds_capacity()
+}
+
+/// Sums the load of every capacity-holding reservation in `reservations`.
+pub fn sum_usage<'a>(
+    reservations: impl IntoIterator<Item = &'a GpuReservation>,
+    load: &dyn ReservationLoad,
+) -> NodeUsage {
+    let mut usage = NodeUsage::new();
+    for r in reservations.into_iter().filter(|r| holds_capacity(r)) {
+        for (uuid, u) in load.load(r) {
+            usage.entry(uuid).or_default().add(u);
+        }
+    }
+    usage
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpuledger_crds::{
+        ContainerReservation, GpuReservationSpec, GpuReservationStatus, ReservationPhase,
+        ReservedDevice,
+    };
+
+    /// Plain sum of every container, enough to test the ledger's arithmetic.
+    struct SumAll;
+    impl ReservationLoad for SumAll {
+        fn load(&self, r: &GpuReservation) -> Vec<(String, DeviceUsage)> {
+            r.spec
+                .containers
+                .iter()
+                .flat_map(|c| c.devices.iter())
+                .map(|d| {
+                    let u = DeviceUsage {
+                        memory_mib: d.memory_mib,
+                        cores: u64::from(d.cores),
+                        sharers: 1,
+                    };
+                    (d.uuid.clone(), u)
+                })
+                .collect()
+        }
+    }
+
+    fn reservation(phase: Option<ReservationPhase>, devs: &[(&str, u64, u32)]) -> GpuReservation {
+        let devices = devs
+            .iter()
+            .map(|(uuid, mem, cores)| ReservedDevice {
+                uuid: uuid.to_string(),
+                memory_mib: *mem,
+                cores: *cores,
+                numa_node: None,
+            })
+            .collect();
+        let mut r = GpuReservation::new(
+            "p",
+            GpuReservationSpec {
+                containers: vec![ContainerReservation {
+                    index: 0,
+                    name: "c".into(),
+                    init: false,
+                    devices,
+                }],
+                ..Default::default()
+            },
+        );
+        r.status = phase.map(|p| GpuReservationStatus {
+            phase: Some(p),
+            ..Default::default()
+        });
+        r
+    }
+
+    #[test]
+    fn sums_only_phases_that_hold_capacity() {
+        let rs = [
+            reservation(None, &[("a", 1000, 10)]),
+            reservation(
+                Some(ReservationPhase::Allocating),
+                &[("a", 2000, 20), ("b", 5, 5)],
+            ),
+            reservation(Some(ReservationPhase::Allocated), &[("b", 100, 0)]),
+            reservation(Some(ReservationPhase::Released), &[("a", 9999, 99)]),
+            reservation(Some(ReservationPhase::Failed), &[("b", 9999, 99)]),
+        ];
+        let usage = sum_usage(rs.iter(), &SumAll);
+        assert_eq!(
+            usage.get("a"),
+            Some(&DeviceUsage {
+                memory_mib: 3000,
+                cores: 30,
+                sharers: 2
+            })
+        );
+        assert_eq!(
+            usage.get("b"),
+            Some(&DeviceUsage {
+                memory_mib: 105,
+                cores: 5,
+                sharers: 2
+            })
+        );
+        assert_eq!(usage.len(), 2);
+    }
+
+    #[test]
+    fn released_only_node_has_no_usage() {
+        let rs = [reservation(
+            Some(ReservationPhase::Released),
+            &[("a", 1, 1)],
+        )];
+        assert!(sum_usage(rs.iter(), &SumAll).is_empty());
+    }
+}

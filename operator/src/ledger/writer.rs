@@ -1,0 +1,225 @@
+//! Every write the operator makes to GpuReservations. Each one carries a precondition (create
+//! fails if the name exists; updates, status applies and deletes carry the resourceVersion the
+//! caller decided on), so a write based on a stale read fails with [`WriteError::Conflict`]
+//! instead of overwriting; the caller re-reads and decides again. Successful writes go straight
+//! into the index (read-your-writes).
+
+use std::sync::Arc;
+
+use gpuledger_crds::names::OPERATOR_MANAGER;
+use gpuledger_crds::{GpuReservation, ReservationPhase};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
+use kube::{Client, ResourceExt};
+use serde::Serialize;
+use serde_json::json;
+
+use super::index::{LedgerIndex, ReservationKey};
+
+/// Why a ledger write failed.
+#[derive(Debug, thiserror::Error)]
+pub enum WriteError {
+    /// The object changed since the caller read it (or, for a create, already exists).
+    #[error("reservation {key} changed concurrently (expected resourceVersion {expected:?})")]
+    Conflict {
+        /// The reservation.
+        key: ReservationKey,
+        /// The version the caller based its write on.
+        expected: Option<String>,
+    },
+    /// The object is gone.
+    #[error("reservation {key} not found")]
+    NotFound {
+        /// The reservation.
+        key: ReservationKey,
+    },
+    /// Any other API error.
+    #[error("{action} reservation {key}: {source}")]
+    Api {
+        /// What was attempted.
+        action: &'static str,
+        /// The reservation.
+        key: ReservationKey,
+        /// The client error.
+        #[source]
+        source: kube::Error,
+    },
+}
+
+impl WriteError {
+    fn from_kube(
+        action: &'static str,
+        key: &ReservationKey,
+        rv: Option<&str>,
+        e: kube::Error,
+    ) -> Self {
+        match &e {
+            kube::Error::Api(s) if s.is_conflict() || s.is_already_exists() => {
+                WriteError::Conflict {
+                    key: key.clone(),
+                    expected: rv.map(str::to_string),
+                }
+            }
+            kube::Error::Api(s) if s.is_not_found() => WriteError::NotFound { key: key.clone() },
+            _ => WriteError::Api {
+                action,
+                key: key.clone(),
+                source: e,
+            },
+        }
+    }
+}
+
+/// The status fields the operator owns (the device plugin owns `allocation`; it is never part
+/// of these applies, so neither side removes the other's fields).
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct OperatorStatus {
+    /// Generation of the spec processed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Phase.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub phase: Option<ReservationPhase>,
+    /// When the phase last changed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub phase_since: Option<Time>,
+    /// Short device list for `kubectl get`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub devices: Option<String>,
+    /// NUMA nodes for `kubectl get`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub numa: Option<String>,
+    /// Every condition the operator owns (an apply that leaves one out removes it).
+    pub conditions: Vec<Condition>,
+}
+
+impl OperatorStatus {
+    /// The operator-owned part of `r`'s current status.
+    pub fn of(r: &GpuReservation) -> Self {
+        let s = r.status.clone().unwrap_or_default();
+        Self {
+            observed_generation: s.observed_generation,
+            phase: s.phase,
+            phase_since: s.phase_since,
+            devices: s.devices,
+            numa: s.numa,
+            conditions: s.conditions,
+        }
+    }
+}
+
+/// Writes reservations and keeps the index in step.
+#[derive(Clone)]
+pub struct LedgerWriter {
+    client: Client,
+    index: Arc<LedgerIndex>,
+}
+
+impl LedgerWriter {
+    /// A writer that records into `index`.
+    pub fn new(client: Client, index: Arc<LedgerIndex>) -> Self {
+        Self { client, index }
+    }
+
+    /// The index this writer records into.
+    pub fn index(&self) -> &Arc<LedgerIndex> {
+        &self.index
+    }
+
+    fn api(&self, namespace: &str) -> Api<GpuReservation> {
+        Api::namespaced(self.client.clone(), namespace)
+    }
+
+    /// Creates `r`; fails with `Conflict` when the name is taken.
+    pub async fn create(&self, r: &GpuReservation) -> Result<GpuReservation, WriteError> {
+        let key = ReservationKey::of(r);
+        let created = self
+            .api(&key.namespace)
+            .create(&PostParams::default(), r)
+            .await
+            .map_err(|e| WriteError::from_kube("create", &key, None, e))?;
+        self.index.record_write(created.clone());
+        Ok(created)
+    }
+
+    /// Replaces the spec (and metadata) of `r`, which must carry the resourceVersion it was
+    /// read at.
+    pub async fn replace(&self, r: &GpuReservation) -> Result<GpuReservation, WriteError> {
+        let key = ReservationKey::of(r);
+        let rv = r.resource_version();
+        let replaced = self
+            .api(&key.namespace)
+            .replace(&key.name, &PostParams::default(), r)
+            .await
+            .map_err(|e| WriteError::from_kube("replace", &key, rv.as_deref(), e))?;
+        self.index.record_write(replaced.clone());
+        Ok(replaced)
+    }
+
+    /// Server-side applies the operator's status fields on `current`, guarded by its
+    /// resourceVersion.
+    pub async fn apply_status(
+        &self,
+        current: &GpuReservation,
+        status: &OperatorStatus,
+    ) -> Result<GpuReservation, WriteError> {
+        let key = ReservationKey::of(current);
+        let rv = current.resource_version();
+        let body = json!({
+            "apiVersion": "gpuledger.io/v1alpha1",
+            "kind": "GpuReservation",
+            "metadata": { "name": key.name, "namespace": key.namespace, "resourceVersion": rv },
+            "status": status,
+        });
+        let params = PatchParams::apply(OPERATOR_MANAGER).force();
+        let updated = self
+            .api(&key.namespace)
+            .patch_status(&key.name, &params, &Patch::Apply(&body))
+            .await
+            .map_err(|e| WriteError::from_kube("apply status of", &key, rv.as_deref(), e))?;
+        self.index.record_write(updated.clone());
+        Ok(updated)
+    }
+
+    /// Deletes `current` if it is still at its resourceVersion. Already gone is success.
+    pub async fn delete(&self, current: &GpuReservation) -> Result<(), WriteError> {
+        let key = ReservationKey::of(current);
+        let rv = current.resource_version();
+        let params = DeleteParams::default().preconditions(Preconditions {
+            resource_version: rv.clone(),
+            uid: current.uid(),
+        });
+        match self.api(&key.namespace).delete(&key.name, &params).await {
+            Ok(_) => {
+                let deleted_rv = rv.as_deref().and_then(|v| v.parse().ok());
+                self.index.record_delete(&key, deleted_rv);
+                Ok(())
+            }
+            Err(e) => match WriteError::from_kube("delete", &key, rv.as_deref(), e) {
+                WriteError::NotFound { .. } => {
+                    self.index.record_delete(&key, None);
+                    Ok(())
+                }
+                // A UID precondition failure also arrives as a conflict: the name now belongs
+                // to a newer object, which this delete must not touch.
+                other => Err(other),
+            },
+        }
+    }
+
+    /// Reads the current object from the API server (after a conflict) and records it.
+    pub async fn reread(&self, key: &ReservationKey) -> Result<Option<GpuReservation>, WriteError> {
+        match self.api(&key.namespace).get_opt(&key.name).await {
+            Ok(Some(r)) => {
+                self.index.record_write(r.clone());
+                Ok(Some(r))
+            }
+            Ok(None) => {
+                self.index.record_delete(key, None);
+                Ok(None)
+            }
+            Err(e) => Err(WriteError::from_kube("read", key, None, e)),
+        }
+    }
+}

@@ -1,0 +1,280 @@
+//! Metrics (`/metrics`, Prometheus text format) and health (`/healthz`, `/readyz`).
+//!
+//! `/healthz` fails when a watch the operator depends on has been failing for longer than
+//! [`WATCH_STALL_LIMIT`] or has ended: the process is then deciding on stale data and a restart
+//! is the cure. `/readyz` is true only on the leader with a synced ledger index, so a Service in
+//! front of several replicas sends the scheduler's extender calls to the one that may write.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use gpuledger_crds::ReservationPhase;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+/// How long a watch may keep failing before `/healthz` reports it.
+pub const WATCH_STALL_LIMIT: Duration = Duration::from_secs(90);
+
+/// Labels of an extender decision.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DecisionLabels {
+    /// `filter`, `prioritize` or `bind`.
+    pub verb: String,
+    /// `fit`, `nofit`, `passthrough`, `bound`, `error`.
+    pub outcome: String,
+}
+
+/// Labels naming one verb.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct VerbLabels {
+    /// Extender verb.
+    pub verb: String,
+}
+
+/// Labels naming one phase.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PhaseLabels {
+    /// Reservation phase.
+    pub phase: String,
+}
+
+/// Labels naming one outcome.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    /// Outcome.
+    pub outcome: String,
+}
+
+/// Every metric the operator exports.
+pub struct Metrics {
+    registry: Registry,
+    /// Extender decisions by verb and outcome.
+    pub decisions: Family<DecisionLabels, Counter>,
+    /// Extender call latency by verb.
+    pub latency: Family<VerbLabels, Histogram>,
+    /// Reservations by phase (refreshed at scrape time from the index).
+    pub reservations: Family<PhaseLabels, Gauge>,
+    /// NUMA refits by outcome (written by the refit controller).
+    pub refits: Family<OutcomeLabels, Counter>,
+    /// Reservations found Misaligned.
+    pub misaligned: Counter,
+    /// Ledger writes that lost a resourceVersion race and were re-decided.
+    pub conflicts: Counter,
+    /// 1 on the leader.
+    pub leader: Gauge,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Creates and registers every metric.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("gpuledger");
+        let decisions = Family::<DecisionLabels, Counter>::default();
+        registry.register(
+            "extender_decisions",
+            "Scheduler extender decisions by verb and outcome",
+            decisions.clone(),
+        );
+        let latency = Family::<VerbLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(0.0005, 2.0, 14))
+        });
+        registry.register(
+            "extender_latency_seconds",
+            "Scheduler extender call latency",
+            latency.clone(),
+        );
+        let reservations = Family::<PhaseLabels, Gauge>::default();
+        registry.register(
+            "reservations",
+            "GpuReservations by phase",
+            reservations.clone(),
+        );
+        let refits = Family::<OutcomeLabels, Counter>::default();
+        registry.register("refits", "NUMA refits by outcome", refits.clone());
+        let misaligned = Counter::default();
+        registry.register(
+            "misaligned_reservations",
+            "Reservations whose allocation named other GPUs than reserved",
+            misaligned.clone(),
+        );
+        let conflicts = Counter::default();
+        registry.register(
+            "ledger_conflicts",
+            "Ledger writes rejected by a resourceVersion precondition",
+            conflicts.clone(),
+        );
+        let leader = Gauge::default();
+        registry.register(
+            "leader",
+            "1 when this replica is the leader",
+            leader.clone(),
+        );
+        Self {
+            registry,
+            decisions,
+            latency,
+            reservations,
+            refits,
+            misaligned,
+            conflicts,
+            leader,
+        }
+    }
+
+    /// Counts one extender decision and its latency.
+    pub fn decision(&self, verb: &str, outcome: &str, started: Instant) {
+        self.decisions
+            .get_or_create(&DecisionLabels {
+                verb: verb.to_string(),
+                outcome: outcome.to_string(),
+            })
+            .inc();
+        self.latency
+            .get_or_create(&VerbLabels {
+                verb: verb.to_string(),
+            })
+            .observe(started.elapsed().as_secs_f64());
+    }
+
+    /// Sets the reservations-by-phase gauges; phases with no reservations read 0.
+    pub fn set_phase_counts(&self, counts: &HashMap<ReservationPhase, i64>) {
+        for phase in [
+            ReservationPhase::Reserved,
+            ReservationPhase::Allocating,
+            ReservationPhase::Allocated,
+            ReservationPhase::Released,
+            ReservationPhase::Failed,
+        ] {
+            let n = counts.get(&phase).copied().unwrap_or(0);
+            self.reservations
+                .get_or_create(&PhaseLabels {
+                    phase: format!("{phase:?}"),
+                })
+                .set(n);
+        }
+    }
+
+    /// The Prometheus text exposition.
+    pub fn encode(&self) -> Result<String, std::fmt::Error> {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)?;
+        Ok(out)
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum WatchState {
+    Flowing,
+    FailingSince(Instant),
+    Ended,
+}
+
+/// Health of the watches and leadership.
+#[derive(Default)]
+pub struct Health {
+    watches: Mutex<BTreeMap<&'static str, WatchState>>,
+    leader: AtomicBool,
+}
+
+impl Health {
+    /// A watch delivered an event or a successful (re)list.
+    pub fn watch_ok(&self, name: &'static str) {
+        self.lock().insert(name, WatchState::Flowing);
+    }
+
+    /// A watch returned an error (it retries with backoff).
+    pub fn watch_error(&self, name: &'static str) {
+        let mut w = self.lock();
+        let state = match w.get(name) {
+            Some(WatchState::FailingSince(t)) => WatchState::FailingSince(*t),
+            _ => WatchState::FailingSince(Instant::now()),
+        };
+        w.insert(name, state);
+    }
+
+    /// A watch stream ended for good.
+    pub fn watch_ended(&self, name: &'static str) {
+        self.lock().insert(name, WatchState::Ended);
+    }
+
+    /// Names of unhealthy watches with why, empty when healthy.
+    pub fn problems(&self) -> Vec<String> {
+        self.lock()
+            .iter()
+            .filter_map(|(name, state)| match state {
+                WatchState::Flowing => None,
+                WatchState::FailingSince(t) if t.elapsed() < WATCH_STALL_LIMIT => None,
+                WatchState::FailingSince(t) => Some(format!(
+                    "watch {name} failing for {}s",
+                    t.elapsed().as_secs()
+                )),
+                WatchState::Ended => Some(format!("watch {name} ended")),
+            })
+            .collect()
+    }
+
+    /// Records leadership.
+    pub fn set_leader(&self, leader: bool) {
+        self.leader.store(leader, Ordering::SeqCst);
+    }
+
+    /// Whether this replica leads.
+    pub fn is_leader(&self) -> bool {
+        self.leader.load(Ordering::SeqCst)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<&'static str, WatchState>> {
+        self.watches.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metrics_encode_decisions_and_phases() {
+        let m = Metrics::new();
+        m.decision("filter", "fit", Instant::now());
+        m.set_phase_counts(&HashMap::from([(ReservationPhase::Allocated, 3)]));
+        let text = m.encode().unwrap();
+        assert!(
+            text.contains(r#"gpuledger_extender_decisions_total{verb="filter",outcome="fit"} 1"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"gpuledger_reservations{phase="Allocated"} 3"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"gpuledger_reservations{phase="Failed"} 0"#),
+            "{text}"
+        );
+        assert!(
+            text.contains("gpuledger_extender_latency_seconds_bucket"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn health_tolerates_short_failures_but_not_ended_watches() {
+        let h = Health::default();
+        h.watch_ok("reservations");
+        h.watch_error("reservations");
+        assert!(h.problems().is_empty());
+        h.watch_ok("reservations");
+        h.watch_ended("pods");
+        assert_eq!(h.problems(), ["watch pods ended"]);
+    }
+}
