@@ -30,8 +30,11 @@ test: k8s-binaries
 unit:
 	$(CARGO) test --workspace --lib --bins -j $(JOBS)
 
+## The CRDs live in three places, all generated from crds/src: crds/yaml (reference), config/crd/bases
+## (kustomize) and charts/gpuledger/crds (Helm installs them before templates, no hooks needed).
+CRD_DIRS := crds/yaml config/crd/bases charts/gpuledger/crds
 crds:
-	$(CARGO) run -q -p gpuledger-operator -- crds --out-dir crds/yaml
+	@for d in $(CRD_DIRS); do $(CARGO) run -q -p gpuledger-operator -- crds --out-dir $$d; done
 
 bench:
 	$(CARGO) bench --workspace -j $(JOBS)

@@ -9,10 +9,24 @@ fn yaml_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("yaml")
 }
 
+/// Every place the generated CRDs are committed: the reference copy, kustomize's base and the Helm
+/// chart's `crds/` directory.
+fn all_yaml_dirs() -> Vec<PathBuf> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    vec![
+        yaml_dir(),
+        root.join("config/crd/bases"),
+        root.join("charts/gpuledger/crds"),
+    ]
+}
+
 #[test]
 fn committed_yaml_matches_the_types() {
-    for crd in gpuledger_crds::crds() {
-        let file = yaml_dir().join(gpuledger_crds::crd_file_name(&crd));
+    for (dir, crd) in all_yaml_dirs()
+        .into_iter()
+        .flat_map(|d| gpuledger_crds::crds().into_iter().map(move |c| (d.clone(), c)))
+    {
+        let file = dir.join(gpuledger_crds::crd_file_name(&crd));
         let committed = std::fs::read_to_string(&file)
             .unwrap_or_else(|e| panic!("{}: {e}; run `make crds`", file.display()));
         let generated = gpuledger_crds::crd_yaml(&crd).unwrap();
@@ -25,18 +39,20 @@ fn committed_yaml_matches_the_types() {
 }
 
 #[test]
-fn yaml_dir_holds_exactly_the_four_crds() {
-    let on_disk: BTreeSet<String> = std::fs::read_dir(yaml_dir())
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.ends_with(".yaml"))
-        .collect();
+fn yaml_dirs_hold_exactly_the_four_crds() {
     let expected: BTreeSet<String> = gpuledger_crds::crds()
         .iter()
         .map(gpuledger_crds::crd_file_name)
         .collect();
-    assert_eq!(on_disk, expected);
     assert_eq!(expected.len(), 4);
+    for dir in all_yaml_dirs() {
+        let on_disk: BTreeSet<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".yaml"))
+            .collect();
+        assert_eq!(on_disk, expected, "{}", dir.display());
+    }
 }
 
 #[test]
