@@ -1,1 +1,33 @@
 //! The gpuledger kubelet device plugin.
+//!
+//! It advertises each GPU as `--split-count` replicas of `nvidia.com/gpu` to the kubelet (with
+//! the GPU's NUMA node), publishes the node's inventory as the `GpuNode` status, and answers the
+//! kubelet's allocation calls from the ledger: the pod being admitted is the holder of the node's
+//! allocation Lease, and its `GpuReservation` says which GPUs it gets.
+
+/// Code generated from `proto/v1beta1/api.proto`: the kubelet device-plugin API, v1beta1.
+/// Also used by the e2e crate's kubelet simulator.
+#[allow(
+    clippy::all,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    missing_docs
+)]
+pub mod api {
+    tonic::include_proto!("v1beta1");
+}
+
+pub mod allocate;
+pub mod config;
+pub mod discovery;
+pub mod gpunode;
+pub mod inventory;
+pub mod ledger;
+pub mod lifecycle;
+pub mod metrics;
+pub mod plugin;
+pub mod preferred;
+pub mod refit;
+pub mod service;
+pub mod uds;

@@ -1,0 +1,146 @@
+//! Command-line flags (each with an environment variable) of `gpuledger-device-plugin`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+
+use crate::plugin::PluginOptions;
+
+/// The kubelet device plugin of gpuledger.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "gpuledger-device-plugin", version, about)]
+pub struct Cli {
+    /// Kubeconfig file; in-cluster configuration when absent.
+    #[arg(long, env = "KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Name of this node.
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: String,
+    /// The kubelet's device-plugin directory (holds kubelet.sock).
+    #[arg(
+        long,
+        env = "GPULEDGER_DEVICE_PLUGIN_DIR",
+        default_value = "/var/lib/kubelet/device-plugins"
+    )]
+    pub device_plugin_dir: PathBuf,
+    /// Read the GPUs from this YAML file instead of NVML (see config/samples/devices-8gpu-2numa.yaml).
+    #[arg(long, env = "GPULEDGER_DEVICES_FROM")]
+    pub devices_from: Option<PathBuf>,
+    /// Root of sysfs, where GPU NUMA nodes are read from.
+    #[arg(long, env = "GPULEDGER_SYSFS_ROOT", default_value = "/sys")]
+    pub sysfs_root: PathBuf,
+    /// Replicas advertised per GPU: how many containers may share one GPU.
+    #[arg(long, env = "GPULEDGER_SPLIT_COUNT", default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub split_count: u32,
+    /// How long GetPreferredAllocation waits for a NUMA refit (e.g. 2s, 500ms).
+    #[arg(long, env = "GPULEDGER_REFIT_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
+    pub refit_timeout: Duration,
+    /// Address of the /metrics and /healthz endpoint; empty disables it.
+    #[arg(long, env = "GPULEDGER_METRICS_ADDR", default_value = "0.0.0.0:9400", value_parser = parse_addr)]
+    pub metrics_addr: OptionalAddr,
+    /// Namespace of the operator's allocation Leases.
+    #[arg(long, env = "GPULEDGER_NAMESPACE", default_value = gpuledger_crds::names::DEFAULT_NAMESPACE)]
+    pub namespace: String,
+    /// Host directory with HAMi-core (libvgpu.so, ld.so.preload); adds its mounts to Allocate.
+    #[arg(long, env = "GPULEDGER_HAMI_CORE_DIR")]
+    pub hami_core_dir: Option<PathBuf>,
+    /// How often GPUs are re-discovered to notice health changes.
+    #[arg(long, env = "GPULEDGER_REFRESH_INTERVAL", default_value = "10s", value_parser = parse_duration)]
+    pub refresh_interval: Duration,
+}
+
+/// A flag value that is not a duration.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid duration {0:?}: expected a number with ms, s or m (e.g. 2s, 500ms)")]
+pub struct DurationError(String);
+
+/// Parses `500ms`, `2s`, `1m` or plain seconds (`2`, `0.5`).
+pub fn parse_duration(raw: &str) -> Result<Duration, DurationError> {
+    let s = raw.trim();
+    let bad = || DurationError(raw.to_string());
+    let (num, scale) = if let Some(n) = s.strip_suffix("ms") {
+        (n, 0.001)
+    } else if let Some(n) = s.strip_suffix('s') {
+        (n, 1.0)
+    } else if let Some(n) = s.strip_suffix('m') {
+        (n, 60.0)
+    } else {
+        (s, 1.0)
+    };
+    let v: f64 = num.trim().parse().map_err(|_| bad())?;
+    if !v.is_finite() || v < 0.0 {
+        return Err(bad());
+    }
+    Duration::try_from_secs_f64(v * scale).map_err(|_| bad())
+}
+
+/// A socket address, or none when the flag is empty.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OptionalAddr(pub Option<SocketAddr>);
+
+fn parse_addr(raw: &str) -> Result<OptionalAddr, std::net::AddrParseError> {
+    if raw.trim().is_empty() {
+        return Ok(OptionalAddr(None));
+    }
+    raw.trim().parse().map(|a| OptionalAddr(Some(a)))
+}
+
+impl Cli {
+    /// The plugin's options from the flags.
+    pub fn plugin_options(&self) -> PluginOptions {
+        let mut o = PluginOptions::new(self.node_name.clone(), self.device_plugin_dir.clone());
+        o.namespace = self.namespace.clone();
+        o.split_count = self.split_count;
+        o.refit_timeout = self.refit_timeout;
+        o.hami_core_dir = self.hami_core_dir.clone();
+        o.refresh_interval = self.refresh_interval;
+        o.metrics_addr = self.metrics_addr.0;
+        o
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("2s").unwrap(), Duration::from_secs(2));
+        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
+        assert_eq!(parse_duration("1m").unwrap(), Duration::from_secs(60));
+        assert_eq!(parse_duration("0.25").unwrap(), Duration::from_millis(250));
+        for bad in ["", "fast", "-1s", "2h", "NaNs"] {
+            assert!(parse_duration(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn defaults_and_env_names() {
+        let cli = Cli::try_parse_from(["p", "--node-name", "n1"]).unwrap();
+        assert_eq!(
+            cli.device_plugin_dir,
+            PathBuf::from("/var/lib/kubelet/device-plugins")
+        );
+        assert_eq!(cli.split_count, 10);
+        assert_eq!(cli.refit_timeout, Duration::from_secs(2));
+        assert_eq!(cli.namespace, "gpuledger-system");
+        assert_eq!(cli.sysfs_root, PathBuf::from("/sys"));
+        let o = cli.plugin_options();
+        assert_eq!(o.node_name, "n1");
+        let cli = Cli::try_parse_from([
+            "p",
+            "--node-name",
+            "n1",
+            "--metrics-addr",
+            "",
+            "--split-count",
+            "4",
+        ])
+        .unwrap();
+        assert_eq!(cli.metrics_addr, OptionalAddr(None));
+        assert_eq!(cli.split_count, 4);
+        assert!(Cli::try_parse_from(["p", "--node-name", "n1", "--split-count", "0"]).is_err());
+    }
+}

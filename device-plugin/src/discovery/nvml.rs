@@ -1,0 +1,210 @@
+//! NVML discovery through nvml-wrapper.
+//!
+//! nvml-wrapper loads `libnvidia-ml.so.1` at run time, so the crate builds and its tests run on
+//! machines without a driver; only [`NvmlDiscovery::new`] fails there. The NVML calls are kept
+//! thin: they fill an [`NvmlGpu`], and [`NvmlGpu::into_device`] — pure, unit-tested — turns it
+//! into the inventory entry.
+
+use std::path::PathBuf;
+
+use gpuledger_crds::GpuDevice;
+use nvml_wrapper::Nvml;
+use nvml_wrapper::error::NvmlError;
+
+use super::{Discovery, DiscoveryError, sysfs, validate};
+
+/// What NVML told us about one GPU, before conversion.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NvmlGpu {
+    /// NVML index.
+    pub index: u32,
+    /// UUID; `Err` when NVML could not read it (the GPU is then skipped).
+    pub uuid: Result<String, String>,
+    /// Model name, if readable.
+    pub name: Option<String>,
+    /// Total memory in bytes, if readable.
+    pub memory_total_bytes: Option<u64>,
+    /// PCI bus id as NVML spells it (`00000000:3B:00.0`), if readable.
+    pub pci_bus_id: Option<String>,
+    /// Current MIG mode (1 = enabled), if the GPU supports MIG.
+    pub mig_mode_current: Option<u32>,
+    /// Whether the health probe failed (e.g. `GPU is lost`).
+    pub probe_error: Option<String>,
+}
+
+impl NvmlGpu {
+    /// Converts to an inventory entry; `numa` comes from sysfs for the normalized bus id.
+    /// `None` when the GPU has no UUID (it cannot be advertised).
+    pub fn into_device(self, numa: impl Fn(&str) -> Option<u32>) -> Option<GpuDevice> {
+        let uuid = self.uuid.ok()?;
+        let pci_bus_id = self.pci_bus_id.as_deref().and_then(sysfs::normalize_bus_id);
+        let numa_node = pci_bus_id.as_deref().and_then(&numa);
+        Some(GpuDevice {
+            uuid,
+            index: self.index,
+            model: self.name.unwrap_or_else(|| "NVIDIA-unknown".to_string()),
+            memory_mib: self.memory_total_bytes.unwrap_or(0) / (1024 * 1024),
+            cores: 100,
+            numa_node,
+            pci_bus_id,
+            mig: self.mig_mode_current == Some(1),
+            // A GPU whose memory NVML cannot report is not usable for memory-sliced sharing.
+            healthy: self.probe_error.is_none() && self.memory_total_bytes.is_some(),
+        })
+    }
+}
+
+/// Discovery through NVML.
+pub struct NvmlDiscovery {
+    nvml: Nvml,
+    sysfs_root: PathBuf,
+}
+
+impl NvmlDiscovery {
+    /// Loads NVML; fails on machines without the NVIDIA driver.
+    pub fn new(sysfs_root: PathBuf) -> Result<Self, DiscoveryError> {
+        let nvml = Nvml::init().map_err(|source| DiscoveryError::Nvml {
+            call: "init",
+            source,
+        })?;
+        Ok(NvmlDiscovery { nvml, sysfs_root })
+    }
+
+    fn query(&self, index: u32) -> NvmlGpu {
+        let device = match self.nvml.device_by_index(index) {
+            Ok(d) => d,
+            Err(e) => {
+                return NvmlGpu {
+                    index,
+                    uuid: Err(e.to_string()),
+                    name: None,
+                    memory_total_bytes: None,
+                    pci_bus_id: None,
+                    mig_mode_current: None,
+                    probe_error: Some(e.to_string()),
+                };
+            }
+        };
+        // GPUs without MIG support answer NotSupported: that simply means "not in MIG mode".
+        let mig_mode_current = match device.mig_mode() {
+            Ok(m) => Some(m.current),
+            Err(NvmlError::NotSupported) => None,
+            Err(_) => None,
+        };
+        let memory = device.memory_info();
+        let probe_error = match &memory {
+            Err(NvmlError::GpuLost) => Some("GPU is lost".to_string()),
+            Err(e) => Some(e.to_string()),
+            Ok(_) => None,
+        };
+        NvmlGpu {
+            index,
+            uuid: device.uuid().map_err(|e| e.to_string()),
+            name: device.name().ok(),
+            memory_total_bytes: memory.ok().map(|m| m.total),
+            pci_bus_id: device.pci_info().ok().map(|p| p.bus_id),
+            mig_mode_current,
+            probe_error,
+        }
+    }
+}
+
+impl Discovery for NvmlDiscovery {
+    fn discover(&self) -> Result<Vec<GpuDevice>, DiscoveryError> {
+        let count = self
+            .nvml
+            .device_count()
+            .map_err(|source| DiscoveryError::Nvml {
+                call: "device_count",
+                source,
+            })?;
+        let mut gpus = Vec::new();
+        for index in 0..count {
+            let raw = self.query(index);
+            match raw
+                .clone()
+                .into_device(|bus| sysfs::numa_node(&self.sysfs_root, bus))
+            {
+                Some(gpu) => gpus.push(gpu),
+                None => tracing::warn!(index, error = ?raw.uuid, "skipping GPU without a UUID"),
+            }
+        }
+        validate("nvml", gpus)
+    }
+
+    fn describe(&self) -> String {
+        "nvml".to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn raw() -> NvmlGpu {
+        NvmlGpu {
+            index: 3,
+            uuid: Ok("GPU-abc".to_string()),
+            name: Some("NVIDIA A100-SXM4-80GB".to_string()),
+            memory_total_bytes: Some(85_899_345_920),
+            pci_bus_id: Some("00000000:3B:00.0".to_string()),
+            mig_mode_current: Some(0),
+            probe_error: None,
+        }
+    }
+
+    #[test]
+    fn converts_a_healthy_gpu_and_looks_up_numa_by_sysfs_bus_id() {
+        let gpu = raw()
+            .into_device(|bus| (bus == "0000:3b:00.0").then_some(1))
+            .unwrap();
+        assert_eq!(gpu.uuid, "GPU-abc");
+        assert_eq!(gpu.index, 3);
+        assert_eq!(gpu.memory_mib, 81920);
+        assert_eq!(gpu.numa_node, Some(1));
+        assert_eq!(gpu.pci_bus_id.as_deref(), Some("0000:3b:00.0"));
+        assert!(!gpu.mig);
+        assert!(gpu.healthy);
+        assert_eq!(gpu.cores, 100);
+    }
+
+    #[test]
+    fn mig_lost_and_uuidless_gpus() {
+        let mig = NvmlGpu {
+            mig_mode_current: Some(1),
+            ..raw()
+        };
+        assert!(mig.into_device(|_| None).unwrap().mig);
+
+        let lost = NvmlGpu {
+            probe_error: Some("GPU is lost".into()),
+            memory_total_bytes: None,
+            ..raw()
+        };
+        let lost = lost.into_device(|_| None).unwrap();
+        assert!(!lost.healthy);
+        assert_eq!(lost.memory_mib, 0);
+        assert_eq!(lost.numa_node, None);
+
+        let no_uuid = NvmlGpu {
+            uuid: Err("Unknown".into()),
+            ..raw()
+        };
+        assert_eq!(no_uuid.into_device(|_| Some(0)), None);
+
+        let no_bus = NvmlGpu {
+            pci_bus_id: None,
+            ..raw()
+        };
+        assert_eq!(no_bus.into_device(|_| Some(0)).unwrap().numa_node, None);
+    }
+
+    #[test]
+    fn init_without_a_driver_is_an_error_not_a_panic() {
+        // On machines with a driver this succeeds; both outcomes are fine, neither panics.
+        match NvmlDiscovery::new(PathBuf::from("/sys")) {
+            Ok(d) => assert_eq!(d.describe(), "nvml"),
+            Err(e) => assert!(e.to_string().contains("NVML init failed"), "{e}"),
+        }
+    }
+}

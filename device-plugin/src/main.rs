@@ -1,0 +1,86 @@
+//! `gpuledger-device-plugin`: the kubelet device plugin of gpuledger (runs as a DaemonSet).
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::Parser;
+use gpuledger_device_plugin::config::Cli;
+use gpuledger_device_plugin::discovery::Discovery;
+use gpuledger_device_plugin::discovery::file::FileDiscovery;
+use gpuledger_device_plugin::discovery::nvml::NvmlDiscovery;
+use gpuledger_device_plugin::plugin;
+use gpuledger_device_plugin::refit::NoRefit;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::watch;
+
+async fn client(cli: &Cli) -> Result<kube::Client, String> {
+    let config = match &cli.kubeconfig {
+        Some(path) => {
+            let kubeconfig = kube::config::Kubeconfig::read_from(path)
+                .map_err(|e| format!("reading kubeconfig {}: {e}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+                .await
+                .map_err(|e| format!("loading kubeconfig {}: {e}", path.display()))?
+        }
+        None => kube::Config::infer()
+            .await
+            .map_err(|e| format!("inferring the Kubernetes configuration: {e}"))?,
+    };
+    kube::Client::try_from(config).map_err(|e| format!("building the Kubernetes client: {e}"))
+}
+
+fn discovery(cli: &Cli) -> Result<Arc<dyn Discovery>, String> {
+    Ok(match &cli.devices_from {
+        Some(path) => Arc::new(FileDiscovery::new(path)),
+        None => Arc::new(NvmlDiscovery::new(cli.sysfs_root.clone()).map_err(|e| e.to_string())?),
+    })
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let cli = Cli::parse();
+    let prepared = async { Ok::<_, String>((client(&cli).await?, discovery(&cli)?)) }.await;
+    let (client, discovery) = match prepared {
+        Ok(p) => p,
+        Err(e) => {
+            tracing::error!("{e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let (stop_tx, stop_rx) = watch::channel(false);
+    tokio::spawn(async move {
+        let mut term = match signal(SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot listen for SIGTERM");
+                return;
+            }
+        };
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+            _ = tokio::signal::ctrl_c() => tracing::info!("interrupt: shutting down"),
+        }
+        let _ = stop_tx.send(true);
+    });
+    match plugin::run(
+        cli.plugin_options(),
+        client,
+        discovery,
+        Arc::new(NoRefit),
+        stop_rx,
+    )
+    .await
+    {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,191 @@
+//! Wires discovery, the inventory refresh, GpuNode publishing, metrics and the kubelet
+//! lifecycle together. `main` calls [`run`]; the e2e tests call it in-process.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kube::Client;
+use tokio::sync::watch;
+
+use crate::discovery::{Discovery, DiscoveryError};
+use crate::inventory::Inventory;
+use crate::ledger::Ledger;
+use crate::lifecycle::{self, LifecycleConfig, LifecycleError};
+use crate::metrics::{self, Metrics};
+use crate::refit::RefitHook;
+use crate::service::{ServiceConfig, Shared};
+
+/// Everything the plugin is configured with.
+#[derive(Debug, Clone)]
+pub struct PluginOptions {
+    /// This node (`--node-name`).
+    pub node_name: String,
+    /// Namespace of the allocation Leases (`--namespace`).
+    pub namespace: String,
+    /// `--device-plugin-dir`.
+    pub device_plugin_dir: PathBuf,
+    /// Replicas per GPU (`--split-count`).
+    pub split_count: u32,
+    /// `--refit-timeout`.
+    pub refit_timeout: Duration,
+    /// `--hami-core-dir`.
+    pub hami_core_dir: Option<PathBuf>,
+    /// How often discovery runs again to notice health changes.
+    pub refresh_interval: Duration,
+    /// How often the device-plugin directory is checked for a kubelet restart.
+    pub poll_interval: Duration,
+    /// `--metrics-addr`; none serves no metrics.
+    pub metrics_addr: Option<SocketAddr>,
+}
+
+impl PluginOptions {
+    /// Defaults for `node_name` in `device_plugin_dir`.
+    pub fn new(node_name: impl Into<String>, device_plugin_dir: impl Into<PathBuf>) -> Self {
+        PluginOptions {
+            node_name: node_name.into(),
+            namespace: gpuledger_crds::names::DEFAULT_NAMESPACE.to_string(),
+            device_plugin_dir: device_plugin_dir.into(),
+            split_count: 10,
+            refit_timeout: Duration::from_secs(2),
+            hami_core_dir: None,
+            refresh_interval: Duration::from_secs(10),
+            poll_interval: Duration::from_secs(1),
+            metrics_addr: None,
+        }
+    }
+}
+
+/// What stops the plugin.
+#[derive(Debug, thiserror::Error)]
+pub enum PluginError {
+    /// The first discovery failed: nothing to advertise.
+    #[error("GPU discovery ({source_name}) failed: {source}")]
+    Discovery {
+        /// Which discovery.
+        source_name: String,
+        /// Its error.
+        source: DiscoveryError,
+    },
+    /// The socket could not be served.
+    #[error(transparent)]
+    Lifecycle(#[from] LifecycleError),
+}
+
+async fn discover(discovery: &Arc<dyn Discovery>, split: u32) -> Result<Inventory, DiscoveryError> {
+    let d = discovery.clone();
+    // NVML calls block; keep them off the async workers.
+    match tokio::task::spawn_blocking(move || d.discover()).await {
+        Ok(r) => r.map(|gpus| Inventory::new(gpus, split)),
+        Err(join) => Err(DiscoveryError::Invalid {
+            origin: discovery.describe(),
+            problem: format!("discovery task failed: {join}"),
+        }),
+    }
+}
+
+fn record_gpus(metrics: &Metrics, inv: &Inventory) {
+    metrics.gpus.set(inv.gpus.len() as i64);
+    metrics
+        .healthy_gpus
+        .set(inv.gpus.iter().filter(|g| g.healthy).count() as i64);
+}
+
+async fn refresh_loop(
+    discovery: Arc<dyn Discovery>,
+    split: u32,
+    interval: Duration,
+    tx: watch::Sender<Inventory>,
+    metrics: Arc<Metrics>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(interval) => {}
+            _ = shutdown.wait_for(|s| *s) => return,
+        }
+        match discover(&discovery, split).await {
+            Ok(inv) => {
+                record_gpus(&metrics, &inv);
+                tx.send_if_modified(|cur| {
+                    let changed = *cur != inv;
+                    if changed {
+                        tracing::info!(
+                            gpus = inv.gpus.len(),
+                            healthy = inv.gpus.iter().filter(|g| g.healthy).count(),
+                            "GPU inventory changed"
+                        );
+                        *cur = inv;
+                    }
+                    changed
+                });
+            }
+            // Keep advertising the last good inventory: a transient read error is not a reason
+            // to make the kubelet drop every device.
+            Err(e) => {
+                tracing::warn!(error = %e, "GPU discovery failed; keeping the last inventory")
+            }
+        }
+    }
+}
+
+/// Runs the plugin until `shutdown` becomes true.
+pub async fn run(
+    options: PluginOptions,
+    client: Client,
+    discovery: Arc<dyn Discovery>,
+    refit: Arc<dyn RefitHook>,
+    shutdown: watch::Receiver<bool>,
+) -> Result<(), PluginError> {
+    let metrics = Arc::new(Metrics::default());
+    let first = discover(&discovery, options.split_count)
+        .await
+        .map_err(|source| PluginError::Discovery {
+            source_name: discovery.describe(),
+            source,
+        })?;
+    record_gpus(&metrics, &first);
+    tracing::info!(source = %discovery.describe(), gpus = first.gpus.len(), split_count = first.split_count, "GPU inventory discovered");
+    let (tx, rx) = watch::channel(first);
+
+    let mut tasks = tokio::task::JoinSet::new();
+    tasks.spawn(refresh_loop(
+        discovery.clone(),
+        options.split_count,
+        options.refresh_interval,
+        tx,
+        metrics.clone(),
+        shutdown.clone(),
+    ));
+    tasks.spawn(crate::gpunode::publish_loop(
+        client.clone(),
+        options.node_name.clone(),
+        rx.clone(),
+        shutdown.clone(),
+    ));
+    if let Some(addr) = options.metrics_addr {
+        let m = metrics.clone();
+        tasks.spawn(async move {
+            if let Err(e) = metrics::serve(addr, m).await {
+                tracing::error!(%addr, error = %e, "metrics endpoint failed");
+            }
+        });
+    }
+
+    let shared = Arc::new(Shared::new(
+        rx,
+        Ledger::new(client, options.node_name.clone(), options.namespace.clone()),
+        refit,
+        ServiceConfig {
+            hami_core_dir: options.hami_core_dir.clone(),
+            refit_timeout: options.refit_timeout,
+        },
+        metrics.clone(),
+    ));
+    let mut lifecycle_config = LifecycleConfig::new(options.device_plugin_dir.clone());
+    lifecycle_config.poll_interval = options.poll_interval;
+    let result = lifecycle::run(lifecycle_config, shared, metrics, shutdown).await;
+    tasks.abort_all();
+    result.map_err(PluginError::from)
+}

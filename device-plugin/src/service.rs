@@ -1,0 +1,347 @@
+//! The DevicePlugin gRPC service the kubelet calls.
+
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::Stream;
+use gpuledger_crds::ContainerAllocation;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use tokio::sync::{Mutex, watch};
+use tonic::{Request, Response, Status};
+
+use crate::allocate::{container_cache_dir, container_response};
+use crate::api;
+use crate::inventory::Inventory;
+use crate::ledger::{Ledger, LedgerError, Pending, unallocated};
+use crate::metrics::Metrics;
+use crate::preferred::{SelectError, check_known, physical_gpus, select_replicas};
+use crate::refit::{RefitContext, RefitHook, RefitOutcome};
+
+/// Settings of the service.
+#[derive(Debug, Clone)]
+pub struct ServiceConfig {
+    /// `--hami-core-dir`: host directory with libvgpu.so; mounts are added when set.
+    pub hami_core_dir: Option<PathBuf>,
+    /// `--refit-timeout`, handed to the refit hook.
+    pub refit_timeout: Duration,
+}
+
+/// State shared by every generation of the gRPC server (a kubelet restart starts a new one).
+pub struct Shared {
+    inventory: watch::Receiver<Inventory>,
+    ledger: Ledger,
+    refit: Arc<dyn RefitHook>,
+    config: ServiceConfig,
+    metrics: Arc<Metrics>,
+    /// Serializes admissions: each call reads the previous call's allocation record.
+    admission: Mutex<()>,
+}
+
+impl Shared {
+    /// Bundles the service's dependencies.
+    pub fn new(
+        inventory: watch::Receiver<Inventory>,
+        ledger: Ledger,
+        refit: Arc<dyn RefitHook>,
+        config: ServiceConfig,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Shared {
+            inventory,
+            ledger,
+            refit,
+            config,
+            metrics,
+            admission: Mutex::new(()),
+        }
+    }
+}
+
+/// One server generation's service; `stop` ends its ListAndWatch streams so the server can
+/// shut down (the kubelet sees the stream end and marks the devices unhealthy until the next
+/// registration).
+#[derive(Clone)]
+pub struct DevicePluginService {
+    shared: Arc<Shared>,
+    stop: watch::Receiver<bool>,
+}
+
+/// The options we advertise, in Register and in GetDevicePluginOptions alike.
+pub fn plugin_options() -> api::DevicePluginOptions {
+    api::DevicePluginOptions {
+        pre_start_required: false,
+        get_preferred_allocation_available: true,
+    }
+}
+
+fn now() -> Option<Time> {
+    k8s_openapi::jiff::Timestamp::from_second(chrono::Utc::now().timestamp())
+        .ok()
+        .map(Time)
+}
+
+fn pod_ref(p: &Pending) -> String {
+    format!("{}/{}", p.namespace, p.pod)
+}
+
+impl DevicePluginService {
+    /// A service for one server generation.
+    pub fn new(shared: Arc<Shared>, stop: watch::Receiver<bool>) -> Self {
+        DevicePluginService { shared, stop }
+    }
+
+    async fn pending(&self, family: &str) -> Result<Pending, Status> {
+        self.shared.ledger.pending().await.map_err(|e| {
+            tracing::warn!(call = family, error = %e, "no pending reservation");
+            e.to_status()
+        })
+    }
+
+    async fn preferred_for(
+        &self,
+        inventory: &Inventory,
+        pending: &Pending,
+        k: usize,
+        req: &api::ContainerPreferredAllocationRequest,
+    ) -> Result<Vec<String>, Status> {
+        let metrics = &self.shared.metrics;
+        let containers = pending.unallocated();
+        let container = containers.get(k).ok_or_else(|| {
+            LedgerError::NothingPending {
+                namespace: pending.namespace.clone(),
+                pod: pending.pod.clone(),
+            }
+            .to_status()
+        })?;
+        let reserved: Vec<&str> = container.devices.iter().map(|d| d.uuid.as_str()).collect();
+        let size = usize::try_from(req.allocation_size).unwrap_or(0);
+        let result = select_replicas(
+            inventory,
+            &reserved,
+            &req.available_device_i_ds,
+            &req.must_include_device_i_ds,
+            size,
+        );
+        match result {
+            Ok(ids) => {
+                Metrics::count(&metrics.preferred, "ok");
+                tracing::info!(pod = %pod_ref(pending), container = %container.name, ?ids, "preferred allocation");
+                Ok(ids)
+            }
+            Err(SelectError::AnnotatedDeviceUnavailable { uuid }) => {
+                tracing::info!(pod = %pod_ref(pending), container = %container.name, gpu = %uuid,
+                    "reserved GPU not among the available replicas; handing over to the refit hook");
+                let ctx = RefitContext {
+                    namespace: pending.namespace.clone(),
+                    pod_name: pending.pod.clone(),
+                    pod_uid: pending.uid.clone(),
+                    node_name: self.shared.ledger.node().to_string(),
+                    reservation: pending.reservation.clone(),
+                    container: (*container).clone(),
+                    alignment: pending.reservation.spec.alignment,
+                    unavailable_gpu: uuid,
+                    available_device_ids: req.available_device_i_ds.clone(),
+                    must_include_device_ids: req.must_include_device_i_ds.clone(),
+                    allocation_size: size,
+                    allowed_gpus: physical_gpus(inventory, &req.available_device_i_ds),
+                    timeout: self.shared.config.refit_timeout,
+                };
+                match self.shared.refit.refit(ctx).await {
+                    RefitOutcome::Preferred(ids) => {
+                        Metrics::count(&metrics.preferred, "refit");
+                        Ok(ids)
+                    }
+                    RefitOutcome::KubeletChooses { .. } => {
+                        Metrics::count(&metrics.preferred, "no_preference");
+                        Ok(Vec::new())
+                    }
+                    RefitOutcome::Reject { reason } => {
+                        Metrics::count(&metrics.preferred, "rejected");
+                        Err(Status::failed_precondition(reason))
+                    }
+                }
+            }
+            Err(e) => {
+                Metrics::count(&metrics.preferred, "error");
+                Err(Status::invalid_argument(format!(
+                    "pod {} container {}: {e}",
+                    pod_ref(pending),
+                    container.name
+                )))
+            }
+        }
+    }
+}
+
+type ListAndWatchStream =
+    Pin<Box<dyn Stream<Item = Result<api::ListAndWatchResponse, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl api::device_plugin_server::DevicePlugin for DevicePluginService {
+    async fn get_device_plugin_options(
+        &self,
+        _request: Request<api::Empty>,
+    ) -> Result<Response<api::DevicePluginOptions>, Status> {
+        Ok(Response::new(plugin_options()))
+    }
+
+    type ListAndWatchStream = ListAndWatchStream;
+
+    async fn list_and_watch(
+        &self,
+        _request: Request<api::Empty>,
+    ) -> Result<Response<Self::ListAndWatchStream>, Status> {
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let mut inventory = self.shared.inventory.clone();
+        let mut stop = self.stop.clone();
+        tokio::spawn(async move {
+            loop {
+                let devices = inventory.borrow_and_update().kubelet_devices();
+                if tx
+                    .send(Ok(api::ListAndWatchResponse { devices }))
+                    .await
+                    .is_err()
+                {
+                    return; // the kubelet hung up
+                }
+                tokio::select! {
+                    changed = inventory.changed() => if changed.is_err() { return },
+                    _ = stop.wait_for(|s| *s) => return,
+                    _ = tx.closed() => return,
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
+    }
+
+    async fn get_preferred_allocation(
+        &self,
+        request: Request<api::PreferredAllocationRequest>,
+    ) -> Result<Response<api::PreferredAllocationResponse>, Status> {
+        let request = request.into_inner();
+        let _admission = self.shared.admission.lock().await;
+        let inventory = self.shared.inventory.borrow().clone();
+        let pending = self.pending("GetPreferredAllocation").await?;
+        let mut container_responses = Vec::new();
+        for (k, req) in request.container_requests.iter().enumerate() {
+            let device_i_ds = self.preferred_for(&inventory, &pending, k, req).await?;
+            container_responses.push(api::ContainerPreferredAllocationResponse { device_i_ds });
+        }
+        Ok(Response::new(api::PreferredAllocationResponse {
+            container_responses,
+        }))
+    }
+
+    async fn allocate(
+        &self,
+        request: Request<api::AllocateRequest>,
+    ) -> Result<Response<api::AllocateResponse>, Status> {
+        let request = request.into_inner();
+        let metrics = &self.shared.metrics;
+        let _admission = self.shared.admission.lock().await;
+        let inventory = self.shared.inventory.borrow().clone();
+        let pending = match self.pending("Allocate").await {
+            Ok(p) => p,
+            Err(s) => {
+                Metrics::count(&metrics.allocations, "error");
+                return Err(s);
+            }
+        };
+        let result = self.allocate_for(&inventory, &pending, &request).await;
+        Metrics::count(
+            &metrics.allocations,
+            if result.is_ok() { "ok" } else { "error" },
+        );
+        result.map(Response::new)
+    }
+
+    async fn pre_start_container(
+        &self,
+        _request: Request<api::PreStartContainerRequest>,
+    ) -> Result<Response<api::PreStartContainerResponse>, Status> {
+        Ok(Response::new(api::PreStartContainerResponse {}))
+    }
+}
+
+impl DevicePluginService {
+    async fn allocate_for(
+        &self,
+        inventory: &Inventory,
+        pending: &Pending,
+        request: &api::AllocateRequest,
+    ) -> Result<api::AllocateResponse, Status> {
+        let containers = pending.unallocated();
+        let mut recorded = pending.recorded();
+        let mut container_responses = Vec::new();
+        let hami_dir = self.shared.config.hami_core_dir.as_deref();
+        for (k, req) in request.container_requests.iter().enumerate() {
+            let container = containers.get(k).ok_or_else(|| {
+                LedgerError::NothingPending {
+                    namespace: pending.namespace.clone(),
+                    pod: pending.pod.clone(),
+                }
+                .to_status()
+            })?;
+            let context = |e: &dyn std::fmt::Display| {
+                format!("pod {} container {}: {e}", pod_ref(pending), container.name)
+            };
+            check_known(inventory, &req.devices_ids)
+                .map_err(|e| Status::invalid_argument(context(&e)))?;
+            if req.devices_ids.len() != container.devices.len() {
+                let e = SelectError::SizeMismatch {
+                    reserved: container.devices.len(),
+                    requested: req.devices_ids.len(),
+                };
+                return Err(Status::failed_precondition(context(&e)));
+            }
+            if let Some(dir) = hami_dir {
+                let cache = container_cache_dir(dir, &pending.uid, container.index);
+                std::fs::create_dir_all(&cache).map_err(|e| {
+                    Status::internal(context(&format!("creating {}: {e}", cache.display())))
+                })?;
+            }
+            let devices = physical_gpus(inventory, &req.devices_ids);
+            let reserved: Vec<String> = container.devices.iter().map(|d| d.uuid.clone()).collect();
+            if devices != reserved {
+                // The refit issue turns this into a Misaligned condition; the container still
+                // sees the reserved GPUs.
+                tracing::warn!(pod = %pod_ref(pending), container = %container.name,
+                    kubelet = ?devices, reserved = ?reserved,
+                    "the kubelet's replicas belong to other GPUs than the reservation");
+            }
+            container_responses.push(container_response(&pending.uid, container, hami_dir));
+            recorded.push(ContainerAllocation {
+                index: container.index,
+                name: container.name.clone(),
+                replica_ids: req.devices_ids.clone(),
+                devices,
+                allocated_at: now(),
+            });
+        }
+        let updated = self
+            .shared
+            .ledger
+            .record_allocation(pending, &recorded)
+            .await
+            .map_err(|e| e.to_status())?;
+        tracing::info!(pod = %pod_ref(pending), containers = container_responses.len(), "allocated");
+        if unallocated(&updated).is_empty() {
+            match self.shared.ledger.release_lease(pending).await {
+                Ok(released) => {
+                    tracing::info!(pod = %pod_ref(pending), released, "last GPU container allocated; allocation Lease released")
+                }
+                // The allocation stands; the operator frees a stuck Lease on its timeout.
+                Err(e) => {
+                    tracing::warn!(pod = %pod_ref(pending), error = %e, "could not release the allocation Lease")
+                }
+            }
+        }
+        Ok(api::AllocateResponse {
+            container_responses,
+        })
+    }
+}
