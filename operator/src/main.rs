@@ -20,12 +20,40 @@ enum Command {
         #[arg(long)]
         out_dir: Option<PathBuf>,
     },
+    /// Check the ledger's invariants on a live cluster: no over-committed GPU, no reservation
+    /// without a live pod, no GPU pod without a reservation, no silent misalignment, no refit left
+    /// pending past its deadline. Exit 0 when clean, 1 with findings, 2 when the cluster could not
+    /// be read.
+    Audit {
+        /// Kubeconfig file; in-cluster config or $KUBECONFIG when absent.
+        #[arg(long, env = "KUBECONFIG")]
+        kubeconfig: Option<PathBuf>,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+        /// Seconds a RefitRequest may stay pending past its deadline before it is reported.
+        #[arg(long, default_value_t = 5)]
+        refit_grace_seconds: i64,
+    },
+    /// Evaluate a JSON fit scenario (nodes, usage, pod, policy, optional allowed set) and print
+    /// where the pod would go and why not elsewhere. Bad input exits with 2.
+    Fit {
+        /// Scenario file, or `-` for stdin.
+        #[arg(long)]
+        input: String,
+    },
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Crds { out_dir } => print_crds(out_dir),
+        Command::Fit { input } => return run_fit(&input),
+        Command::Audit {
+            kubeconfig,
+            json,
+            refit_grace_seconds,
+        } => return run_audit(kubeconfig, json, refit_grace_seconds),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -52,4 +80,40 @@ fn print_crds(out_dir: Option<PathBuf>) -> Result<(), Box<dyn std::error::Error>
         }
     }
     Ok(())
+}
+
+/// Runs the `fit` subcommand: the decision on stdout, or the input error on stderr with exit 2.
+fn run_fit(input: &str) -> ExitCode {
+    match gpuledger_operator::fit::cli::run(input) {
+        Ok(json) => {
+            println!("{json}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("gpuledger-operator fit: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// Runs the `audit` subcommand on a small runtime of its own.
+fn run_audit(kubeconfig: Option<PathBuf>, json: bool, refit_grace_seconds: i64) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("gpuledger-operator audit: starting the runtime: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let opts = gpuledger_operator::audit::Options {
+        refit_grace_seconds,
+    };
+    ExitCode::from(runtime.block_on(gpuledger_operator::audit::cli::run(
+        kubeconfig.as_deref(),
+        json,
+        opts,
+    )))
 }

@@ -1,0 +1,366 @@
+//! The ledger audit: reads what the cluster holds (GpuNodes, GpuReservations, Pods,
+//! RefitRequests) and reports every broken invariant of DESIGN.md. Pure: the caller lists the
+//! objects (see [`cli`]) and passes `now`, so the checks are unit-tested on hand-made objects and
+//! run unchanged against a live cluster by the e2e fault tests.
+
+pub mod cli;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+
+use gpuledger_crds::conditions::{self, types};
+use gpuledger_crds::{GpuNode, GpuReservation, RefitPhase, RefitRequest, ReservationPhase};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::jiff::Timestamp;
+use serde::Serialize;
+
+use crate::fit::reservation_usage;
+
+/// Everything the audit looks at.
+#[derive(Clone, Debug, Default)]
+pub struct Snapshot {
+    /// Every GpuNode.
+    pub nodes: Vec<GpuNode>,
+    /// Every GpuReservation, all namespaces.
+    pub reservations: Vec<GpuReservation>,
+    /// Every Pod, all namespaces.
+    pub pods: Vec<Pod>,
+    /// Every RefitRequest, all namespaces.
+    pub refits: Vec<RefitRequest>,
+}
+
+/// One broken invariant.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(tag = "kind", rename_all = "camelCase")]
+pub enum Finding {
+    /// The reservations holding capacity on a GPU add up to more than it has.
+    #[serde(rename_all = "camelCase")]
+    OverCommitted {
+        /// Node.
+        node: String,
+        /// GPU UUID.
+        uuid: String,
+        /// Which resource, with used/capacity, e.g. `memory 41000/40000 MiB`.
+        detail: String,
+        /// The reservations (`ns/name`) holding it.
+        holders: Vec<String>,
+    },
+    /// A reservation holds a GPU its node's inventory does not list.
+    #[serde(rename_all = "camelCase")]
+    UnknownDevice {
+        /// Reservation `ns/name`.
+        reservation: String,
+        /// Node.
+        node: String,
+        /// GPU UUID.
+        uuid: String,
+    },
+    /// A reservation holds capacity but its pod is gone, finished or recreated.
+    #[serde(rename_all = "camelCase")]
+    ReservationWithoutPod {
+        /// Reservation `ns/name`.
+        reservation: String,
+        /// What is wrong with the pod.
+        detail: String,
+    },
+    /// A bound, running-or-pending pod asks for GPUs and holds no reservation.
+    #[serde(rename_all = "camelCase")]
+    PodWithoutReservation {
+        /// Pod `ns/name`.
+        pod: String,
+        /// Its node.
+        node: String,
+    },
+    /// The kubelet's allocation names other GPUs than the reservation, with no `Misaligned`
+    /// condition saying so.
+    #[serde(rename_all = "camelCase")]
+    SilentMisalignment {
+        /// Reservation `ns/name`.
+        reservation: String,
+        /// Container index.
+        container: u32,
+        /// Reserved GPUs.
+        reserved: Vec<String>,
+        /// Allocated GPUs.
+        allocated: Vec<String>,
+    },
+    /// A RefitRequest is still pending past its deadline.
+    #[serde(rename_all = "camelCase")]
+    RefitNotTerminal {
+        /// RefitRequest `ns/name`.
+        refit: String,
+        /// How long past its deadline, in seconds.
+        overdue_seconds: i64,
+    },
+}
+
+impl fmt::Display for Finding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Finding::OverCommitted {
+                node,
+                uuid,
+                detail,
+                holders,
+            } => write!(
+                f,
+                "over-committed: {node}/{uuid}: {detail} (held by {})",
+                holders.join(", ")
+            ),
+            Finding::UnknownDevice {
+                reservation,
+                node,
+                uuid,
+            } => write!(
+                f,
+                "unknown device: {reservation} holds {uuid}, which GpuNode {node} does not list"
+            ),
+            Finding::ReservationWithoutPod {
+                reservation,
+                detail,
+            } => {
+                write!(f, "reservation without a live pod: {reservation}: {detail}")
+            }
+            Finding::PodWithoutReservation { pod, node } => write!(
+                f,
+                "pod without reservation: {pod} on {node} asks for nvidia.com/gpu but holds no GpuReservation"
+            ),
+            Finding::SilentMisalignment {
+                reservation,
+                container,
+                reserved,
+                allocated,
+            } => write!(
+                f,
+                "silent misalignment: {reservation} container {container}: reserved [{}], kubelet allocated [{}], no Misaligned condition",
+                reserved.join(","),
+                allocated.join(",")
+            ),
+            Finding::RefitNotTerminal {
+                refit,
+                overdue_seconds,
+            } => write!(
+                f,
+                "refit not terminal: {refit} is still pending {overdue_seconds}s past its deadline"
+            ),
+        }
+    }
+}
+
+/// Audit knobs.
+#[derive(Clone, Copy, Debug)]
+pub struct Options {
+    /// How long past its deadline a RefitRequest may stay pending before it is reported (the
+    /// operator needs a moment to observe the expiry).
+    pub refit_grace_seconds: i64,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            refit_grace_seconds: 5,
+        }
+    }
+}
+
+fn key(ns: Option<&String>, name: Option<&String>) -> String {
+    format!(
+        "{}/{}",
+        ns.map(String::as_str).unwrap_or(""),
+        name.map(String::as_str).unwrap_or("")
+    )
+}
+
+fn holds_capacity(r: &GpuReservation) -> bool {
+    // A reservation without a status yet was just created by bind: it already holds capacity.
+    r.status
+        .as_ref()
+        .and_then(|s| s.phase)
+        .unwrap_or(ReservationPhase::Reserved)
+        .holds_capacity()
+}
+
+fn pod_is_terminal(p: &Pod) -> bool {
+    matches!(
+        p.status.as_ref().and_then(|s| s.phase.as_deref()),
+        Some("Succeeded") | Some("Failed")
+    )
+}
+
+fn pod_requests_gpus(p: &Pod) -> bool {
+    let Some(spec) = &p.spec else { return false };
+    spec.init_containers
+        .iter()
+        .flatten()
+        .chain(spec.containers.iter())
+        .filter_map(|c| c.resources.as_ref()?.limits.as_ref())
+        .filter_map(|l| l.get(gpuledger_crds::resources::GPU))
+        .any(|q| q.0.trim() != "0")
+}
+
+/// Runs every check; findings come back sorted, so two audits of the same state print the same.
+pub fn audit(snap: &Snapshot, now: Timestamp, opts: Options) -> Vec<Finding> {
+    let mut out = Vec::new();
+    check_capacity(snap, &mut out);
+    check_pods(snap, &mut out);
+    check_alignment(snap, &mut out);
+    check_refits(snap, now, opts, &mut out);
+    out.sort();
+    out
+}
+
+fn check_capacity(snap: &Snapshot, out: &mut Vec<Finding>) {
+    let nodes: BTreeMap<&str, &GpuNode> = snap
+        .nodes
+        .iter()
+        .filter_map(|n| Some((n.metadata.name.as_deref()?, n)))
+        .collect();
+    // (node, uuid) -> (sharers, memory, cores, holders)
+    let mut used: BTreeMap<(&str, String), (u64, u64, u64, Vec<String>)> = BTreeMap::new();
+    for r in snap.reservations.iter().filter(|r| holds_capacity(r)) {
+        let name = key(r.metadata.namespace.as_ref(), r.metadata.name.as_ref());
+        for share in reservation_usage(&r.spec) {
+            let e = used
+                .entry((r.spec.node_name.as_str(), share.uuid))
+                .or_default();
+            e.0 += u64::from(share.usage.sharers);
+            e.1 += share.usage.memory_mib;
+            e.2 += u64::from(share.usage.cores);
+            e.3.push(name.clone());
+        }
+    }
+    for ((node, uuid), (sharers, mem, cores, holders)) in used {
+        let status = nodes.get(node).and_then(|n| n.status.as_ref());
+        let device = status.and_then(|s| s.devices.iter().find(|d| d.uuid == uuid));
+        let Some(device) = device else {
+            for reservation in holders {
+                out.push(Finding::UnknownDevice {
+                    reservation,
+                    node: node.to_string(),
+                    uuid: uuid.clone(),
+                });
+            }
+            continue;
+        };
+        let split = u64::from(status.and_then(|s| s.split_count).unwrap_or(1));
+        let mut over = Vec::new();
+        if sharers > split {
+            over.push(format!("sharers {sharers}/{split}"));
+        }
+        if mem > device.memory_mib {
+            over.push(format!("memory {mem}/{} MiB", device.memory_mib));
+        }
+        if cores > u64::from(device.cores) {
+            over.push(format!("cores {cores}/{}", device.cores));
+        }
+        if !over.is_empty() {
+            out.push(Finding::OverCommitted {
+                node: node.to_string(),
+                uuid,
+                detail: over.join(", "),
+                holders,
+            });
+        }
+    }
+}
+
+fn check_pods(snap: &Snapshot, out: &mut Vec<Finding>) {
+    let pods: BTreeMap<String, &Pod> = snap
+        .pods
+        .iter()
+        .map(|p| {
+            (
+                key(p.metadata.namespace.as_ref(), p.metadata.name.as_ref()),
+                p,
+            )
+        })
+        .collect();
+    let mut reserved_uids = BTreeSet::new();
+    for r in snap.reservations.iter().filter(|r| holds_capacity(r)) {
+        let name = key(r.metadata.namespace.as_ref(), r.metadata.name.as_ref());
+        let pod_key = key(r.metadata.namespace.as_ref(), Some(&r.spec.pod_name));
+        let detail = match pods.get(&pod_key) {
+            None => Some(format!("pod {pod_key} does not exist")),
+            Some(p) if p.metadata.uid.as_deref() != Some(r.spec.pod_uid.as_str()) => Some(format!(
+                "pod {pod_key} has uid {}, the reservation was made for {}",
+                p.metadata.uid.as_deref().unwrap_or("?"),
+                r.spec.pod_uid
+            )),
+            Some(p) if pod_is_terminal(p) => Some(format!("pod {pod_key} has finished")),
+            Some(_) => None,
+        };
+        match detail {
+            Some(detail) => out.push(Finding::ReservationWithoutPod {
+                reservation: name,
+                detail,
+            }),
+            None => {
+                reserved_uids.insert(r.spec.pod_uid.as_str());
+            }
+        }
+    }
+    for p in &snap.pods {
+        let node = p.spec.as_ref().and_then(|s| s.node_name.as_deref());
+        let Some(node) = node else { continue };
+        if pod_is_terminal(p) || p.metadata.deletion_timestamp.is_some() || !pod_requests_gpus(p) {
+            continue;
+        }
+        let uid = p.metadata.uid.as_deref().unwrap_or("");
+        if !reserved_uids.contains(uid) {
+            out.push(Finding::PodWithoutReservation {
+                pod: key(p.metadata.namespace.as_ref(), p.metadata.name.as_ref()),
+                node: node.to_string(),
+            });
+        }
+    }
+}
+
+fn check_alignment(snap: &Snapshot, out: &mut Vec<Finding>) {
+    for r in &snap.reservations {
+        let Some(status) = &r.status else { continue };
+        if status.phase != Some(ReservationPhase::Allocated)
+            || conditions::is_true(&status.conditions, types::MISALIGNED)
+        {
+            continue;
+        }
+        for alloc in &status.allocation {
+            let reserved: BTreeSet<&str> = r
+                .spec
+                .container(alloc.index)
+                .map(|c| c.devices.iter().map(|d| d.uuid.as_str()).collect())
+                .unwrap_or_default();
+            let allocated: BTreeSet<&str> = alloc.devices.iter().map(String::as_str).collect();
+            if reserved != allocated {
+                out.push(Finding::SilentMisalignment {
+                    reservation: key(r.metadata.namespace.as_ref(), r.metadata.name.as_ref()),
+                    container: alloc.index,
+                    reserved: reserved.iter().map(|s| s.to_string()).collect(),
+                    allocated: allocated.iter().map(|s| s.to_string()).collect(),
+                });
+            }
+        }
+    }
+}
+
+fn check_refits(snap: &Snapshot, now: Timestamp, opts: Options, out: &mut Vec<Finding>) {
+    for rr in &snap.refits {
+        let terminal = rr
+            .status
+            .as_ref()
+            .and_then(|s| s.phase)
+            .is_some_and(RefitPhase::is_terminal);
+        if terminal {
+            continue;
+        }
+        let overdue = now.as_second() - rr.spec.deadline.0.as_second();
+        if overdue > opts.refit_grace_seconds {
+            out.push(Finding::RefitNotTerminal {
+                refit: key(rr.metadata.namespace.as_ref(), rr.metadata.name.as_ref()),
+                overdue_seconds: overdue,
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

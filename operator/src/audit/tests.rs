@@ -1,0 +1,314 @@
+use std::collections::BTreeMap;
+
+use gpuledger_crds::conditions::{condition, types};
+use gpuledger_crds::{
+    ContainerAllocation, ContainerReservation, GpuDevice, GpuNodeSpec, GpuNodeStatus,
+    GpuReservationSpec, GpuReservationStatus, RefitRequestSpec, RefitRequestStatus, ReservedDevice,
+};
+use k8s_openapi::api::core::v1::{Container, PodSpec, PodStatus, ResourceRequirements};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
+use super::*;
+
+fn ts(secs: i64) -> Timestamp {
+    Timestamp::from_second(secs).unwrap()
+}
+
+fn node(name: &str, gpus: &[(&str, u64)]) -> GpuNode {
+    let mut n = GpuNode::new(name, GpuNodeSpec::default());
+    n.status = Some(GpuNodeStatus {
+        split_count: Some(2),
+        devices: gpus
+            .iter()
+            .enumerate()
+            .map(|(i, (uuid, mem))| GpuDevice {
+                uuid: uuid.to_string(),
+                index: i as u32,
+                model: "NVIDIA A100".into(),
+                memory_mib: *mem,
+                cores: 100,
+                numa_node: Some(0),
+                healthy: true,
+                ..Default::default()
+            })
+            .collect(),
+        ..Default::default()
+    });
+    n
+}
+
+fn pod(name: &str, uid: &str, node: Option<&str>, phase: &str, gpus: &str) -> Pod {
+    let mut p = Pod::default();
+    p.metadata.name = Some(name.into());
+    p.metadata.namespace = Some("ns".into());
+    p.metadata.uid = Some(uid.into());
+    p.spec = Some(PodSpec {
+        node_name: node.map(String::from),
+        containers: vec![Container {
+            name: "main".into(),
+            resources: Some(ResourceRequirements {
+                limits: Some(BTreeMap::from([(
+                    "nvidia.com/gpu".to_string(),
+                    Quantity(gpus.into()),
+                )])),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }],
+        ..Default::default()
+    });
+    p.status = Some(PodStatus {
+        phase: Some(phase.into()),
+        ..Default::default()
+    });
+    p
+}
+
+fn reservation(
+    pod: &str,
+    uid: &str,
+    node: &str,
+    devices: &[(&str, u64, u32)],
+    phase: ReservationPhase,
+) -> GpuReservation {
+    let mut r = GpuReservation::new(
+        pod,
+        GpuReservationSpec {
+            pod_name: pod.into(),
+            pod_uid: uid.into(),
+            node_name: node.into(),
+            containers: vec![ContainerReservation {
+                index: 0,
+                name: "main".into(),
+                init: false,
+                devices: devices
+                    .iter()
+                    .map(|(u, m, c)| ReservedDevice {
+                        uuid: u.to_string(),
+                        memory_mib: *m,
+                        cores: *c,
+                        numa_node: Some(0),
+                    })
+                    .collect(),
+            }],
+            ..Default::default()
+        },
+    );
+    r.metadata.namespace = Some("ns".into());
+    r.status = Some(GpuReservationStatus {
+        phase: Some(phase),
+        ..Default::default()
+    });
+    r
+}
+
+fn clean_snapshot() -> Snapshot {
+    Snapshot {
+        nodes: vec![node("n1", &[("GPU-a", 40000), ("GPU-b", 40000)])],
+        reservations: vec![
+            reservation(
+                "p1",
+                "u1",
+                "n1",
+                &[("GPU-a", 20000, 50)],
+                ReservationPhase::Allocated,
+            ),
+            reservation(
+                "p2",
+                "u2",
+                "n1",
+                &[("GPU-a", 20000, 50)],
+                ReservationPhase::Allocating,
+            ),
+        ],
+        pods: vec![
+            pod("p1", "u1", Some("n1"), "Running", "1"),
+            pod("p2", "u2", Some("n1"), "Pending", "1"),
+            pod("waiting", "u3", None, "Pending", "1"),
+            pod("cpu-only", "u4", Some("n1"), "Running", "0"),
+        ],
+        refits: vec![],
+    }
+}
+
+#[test]
+fn a_consistent_ledger_is_clean() {
+    assert_eq!(
+        audit(&clean_snapshot(), ts(1000), Options::default()),
+        vec![]
+    );
+}
+
+#[test]
+fn over_commit_of_memory_cores_and_sharers_is_reported() {
+    let mut snap = clean_snapshot();
+    snap.pods.push(pod("p3", "u5", Some("n1"), "Running", "1"));
+    snap.reservations.push(reservation(
+        "p3",
+        "u5",
+        "n1",
+        &[("GPU-a", 1000, 10)],
+        ReservationPhase::Allocated,
+    ));
+    let findings = audit(&snap, ts(1000), Options::default());
+    assert_eq!(findings.len(), 1, "{findings:?}");
+    let Finding::OverCommitted {
+        uuid,
+        detail,
+        holders,
+        ..
+    } = &findings[0]
+    else {
+        panic!("{findings:?}")
+    };
+    assert_eq!(uuid, "GPU-a");
+    assert!(detail.contains("sharers 3/2"), "{detail}");
+    assert!(detail.contains("memory 41000/40000 MiB"), "{detail}");
+    assert!(detail.contains("cores 110/100"), "{detail}");
+    assert_eq!(holders.len(), 3);
+}
+
+#[test]
+fn released_reservations_hold_nothing() {
+    let mut snap = clean_snapshot();
+    snap.reservations.push(reservation(
+        "old",
+        "u9",
+        "n1",
+        &[("GPU-a", 40000, 100)],
+        ReservationPhase::Released,
+    ));
+    assert_eq!(audit(&snap, ts(1000), Options::default()), vec![]);
+}
+
+#[test]
+fn reservation_of_missing_finished_or_recreated_pod_is_reported() {
+    let mut snap = clean_snapshot();
+    snap.pods
+        .retain(|p| p.metadata.name.as_deref() != Some("p2"));
+    snap.pods[0].status.as_mut().unwrap().phase = Some("Succeeded".into());
+    let findings = audit(&snap, ts(1000), Options::default());
+    assert_eq!(findings.len(), 2, "{findings:?}");
+    assert!(
+        findings
+            .iter()
+            .all(|f| matches!(f, Finding::ReservationWithoutPod { .. }))
+    );
+
+    let mut snap = clean_snapshot();
+    snap.pods[0].metadata.uid = Some("u1-recreated".into());
+    let findings = audit(&snap, ts(1000), Options::default());
+    // The old reservation is stale, and the new pod has none.
+    assert!(findings.iter().any(|f| matches!(f, Finding::ReservationWithoutPod { detail, .. } if detail.contains("u1-recreated"))));
+    assert!(
+        findings
+            .iter()
+            .any(|f| matches!(f, Finding::PodWithoutReservation { pod, .. } if pod == "ns/p1"))
+    );
+}
+
+#[test]
+fn bound_gpu_pod_without_reservation_is_reported_but_unbound_is_not() {
+    let mut snap = clean_snapshot();
+    snap.reservations.remove(1);
+    let findings = audit(&snap, ts(1000), Options::default());
+    assert_eq!(
+        findings,
+        vec![Finding::PodWithoutReservation {
+            pod: "ns/p2".into(),
+            node: "n1".into()
+        }]
+    );
+}
+
+#[test]
+fn reservation_on_a_device_the_node_does_not_list_is_reported() {
+    let mut snap = clean_snapshot();
+    snap.reservations[0].spec.containers[0].devices[0].uuid = "GPU-zzz".into();
+    let findings = audit(&snap, ts(1000), Options::default());
+    assert!(matches!(&findings[..], [Finding::UnknownDevice { uuid, .. }] if uuid == "GPU-zzz"));
+}
+
+fn allocate(r: &mut GpuReservation, devices: &[&str]) {
+    r.status.as_mut().unwrap().allocation = vec![ContainerAllocation {
+        index: 0,
+        name: "main".into(),
+        replica_ids: devices.iter().map(|d| format!("{d}-0")).collect(),
+        devices: devices.iter().map(|d| d.to_string()).collect(),
+        allocated_at: None,
+    }];
+}
+
+#[test]
+fn misalignment_must_be_recorded() {
+    let mut snap = clean_snapshot();
+    allocate(&mut snap.reservations[0], &["GPU-a"]);
+    assert_eq!(audit(&snap, ts(1000), Options::default()), vec![]);
+
+    allocate(&mut snap.reservations[0], &["GPU-b"]);
+    let findings = audit(&snap, ts(1000), Options::default());
+    assert!(
+        matches!(&findings[..], [Finding::SilentMisalignment { reserved, allocated, .. }]
+        if reserved == &["GPU-a"] && allocated == &["GPU-b"])
+    );
+
+    let now = Time(ts(1000));
+    snap.reservations[0].status.as_mut().unwrap().conditions = vec![condition(
+        types::MISALIGNED,
+        true,
+        "KubeletChoseOtherGpus",
+        "a vs b",
+        None,
+        now,
+    )];
+    assert_eq!(audit(&snap, ts(1000), Options::default()), vec![]);
+}
+
+#[test]
+fn pending_refit_past_deadline_and_grace_is_reported() {
+    let mut snap = clean_snapshot();
+    let mut rr = RefitRequest::new(
+        "p1-0",
+        RefitRequestSpec {
+            pod_name: "p1".into(),
+            pod_uid: "u1".into(),
+            node_name: "n1".into(),
+            reservation: "p1".into(),
+            container_index: 0,
+            container_name: "main".into(),
+            allowed_devices: vec!["GPU-b".into()],
+            deadline: Time(ts(1000)),
+        },
+    );
+    rr.metadata.namespace = Some("ns".into());
+    snap.refits.push(rr);
+    let opts = Options {
+        refit_grace_seconds: 5,
+    };
+    assert_eq!(audit(&snap, ts(1005), opts), vec![]);
+    assert!(matches!(
+        &audit(&snap, ts(1010), opts)[..],
+        [Finding::RefitNotTerminal {
+            overdue_seconds: 10,
+            ..
+        }]
+    ));
+
+    snap.refits[0].status = Some(RefitRequestStatus {
+        phase: Some(RefitPhase::Failed),
+        ..Default::default()
+    });
+    assert_eq!(audit(&snap, ts(5000), opts), vec![]);
+}
+
+#[test]
+fn findings_render_for_humans() {
+    let f = Finding::PodWithoutReservation {
+        pod: "ns/p".into(),
+        node: "n1".into(),
+    };
+    assert!(f.to_string().contains("ns/p on n1"));
+    let json = serde_json::to_value(&f).unwrap();
+    assert_eq!(json["kind"], "podWithoutReservation");
+}
