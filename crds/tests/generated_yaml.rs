@@ -22,10 +22,11 @@ fn all_yaml_dirs() -> Vec<PathBuf> {
 
 #[test]
 fn committed_yaml_matches_the_types() {
-    for (dir, crd) in all_yaml_dirs()
-        .into_iter()
-        .flat_map(|d| gpuledger_crds::crds().into_iter().map(move |c| (d.clone(), c)))
-    {
+    for (dir, crd) in all_yaml_dirs().into_iter().flat_map(|d| {
+        gpuledger_crds::crds()
+            .into_iter()
+            .map(move |c| (d.clone(), c))
+    }) {
         let file = dir.join(gpuledger_crds::crd_file_name(&crd));
         let committed = std::fs::read_to_string(&file)
             .unwrap_or_else(|e| panic!("{}: {e}; run `make crds`", file.display()));
