@@ -45,3 +45,12 @@ lint:
 
 fmt:
 	$(CARGO) fmt --all
+
+## A local control plane in the background (state in target/cluster). cluster-up's last output
+## line is the admin kubeconfig path: kubectl --kubeconfig "$(make -s cluster-up | tail -n1)" ...
+cluster-up:
+	@bin="$$(e2e/k8s/build.sh | tail -n1)"; \
+	GPULEDGER_K8S_BIN="$$bin" $(CARGO) run -q -j $(JOBS) -p gpuledger-e2e --bin gpuledger-cluster -- up --state-dir target/cluster
+
+cluster-down:
+	@$(CARGO) run -q -j $(JOBS) -p gpuledger-e2e --bin gpuledger-cluster -- down --state-dir target/cluster

@@ -1,1 +1,3 @@
 //! End-to-end harness for gpuledger.
+
+pub mod cluster;

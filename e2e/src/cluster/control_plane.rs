@@ -1,0 +1,489 @@
+//! [`ControlPlane`]: etcd, kube-apiserver, kube-controller-manager and kube-scheduler as real
+//! processes on loopback, started in dependency order with readiness waits, and torn down (every
+//! process killed and reaped) on drop — also when a test panics; see `process.rs` for the case
+//! where our own process dies.
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use kube::Client;
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::time::Instant;
+
+use crate::cluster::ClusterError;
+use crate::cluster::binaries::Binaries;
+use crate::cluster::config::{self, DEFAULT_EXTENDER_URL, Ports};
+use crate::cluster::pki::{self, ADMIN_USER, Pki};
+use crate::cluster::process::{self, ProcessGroup, TAIL_LINES};
+
+/// How long each component may take to become ready on a loaded two-core machine.
+pub const DEFAULT_STARTUP_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Whether and how kube-scheduler runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SchedulerSetup {
+    /// No scheduler: pods stay Pending unless a test binds them.
+    Disabled,
+    /// The default scheduler, without extender.
+    Plain,
+    /// The default scheduler plus the gpuledger extender at this URL prefix.
+    Extender(String),
+}
+
+/// What to start.
+#[derive(Clone, Debug)]
+pub struct ControlPlaneOptions {
+    /// Where credentials, data, logs and the kubeconfig go. `None`: a fresh directory under the
+    /// system temp dir, removed on a clean drop (kept when a test panics, for its logs).
+    pub run_dir: Option<PathBuf>,
+    /// kube-scheduler setup.
+    pub scheduler: SchedulerSetup,
+    /// Whether to run kube-controller-manager (garbage collector, namespaces, ServiceAccounts).
+    pub controller_manager: bool,
+    /// Readiness timeout of each component.
+    pub startup_timeout: Duration,
+    /// Executables; `None`: [`Binaries::locate`].
+    pub binaries: Option<Binaries>,
+}
+
+impl Default for ControlPlaneOptions {
+    fn default() -> Self {
+        ControlPlaneOptions {
+            run_dir: None,
+            scheduler: SchedulerSetup::Extender(DEFAULT_EXTENDER_URL.to_string()),
+            controller_manager: true,
+            startup_timeout: DEFAULT_STARTUP_TIMEOUT,
+            binaries: None,
+        }
+    }
+}
+
+impl ControlPlaneOptions {
+    /// Sends `nvidia.com/gpu` pods to the extender at `url` instead of the default.
+    pub fn extender_url(mut self, url: impl Into<String>) -> Self {
+        self.scheduler = SchedulerSetup::Extender(url.into());
+        self
+    }
+
+    /// Runs without kube-scheduler.
+    pub fn without_scheduler(mut self) -> Self {
+        self.scheduler = SchedulerSetup::Disabled;
+        self
+    }
+
+    /// Keeps everything in `dir` (which is not removed on drop).
+    pub fn in_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.run_dir = Some(dir.into());
+        self
+    }
+}
+
+/// Memory of one component process.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProcessStat {
+    /// Component name (`etcd`, `kube-apiserver`, …).
+    pub name: String,
+    /// Its pid.
+    pub pid: u32,
+    /// Resident set size in KiB; `None` if it is gone.
+    pub rss_kib: Option<u64>,
+}
+
+/// A running local control plane. Dropping it kills every process.
+pub struct ControlPlane {
+    run_dir: PathBuf,
+    remove_run_dir: bool,
+    processes: ProcessGroup,
+    client: Client,
+    kubeconfig: PathBuf,
+    server: String,
+    pki: Pki,
+    startup: Duration,
+}
+
+impl std::fmt::Debug for ControlPlane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ControlPlane")
+            .field("server", &self.server)
+            .field("run_dir", &self.run_dir)
+            .field("processes", &self.processes.pids())
+            .finish()
+    }
+}
+
+impl ControlPlane {
+    /// Starts etcd, then kube-apiserver, then kube-controller-manager and kube-scheduler (as
+    /// configured), waiting for each to be healthy. On error every started process is killed
+    /// and the error carries the failing component's log tail.
+    pub async fn start(opts: ControlPlaneOptions) -> Result<Self, ClusterError> {
+        let started = Instant::now();
+        let bins = match opts.binaries.clone() {
+            Some(b) => b,
+            None => Binaries::locate()?,
+        };
+        let (run_dir, remove_run_dir) = match &opts.run_dir {
+            Some(dir) => (dir.clone(), false),
+            None => (temp_run_dir(), true),
+        };
+        std::fs::create_dir_all(&run_dir).map_err(|e| ClusterError::io("create", &run_dir, e))?;
+        let pki = pki::generate(&run_dir.join("pki"))?;
+        let ports = reserve_ports()?;
+        let timeout = opts.startup_timeout;
+        let mut procs = ProcessGroup::new()?;
+
+        let log = |name: &str| run_dir.join(format!("{name}.log"));
+        procs.spawn(
+            "etcd",
+            &bins.etcd,
+            &config::etcd_args(&run_dir.join("etcd"), &ports),
+            &log("etcd"),
+        )?;
+        wait_ready(&mut procs, "etcd", timeout, || {
+            etcd_healthy(ports.etcd_client)
+        })
+        .await?;
+
+        let server = format!("https://127.0.0.1:{}", ports.apiserver);
+        let kubeconfig = run_dir.join("kubeconfig");
+        write_yaml(
+            &kubeconfig,
+            config::kubeconfig_yaml(&server, &pki.ca_cert, ADMIN_USER, &pki.admin_token),
+        )?;
+        procs.spawn(
+            "kube-apiserver",
+            &bins.kube_apiserver,
+            &config::apiserver_args(&pki, &ports, &run_dir.join("apiserver-certs")),
+            &log("kube-apiserver"),
+        )?;
+        let client = client_from_kubeconfig(&kubeconfig, ADMIN_USER).await?;
+        wait_ready(&mut procs, "kube-apiserver", timeout, || {
+            get_ok(&client, "/readyz")
+        })
+        .await?;
+
+        // The controller manager and the scheduler only need the API server: start both, then
+        // wait for both.
+        let mut health_checks = Vec::new();
+        if opts.controller_manager {
+            procs.spawn(
+                "kube-controller-manager",
+                &bins.kube_controller_manager,
+                &config::controller_manager_args(
+                    &kubeconfig,
+                    &pki,
+                    ports.controller_manager,
+                    &run_dir.join("controller-manager-certs"),
+                ),
+                &log("kube-controller-manager"),
+            )?;
+            health_checks.push(("kube-controller-manager", ports.controller_manager));
+        }
+        let extender = match &opts.scheduler {
+            SchedulerSetup::Disabled => None,
+            SchedulerSetup::Plain => Some(None),
+            SchedulerSetup::Extender(url) => Some(Some(url.as_str())),
+        };
+        if let Some(extender) = extender {
+            let sched_config = run_dir.join("scheduler.yaml");
+            write_yaml(
+                &sched_config,
+                config::scheduler_config_yaml(&kubeconfig, extender),
+            )?;
+            procs.spawn(
+                "kube-scheduler",
+                &bins.kube_scheduler,
+                &config::scheduler_args(
+                    &sched_config,
+                    &kubeconfig,
+                    ports.scheduler,
+                    &run_dir.join("scheduler-certs"),
+                ),
+                &log("kube-scheduler"),
+            )?;
+            health_checks.push(("kube-scheduler", ports.scheduler));
+        }
+        for (name, port) in health_checks {
+            let probe = insecure_client(port)?;
+            wait_ready(&mut procs, name, timeout, || get_ok(&probe, "/healthz")).await?;
+        }
+
+        let startup = started.elapsed();
+        tracing::info!(server, ?startup, run_dir = %run_dir.display(), "control plane ready");
+        Ok(ControlPlane {
+            run_dir,
+            remove_run_dir,
+            processes: procs,
+            client,
+            kubeconfig,
+            server,
+            pki,
+            startup,
+        })
+    }
+
+    /// A client authenticated as the admin (`system:masters`).
+    pub fn client(&self) -> Client {
+        self.client.clone()
+    }
+
+    /// The admin kubeconfig file.
+    pub fn kubeconfig(&self) -> &Path {
+        &self.kubeconfig
+    }
+
+    /// `https://127.0.0.1:<port>` of the API server.
+    pub fn server_url(&self) -> &str {
+        &self.server
+    }
+
+    /// The CA certificate clients must trust.
+    pub fn ca_cert(&self) -> &Path {
+        &self.pki.ca_cert
+    }
+
+    /// The directory holding credentials, data and logs.
+    pub fn run_dir(&self) -> &Path {
+        &self.run_dir
+    }
+
+    /// How long [`ControlPlane::start`] took until every component was ready.
+    pub fn startup_time(&self) -> Duration {
+        self.startup
+    }
+
+    /// The process group every component runs in.
+    pub fn process_group(&self) -> u32 {
+        self.processes.pgid()
+    }
+
+    /// Pid and resident memory of every component.
+    pub fn process_stats(&self) -> Vec<ProcessStat> {
+        self.processes
+            .pids()
+            .into_iter()
+            .map(|(name, pid)| ProcessStat {
+                name,
+                pid,
+                rss_kib: process::rss_kib(pid),
+            })
+            .collect()
+    }
+
+    /// The log file of a component.
+    pub fn log_of(&self, component: &str) -> Option<&Path> {
+        self.processes.log_of(component)
+    }
+
+    /// The last `lines` lines of every component's log.
+    pub fn log_tails(&self, lines: usize) -> String {
+        self.processes.log_tails(lines)
+    }
+
+    /// Fails if any component has exited.
+    pub fn check_running(&mut self) -> Result<(), ClusterError> {
+        self.processes.check_running()
+    }
+
+    /// Stops every process now (dropping does the same).
+    pub fn stop(self) {}
+}
+
+impl Drop for ControlPlane {
+    fn drop(&mut self) {
+        let panicking = std::thread::panicking();
+        if panicking {
+            eprintln!(
+                "control plane at {} torn down after a panic; run dir {} kept. Log tails:\n{}",
+                self.server,
+                self.run_dir.display(),
+                self.processes.log_tails(TAIL_LINES)
+            );
+        }
+        self.processes.stop();
+        if self.remove_run_dir && !panicking {
+            let _ = std::fs::remove_dir_all(&self.run_dir);
+        }
+    }
+}
+
+/// Loads a kubeconfig file and builds a client from its current context.
+pub async fn client_from_kubeconfig(path: &Path, who: &str) -> Result<Client, ClusterError> {
+    let kubeconfig_err = |source| ClusterError::Kubeconfig {
+        path: path.to_path_buf(),
+        source,
+    };
+    let kc = Kubeconfig::read_from(path).map_err(kubeconfig_err)?;
+    let cfg = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+        .await
+        .map_err(kubeconfig_err)?;
+    Client::try_from(cfg).map_err(|source| ClusterError::Client {
+        who: who.to_string(),
+        source,
+    })
+}
+
+/// A client for a component's self-signed health endpoint; nothing secret flows over it.
+fn insecure_client(port: u16) -> Result<Client, ClusterError> {
+    let who = format!("https://127.0.0.1:{port}");
+    let uri: http::Uri = who
+        .parse()
+        .map_err(|e: http::uri::InvalidUri| ClusterError::Client {
+            who: who.clone(),
+            source: kube::Error::Service(Box::new(e)),
+        })?;
+    let mut cfg = kube::Config::new(uri);
+    cfg.accept_invalid_certs = true;
+    Client::try_from(cfg).map_err(|source| ClusterError::Client { who, source })
+}
+
+/// GET `path` and expect the body `ok` (the health endpoints' answer).
+async fn get_ok(client: &Client, path: &str) -> Result<(), String> {
+    let req = http::Request::get(path)
+        .body(Vec::new())
+        .map_err(|e| e.to_string())?;
+    let body = client.request_text(req).await.map_err(|e| e.to_string())?;
+    if body.trim() == "ok" {
+        Ok(())
+    } else {
+        Err(format!("{path} answered {body:?}"))
+    }
+}
+
+/// etcd's `/health` over plain HTTP/1.0 on loopback (no HTTP client needed for one request).
+async fn etcd_healthy(port: u16) -> Result<(), String> {
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
+    stream
+        .write_all(b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+        .await
+        .map_err(|e| format!("write: {e}"))?;
+    let mut response = String::new();
+    stream
+        .read_to_string(&mut response)
+        .await
+        .map_err(|e| format!("read: {e}"))?;
+    if response.contains("\"health\":\"true\"") {
+        Ok(())
+    } else {
+        Err(format!("/health answered {response:?}"))
+    }
+}
+
+/// Probes a component until it is ready, failing early (with its log) when any component exits.
+async fn wait_ready<F, Fut>(
+    procs: &mut ProcessGroup,
+    name: &str,
+    timeout: Duration,
+    mut probe: F,
+) -> Result<(), ClusterError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<(), String>>,
+{
+    let deadline = Instant::now() + timeout;
+    let mut last = String::from("never probed");
+    loop {
+        procs.check_running()?;
+        match tokio::time::timeout_at(deadline, probe()).await {
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(e)) => last = e,
+            Err(_) => last = format!("probe still running at the deadline (previous: {last})"),
+        }
+        if Instant::now() >= deadline {
+            let log = procs
+                .log_of(name)
+                .map(Path::to_path_buf)
+                .unwrap_or_default();
+            return Err(ClusterError::NotReady {
+                name: name.to_string(),
+                timeout,
+                last,
+                tail: process::tail(&log, TAIL_LINES),
+                log,
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// Reserves distinct free loopback ports by holding all listeners until every port is known.
+/// (A port could in theory be taken again before the component binds it; that race is far
+/// rarer than the collisions fixed ports would cause between parallel runs.)
+fn reserve_ports() -> Result<Ports, ClusterError> {
+    let listeners = (0..5)
+        .map(|_| std::net::TcpListener::bind(("127.0.0.1", 0)).map_err(ClusterError::Port))
+        .collect::<Result<Vec<_>, _>>()?;
+    let port = |i: usize| -> Result<u16, ClusterError> {
+        Ok(listeners[i]
+            .local_addr()
+            .map_err(ClusterError::Port)?
+            .port())
+    };
+    Ok(Ports {
+        etcd_client: port(0)?,
+        etcd_peer: port(1)?,
+        apiserver: port(2)?,
+        scheduler: port(3)?,
+        controller_manager: port(4)?,
+    })
+}
+
+fn temp_run_dir() -> PathBuf {
+    std::env::temp_dir().join(format!(
+        "gpuledger-cp-{}-{:08x}",
+        std::process::id(),
+        rand::random::<u32>()
+    ))
+}
+
+fn write_yaml(path: &Path, yaml: Result<String, serde_yaml::Error>) -> Result<(), ClusterError> {
+    let text = yaml.map_err(|source| ClusterError::Yaml {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    std::fs::write(path, text).map_err(|e| ClusterError::io("write", path, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reserved_ports_are_distinct() {
+        let p = reserve_ports().unwrap();
+        let mut all = vec![
+            p.etcd_client,
+            p.etcd_peer,
+            p.apiserver,
+            p.scheduler,
+            p.controller_manager,
+        ];
+        all.sort_unstable();
+        all.dedup();
+        assert_eq!(all.len(), 5);
+        assert!(all.iter().all(|&port| port > 0));
+    }
+
+    #[test]
+    fn default_options_use_the_operator_extender_and_gc() {
+        let o = ControlPlaneOptions::default();
+        assert_eq!(
+            o.scheduler,
+            SchedulerSetup::Extender("http://127.0.0.1:9443".into())
+        );
+        assert!(o.controller_manager);
+        assert_eq!(o.startup_timeout, Duration::from_secs(120));
+        let o = o.without_scheduler();
+        assert_eq!(o.scheduler, SchedulerSetup::Disabled);
+    }
+
+    #[tokio::test]
+    async fn etcd_probe_reports_a_refused_connection() {
+        let free = reserve_ports().unwrap().etcd_client;
+        let err = etcd_healthy(free).await.unwrap_err();
+        assert!(err.contains("connect"), "{err}");
+    }
+}

@@ -1,0 +1,98 @@
+//! Polling with a deadline: the one way tests and the harness wait for the cluster to reach a
+//! state. Deadlines are generous (two shared cores); a miss fails with what was awaited and the
+//! last thing seen, never silently.
+
+use std::fmt::Display;
+use std::future::Future;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::cluster::ClusterError;
+
+/// First pause between probes; it doubles up to [`MAX_INTERVAL`].
+const FIRST_INTERVAL: Duration = Duration::from_millis(100);
+/// Longest pause between probes.
+const MAX_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Calls `probe` until it returns `Ok(Some(value))`, then returns the value. `Ok(None)` means
+/// "not yet" and an `Err` is treated as transient (the server may still be starting); both are
+/// retried until `timeout`, after which the error names `what` and the last observation.
+pub async fn wait_for<T, E, F, Fut>(
+    what: impl Into<String>,
+    timeout: Duration,
+    mut probe: F,
+) -> Result<T, ClusterError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<Option<T>, E>>,
+    E: Display,
+{
+    let deadline = Instant::now() + timeout;
+    let mut interval = FIRST_INTERVAL;
+    let mut last = String::from("never probed");
+    loop {
+        match tokio::time::timeout_at(deadline, probe()).await {
+            Ok(Ok(Some(value))) => return Ok(value),
+            Ok(Ok(None)) => last = "condition not met yet".into(),
+            Ok(Err(e)) => last = e.to_string(),
+            Err(_) => last = format!("probe still running at the deadline (previous: {last})"),
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(ClusterError::Timeout {
+                what: what.into(),
+                timeout,
+                last,
+            });
+        }
+        tokio::time::sleep_until((now + interval).min(deadline)).await;
+        interval = (interval * 2).min(MAX_INTERVAL);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn returns_the_value_once_ready() {
+        let mut calls = 0;
+        let v = wait_for("three calls", Duration::from_secs(30), || {
+            calls += 1;
+            let n = calls;
+            async move {
+                if n < 3 {
+                    Err(format!("attempt {n} failed"))
+                } else {
+                    Ok(Some(n * 10))
+                }
+            }
+        })
+        .await
+        .unwrap();
+        assert_eq!(v, 30);
+    }
+
+    #[tokio::test]
+    async fn timeout_names_the_wait_and_the_last_error() {
+        let err = wait_for("the impossible", Duration::from_millis(50), || async {
+            Err::<Option<()>, _>("still broken")
+        })
+        .await
+        .unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("the impossible"), "{msg}");
+        assert!(msg.contains("still broken"), "{msg}");
+    }
+
+    #[tokio::test]
+    async fn a_hanging_probe_cannot_outlive_the_deadline() {
+        let err = wait_for("a hang", Duration::from_millis(50), || async {
+            std::future::pending::<Result<Option<()>, String>>().await
+        })
+        .await
+        .unwrap_err();
+        assert!(matches!(err, ClusterError::Timeout { .. }), "{err}");
+    }
+}
