@@ -42,6 +42,8 @@ pub struct Context {
     pub default_alignment: Alignment,
     /// Bind's patience for a node's allocation Lease.
     pub lease_wait: std::time::Duration,
+    /// How long a reservation may stay Allocating.
+    pub allocating_timeout: std::time::Duration,
     /// Metrics.
     pub metrics: Arc<Metrics>,
     /// Health and leadership.

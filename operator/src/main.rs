@@ -14,6 +14,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Run the operator: scheduler extender, reservation ledger and controllers.
+    Run(Box<gpuledger_operator::config::RunConfig>),
     /// Print every gpuledger CRD as YAML, or write one file per CRD into --out-dir.
     Crds {
         /// Directory to write `<crd name>.yaml` files into (stdout when absent).
@@ -47,6 +49,7 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Run(config) => return run_operator(*config),
         Command::Crds { out_dir } => print_crds(out_dir),
         Command::Fit { input } => return run_fit(&input),
         Command::Audit {
@@ -116,4 +119,61 @@ fn run_audit(kubeconfig: Option<PathBuf>, json: bool, refit_grace_seconds: i64) 
         json,
         opts,
     )))
+}
+
+/// Runs the operator until SIGINT/SIGTERM. Logs go to stderr, filtered by `RUST_LOG`
+/// (default `info`); `GPULEDGER_LOG_FORMAT=json` prints one JSON object per line.
+fn run_operator(config: gpuledger_operator::config::RunConfig) -> ExitCode {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if std::env::var("GPULEDGER_LOG_FORMAT").as_deref() == Ok("json") {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("gpuledger-operator run: starting the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(gpuledger_operator::run::run(config, shutdown_signal())) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = %e, "operator stopped");
+            eprintln!("gpuledger-operator run: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Completes on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
 }

@@ -1,0 +1,441 @@
+//! The reservation lifecycle as a pure decision: given a reservation, its pod (if any) and the
+//! time, what is the next step. The controller in [`super::reservation`] executes the step; one
+//! step per reconcile, since every write triggers the next reconcile through the watch.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use gpuledger_crds::{GpuReservation, ReservationPhase};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use kube::ResourceExt;
+
+/// How long a reservation may wait, unbound, for bind to post the Binding. Bind does it within
+/// one extender call (seconds); anything older is a leftover of a crashed bind.
+pub const BIND_GRACE: Duration = Duration::from_secs(60);
+
+/// The next step for one reservation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// Delete it: its pod is gone, was recreated, or never got bound to its node.
+    Delete {
+        /// Why (logged).
+        why: &'static str,
+    },
+    /// Move to a new phase; `free_lease` also frees the node's allocation Lease if this pod
+    /// still holds it.
+    Phase {
+        /// The new phase.
+        phase: ReservationPhase,
+        /// Whether to free the pod's allocation Lease.
+        free_lease: bool,
+    },
+    /// Record (or clear) the `Misaligned` condition.
+    Misaligned {
+        /// `None` clears it.
+        message: Option<String>,
+    },
+    /// The init containers are done: release their usage.
+    ShrinkInit,
+    /// Nothing now; look again after this long.
+    WaitFor(Duration),
+    /// Nothing to do until something changes.
+    Idle,
+}
+
+fn phase_of(r: &GpuReservation) -> ReservationPhase {
+    r.status.as_ref().and_then(|s| s.phase).unwrap_or_default()
+}
+
+fn elapsed_since(t: Option<Timestamp>, now: Timestamp) -> Duration {
+    t.map(|t| now.duration_since(t))
+        .and_then(|d: SignedDuration| Duration::try_from(d).ok())
+        .unwrap_or_default()
+}
+
+fn pod_finished(pod: &Pod) -> bool {
+    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+    matches!(phase, Some("Succeeded" | "Failed")) || pod.metadata.deletion_timestamp.is_some()
+}
+
+/// Whether every init container of `pod` has terminated with exit code 0.
+pub fn init_containers_done(pod: &Pod) -> bool {
+    let wanted = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.init_containers.as_ref())
+        .map_or(0, Vec::len);
+    if wanted == 0 {
+        return false;
+    }
+    let statuses = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.init_container_statuses.as_deref())
+        .unwrap_or_default();
+    statuses.len() == wanted
+        && statuses.iter().all(|s| {
+            s.state
+                .as_ref()
+                .and_then(|st| st.terminated.as_ref())
+                .is_some_and(|t| t.exit_code == 0)
+        })
+}
+
+/// Whether the device plugin recorded an allocation for every reserved container.
+pub fn fully_allocated(r: &GpuReservation) -> bool {
+    let allocated: BTreeSet<u32> = r
+        .status
+        .as_ref()
+        .map(|s| s.allocation.iter().map(|a| a.index).collect())
+        .unwrap_or_default();
+    !r.spec.containers.is_empty()
+        && r.spec
+            .containers
+            .iter()
+            .all(|c| allocated.contains(&c.index))
+}
+
+/// Describes every container whose allocated GPUs differ from its reserved ones, naming both
+/// sets; `None` when they agree.
+pub fn misalignment(r: &GpuReservation) -> Option<String> {
+    let status = r.status.as_ref()?;
+    let mut problems = Vec::new();
+    for a in &status.allocation {
+        let Some(c) = r.spec.container(a.index) else {
+            continue;
+        };
+        let reserved: BTreeSet<&str> = c.devices.iter().map(|d| d.uuid.as_str()).collect();
+        let allocated: BTreeSet<&str> = a.devices.iter().map(String::as_str).collect();
+        if reserved != allocated {
+            let list = |s: &BTreeSet<&str>| s.iter().copied().collect::<Vec<_>>().join(",");
+            problems.push(format!(
+                "container {} reserved [{}] but was allocated [{}]",
+                c.name,
+                list(&reserved),
+                list(&allocated)
+            ));
+        }
+    }
+    (!problems.is_empty()).then(|| problems.join("; "))
+}
+
+fn misaligned_recorded(r: &GpuReservation) -> Option<&str> {
+    let conds = &r.status.as_ref()?.conditions;
+    gpuledger_crds::conditions::find(conds, gpuledger_crds::conditions::types::MISALIGNED)
+        .filter(|c| c.status == "True")
+        .map(|c| c.message.as_str())
+}
+
+/// The next step for `r`, whose pod (same namespace and name) is `pod`.
+pub fn next_step(
+    r: &GpuReservation,
+    pod: Option<&Pod>,
+    now: Timestamp,
+    allocating_timeout: Duration,
+) -> Step {
+    let Some(pod) = pod.filter(|p| p.uid().as_deref() == Some(r.spec.pod_uid.as_str())) else {
+        return Step::Delete {
+            why: "pod gone or recreated",
+        };
+    };
+    let phase = phase_of(r);
+    if pod_finished(pod) {
+        return if phase.holds_capacity() {
+            Step::Phase {
+                phase: ReservationPhase::Released,
+                free_lease: true,
+            }
+        } else {
+            Step::Idle
+        };
+    }
+    let bound_to = pod.spec.as_ref().and_then(|s| s.node_name.as_deref());
+    match phase {
+        ReservationPhase::Reserved => match bound_to {
+            Some(n) if n == r.spec.node_name => Step::Phase {
+                phase: ReservationPhase::Allocating,
+                free_lease: false,
+            },
+            Some(_) => Step::Delete {
+                why: "pod bound to another node",
+            },
+            None => {
+                let age = elapsed_since(r.metadata.creation_timestamp.as_ref().map(|t| t.0), now);
+                if age >= BIND_GRACE {
+                    Step::Delete {
+                        why: "pod never bound",
+                    }
+                } else {
+                    Step::WaitFor(BIND_GRACE - age)
+                }
+            }
+        },
+        ReservationPhase::Allocating => {
+            if fully_allocated(r) {
+                return Step::Phase {
+                    phase: ReservationPhase::Allocated,
+                    free_lease: false,
+                };
+            }
+            let since = r
+                .status
+                .as_ref()
+                .and_then(|s| s.phase_since.as_ref())
+                .map(|t| t.0);
+            let waited = elapsed_since(since, now);
+            if waited >= allocating_timeout {
+                Step::Phase {
+                    phase: ReservationPhase::Failed,
+                    free_lease: true,
+                }
+            } else {
+                Step::WaitFor(allocating_timeout - waited)
+            }
+        }
+        ReservationPhase::Allocated => {
+            let found = misalignment(r);
+            if found.as_deref() != misaligned_recorded(r) {
+                return Step::Misaligned { message: found };
+            }
+            let has_init = r.spec.containers.iter().any(|c| c.init);
+            if has_init && !r.spec.init_released && init_containers_done(pod) {
+                return Step::ShrinkInit;
+            }
+            Step::Idle
+        }
+        ReservationPhase::Released | ReservationPhase::Failed => Step::Idle,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpuledger_crds::{
+        ContainerAllocation, ContainerReservation, GpuReservationSpec, GpuReservationStatus,
+        ReservedDevice,
+    };
+    use k8s_openapi::api::core::v1::{
+        Container, ContainerState, ContainerStateTerminated, ContainerStatus, PodSpec, PodStatus,
+    };
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
+    const TIMEOUT: Duration = Duration::from_secs(300);
+
+    fn t(secs: i64) -> Timestamp {
+        Timestamp::from_second(1_800_000_000 + secs).unwrap()
+    }
+
+    fn dev(uuid: &str) -> ReservedDevice {
+        ReservedDevice {
+            uuid: uuid.into(),
+            memory_mib: 1000,
+            cores: 10,
+            numa_node: Some(0),
+        }
+    }
+
+    fn reservation(phase: Option<ReservationPhase>, since: i64) -> GpuReservation {
+        let mut r = GpuReservation::new(
+            "p",
+            GpuReservationSpec {
+                pod_name: "p".into(),
+                pod_uid: "uid-1".into(),
+                node_name: "n1".into(),
+                containers: vec![
+                    ContainerReservation {
+                        index: 0,
+                        name: "init".into(),
+                        init: true,
+                        devices: vec![dev("GPU-a")],
+                    },
+                    ContainerReservation {
+                        index: 1,
+                        name: "main".into(),
+                        init: false,
+                        devices: vec![dev("GPU-a")],
+                    },
+                ],
+                ..Default::default()
+            },
+        );
+        r.metadata.creation_timestamp = Some(Time(t(0)));
+        r.status = phase.map(|p| GpuReservationStatus {
+            phase: Some(p),
+            phase_since: Some(Time(t(since))),
+            ..Default::default()
+        });
+        r
+    }
+
+    fn pod(uid: &str, node: Option<&str>, phase: &str) -> Pod {
+        let mut p = Pod::default();
+        p.metadata.name = Some("p".into());
+        p.metadata.uid = Some(uid.into());
+        p.spec = Some(PodSpec {
+            node_name: node.map(str::to_string),
+            init_containers: Some(vec![Container {
+                name: "init".into(),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        });
+        p.status = Some(PodStatus {
+            phase: Some(phase.into()),
+            ..Default::default()
+        });
+        p
+    }
+
+    fn allocate(r: &mut GpuReservation, index: u32, uuids: &[&str]) {
+        let s = r.status.get_or_insert_with(Default::default);
+        s.allocation.push(ContainerAllocation {
+            index,
+            name: format!("c{index}"),
+            replica_ids: vec![],
+            devices: uuids.iter().map(|u| u.to_string()).collect(),
+            allocated_at: None,
+        });
+    }
+
+    #[test]
+    fn missing_or_recreated_pod_deletes_the_reservation() {
+        let r = reservation(Some(ReservationPhase::Allocated), 0);
+        assert!(matches!(
+            next_step(&r, None, t(1), TIMEOUT),
+            Step::Delete { .. }
+        ));
+        let other = pod("uid-2", Some("n1"), "Running");
+        assert!(matches!(
+            next_step(&r, Some(&other), t(1), TIMEOUT),
+            Step::Delete { .. }
+        ));
+    }
+
+    #[test]
+    fn finished_pod_releases_once() {
+        let r = reservation(Some(ReservationPhase::Allocated), 0);
+        for phase in ["Succeeded", "Failed"] {
+            let p = pod("uid-1", Some("n1"), phase);
+            assert_eq!(
+                next_step(&r, Some(&p), t(1), TIMEOUT),
+                Step::Phase {
+                    phase: ReservationPhase::Released,
+                    free_lease: true
+                }
+            );
+        }
+        let released = reservation(Some(ReservationPhase::Released), 0);
+        let p = pod("uid-1", Some("n1"), "Succeeded");
+        assert_eq!(next_step(&released, Some(&p), t(1), TIMEOUT), Step::Idle);
+    }
+
+    #[test]
+    fn reserved_moves_on_when_bound_and_expires_when_not() {
+        let r = reservation(None, 0);
+        let bound = pod("uid-1", Some("n1"), "Pending");
+        assert!(matches!(
+            next_step(&r, Some(&bound), t(1), TIMEOUT),
+            Step::Phase {
+                phase: ReservationPhase::Allocating,
+                ..
+            }
+        ));
+        let unbound = pod("uid-1", None, "Pending");
+        assert_eq!(
+            next_step(&r, Some(&unbound), t(10), TIMEOUT),
+            Step::WaitFor(Duration::from_secs(50))
+        );
+        assert!(matches!(
+            next_step(&r, Some(&unbound), t(61), TIMEOUT),
+            Step::Delete { .. }
+        ));
+        let elsewhere = pod("uid-1", Some("n2"), "Pending");
+        assert!(matches!(
+            next_step(&r, Some(&elsewhere), t(1), TIMEOUT),
+            Step::Delete { .. }
+        ));
+    }
+
+    #[test]
+    fn allocating_completes_or_times_out() {
+        let mut r = reservation(Some(ReservationPhase::Allocating), 100);
+        let p = pod("uid-1", Some("n1"), "Pending");
+        assert_eq!(
+            next_step(&r, Some(&p), t(160), TIMEOUT),
+            Step::WaitFor(Duration::from_secs(240))
+        );
+        assert_eq!(
+            next_step(&r, Some(&p), t(400), TIMEOUT),
+            Step::Phase {
+                phase: ReservationPhase::Failed,
+                free_lease: true
+            }
+        );
+        allocate(&mut r, 0, &["GPU-a"]);
+        // One of two containers allocated: still waiting.
+        assert!(matches!(
+            next_step(&r, Some(&p), t(160), TIMEOUT),
+            Step::WaitFor(_)
+        ));
+        allocate(&mut r, 1, &["GPU-a"]);
+        assert!(matches!(
+            next_step(&r, Some(&p), t(160), TIMEOUT),
+            Step::Phase {
+                phase: ReservationPhase::Allocated,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn misalignment_names_both_sets_and_is_recorded_once() {
+        let mut r = reservation(Some(ReservationPhase::Allocated), 0);
+        allocate(&mut r, 0, &["GPU-a"]);
+        allocate(&mut r, 1, &["GPU-b"]);
+        let p = pod("uid-1", Some("n1"), "Running");
+        let Step::Misaligned { message: Some(m) } = next_step(&r, Some(&p), t(1), TIMEOUT) else {
+            panic!("expected Misaligned");
+        };
+        assert_eq!(
+            m,
+            "container main reserved [GPU-a] but was allocated [GPU-b]"
+        );
+        let s = r.status.as_mut().unwrap();
+        s.conditions.push(gpuledger_crds::conditions::condition(
+            "Misaligned",
+            true,
+            "AllocationDiffers",
+            m,
+            None,
+            Time(t(1)),
+        ));
+        assert_eq!(next_step(&r, Some(&p), t(2), TIMEOUT), Step::Idle);
+    }
+
+    #[test]
+    fn init_shrink_waits_for_successful_init_containers() {
+        let mut r = reservation(Some(ReservationPhase::Allocated), 0);
+        allocate(&mut r, 0, &["GPU-a"]);
+        allocate(&mut r, 1, &["GPU-a"]);
+        let mut p = pod("uid-1", Some("n1"), "Running");
+        assert_eq!(next_step(&r, Some(&p), t(1), TIMEOUT), Step::Idle);
+        let terminated = |code| ContainerStatus {
+            name: "init".into(),
+            state: Some(ContainerState {
+                terminated: Some(ContainerStateTerminated {
+                    exit_code: code,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        p.status.as_mut().unwrap().init_container_statuses = Some(vec![terminated(1)]);
+        assert_eq!(next_step(&r, Some(&p), t(1), TIMEOUT), Step::Idle);
+        p.status.as_mut().unwrap().init_container_statuses = Some(vec![terminated(0)]);
+        assert_eq!(next_step(&r, Some(&p), t(1), TIMEOUT), Step::ShrinkInit);
+        r.spec.init_released = true;
+        assert_eq!(next_step(&r, Some(&p), t(1), TIMEOUT), Step::Idle);
+    }
+}

@@ -1,0 +1,147 @@
+//! NumaPolicy status: how many GPU pods of its namespace this policy currently decides the
+//! alignment of (the pod has no annotation and this policy wins the tie-break), and a `Ready`
+//! condition saying whether its selector can be evaluated. The alignment itself is resolved at
+//! bind and recorded in each reservation.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use gpuledger_crds::NumaPolicy;
+use gpuledger_crds::alignment::AlignmentSource;
+use gpuledger_crds::conditions::{condition, set_condition, types::READY};
+use gpuledger_crds::names::OPERATOR_MANAGER;
+use gpuledger_crds::numapolicy::selector_matches;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::watcher;
+use kube::{Resource, ResourceExt};
+use serde_json::json;
+
+use crate::context::Context;
+use crate::extender::filter::gpu_request;
+
+/// How often matched counts are refreshed (pods come and go without touching the policy).
+const REFRESH: Duration = Duration::from_secs(15);
+
+/// Why a reconcile failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyError {
+    /// Listing pods or writing status failed.
+    #[error("{action} for NumaPolicy {policy}: {source}")]
+    Api {
+        /// What was attempted.
+        action: &'static str,
+        /// namespace/name.
+        policy: String,
+        /// The client error.
+        #[source]
+        source: kube::Error,
+    },
+}
+
+/// Runs the controller until the process ends.
+pub async fn run(ctx: Arc<Context>) {
+    let api: Api<NumaPolicy> = Api::all(ctx.client.clone());
+    Controller::new(api, watcher::Config::default())
+        .run(reconcile, error_policy, ctx)
+        .for_each(|_| async {})
+        .await;
+}
+
+fn error_policy(p: Arc<NumaPolicy>, e: &PolicyError, _ctx: Arc<Context>) -> Action {
+    tracing::warn!(policy = %p.name_any(), error = %e, "NumaPolicy reconcile failed");
+    Action::requeue(Duration::from_secs(5))
+}
+
+/// Whether a pod's alignment is decided by `policy` (given the resolved source).
+fn decided_by(source: &AlignmentSource, policy: &str) -> bool {
+    matches!(source, AlignmentSource::Policy(name) if name == policy)
+}
+
+async fn reconcile(p: Arc<NumaPolicy>, ctx: Arc<Context>) -> Result<Action, PolicyError> {
+    if !ctx.may_write() {
+        return Ok(Action::requeue(Duration::from_secs(5)));
+    }
+    let ns = p.namespace().unwrap_or_default();
+    let name = p.name_any();
+    let id = format!("{ns}/{name}");
+    let api_err = |action, source| PolicyError::Api {
+        action,
+        policy: id.clone(),
+        source,
+    };
+    let selector_check = selector_matches(&p.spec.pod_selector, &BTreeMap::new());
+    let mut matched = 0u32;
+    if selector_check.is_ok() {
+        let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+        let list = pods
+            .list(&ListParams::default())
+            .await
+            .map_err(|e| api_err("list pods", e))?;
+        for pod in &list.items {
+            let live = !matches!(
+                pod.status.as_ref().and_then(|s| s.phase.as_deref()),
+                Some("Succeeded" | "Failed")
+            );
+            let gpu = matches!(gpu_request(&ctx, pod), Ok(Some(_)));
+            if live
+                && gpu
+                && ctx
+                    .resolve_alignment(pod)
+                    .is_ok_and(|r| decided_by(&r.source, &name))
+            {
+                matched += 1;
+            }
+        }
+    }
+    let mut conditions = p.status.clone().unwrap_or_default().conditions;
+    let ready = match &selector_check {
+        Ok(_) => condition(
+            READY,
+            true,
+            "SelectorValid",
+            "the pod selector is valid",
+            p.meta().generation,
+            Time(Timestamp::now()),
+        ),
+        Err(e) => condition(
+            READY,
+            false,
+            "InvalidSelector",
+            e.to_string(),
+            p.meta().generation,
+            Time(Timestamp::now()),
+        ),
+    };
+    set_condition(&mut conditions, ready);
+    let status = p.status.clone().unwrap_or_default();
+    let unchanged = status.matched_pods == matched
+        && status.observed_generation == p.meta().generation
+        && status.conditions == conditions;
+    if !unchanged {
+        let body = json!({
+            "apiVersion": "gpuledger.io/v1alpha1",
+            "kind": "NumaPolicy",
+            "metadata": { "name": name, "namespace": ns },
+            "status": {
+                "observedGeneration": p.meta().generation,
+                "matchedPods": matched,
+                "conditions": conditions,
+            }
+        });
+        let api: Api<NumaPolicy> = Api::namespaced(ctx.client.clone(), &ns);
+        api.patch_status(
+            &name,
+            &PatchParams::apply(OPERATOR_MANAGER).force(),
+            &Patch::Apply(&body),
+        )
+        .await
+        .map_err(|e| api_err("write status", e))?;
+    }
+    Ok(Action::requeue(REFRESH))
+}

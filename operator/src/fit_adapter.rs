@@ -1,0 +1,101 @@
+//! [`Placer`] on top of the fit engine (`crate::fit`): turns a GpuNode plus the ledger's usage
+//! into the engine's `NodeView`, and the engine's placement into reservation containers.
+
+use gpuledger_crds::podapi::{PodRequest, SchedulerPolicy};
+use gpuledger_crds::{ContainerReservation, GpuNode, GpuReservation, ReservedDevice};
+
+use crate::fit::{self, NodeView, Policy, Usage};
+use crate::ledger::usage::{DeviceUsage, NodeUsage, ReservationLoad};
+use crate::placement::{Placement, Placer, Policies};
+
+/// Sharers per GPU when a GpuNode does not say (HAMi's `deviceSplitCount` default).
+pub const DEFAULT_SPLIT_COUNT: u32 = 10;
+
+/// The fit engine as the operator's [`Placer`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FitEngine;
+
+/// The engine's view of `node` with `usage` applied.
+pub fn node_view(node: &GpuNode, usage: &NodeUsage) -> NodeView {
+    let name = node.metadata.name.clone().unwrap_or_default();
+    let status = node.status.clone().unwrap_or_default();
+    let split = status.split_count.unwrap_or(DEFAULT_SPLIT_COUNT);
+    let mut view = NodeView::from_gpu_node(name, &status.devices, split, &node.spec.cordoned);
+    for (uuid, u) in usage {
+        // Usage on a GPU the inventory no longer lists cannot be placed against; ignore it.
+        view.add_usage(
+            uuid,
+            Usage {
+                sharers: u.sharers,
+                memory_mib: u.memory_mib,
+                cores: u32::try_from(u.cores).unwrap_or(u32::MAX),
+            },
+        );
+    }
+    view
+}
+
+impl ReservationLoad for FitEngine {
+    fn load(&self, reservation: &GpuReservation) -> Vec<(String, DeviceUsage)> {
+        fit::reservation_usage(&reservation.spec)
+            .into_iter()
+            .map(|share| {
+                let u = DeviceUsage {
+                    memory_mib: share.usage.memory_mib,
+                    cores: u64::from(share.usage.cores),
+                    sharers: share.usage.sharers,
+                };
+                (share.uuid, u)
+            })
+            .collect()
+    }
+}
+
+impl Placer for FitEngine {
+    fn place(
+        &self,
+        request: &PodRequest,
+        node: &GpuNode,
+        usage: &NodeUsage,
+        policies: Policies,
+    ) -> Result<Placement, String> {
+        let view = node_view(node, usage);
+        if view.devices.is_empty() {
+            return Err("node has no GPUs in its GpuNode inventory".into());
+        }
+        let defaults = Policy {
+            node: policies.node,
+            gpu: policies.gpu,
+        };
+        let placed = fit::fit_on_node(&view, 0, request, &defaults).map_err(|f| f.to_string())?;
+        let containers = placed
+            .containers
+            .into_iter()
+            .filter(|c| !c.devices.is_empty())
+            .map(|c| ContainerReservation {
+                index: c.index,
+                name: c.name,
+                init: c.init,
+                devices: c
+                    .devices
+                    .into_iter()
+                    .map(|p| ReservedDevice {
+                        uuid: p.uuid,
+                        memory_mib: p.memory_mib,
+                        cores: p.cores,
+                        numa_node: p.numa_node,
+                    })
+                    .collect(),
+            })
+            .collect();
+        // The engine's node score is the node's utilisation before the pod: binpack prefers
+        // the fullest node, spread the emptiest.
+        let utilisation = f64::from(placed.score);
+        let effective = defaults.for_pod(request);
+        let score = match effective.node {
+            SchedulerPolicy::Binpack => utilisation,
+            SchedulerPolicy::Spread => -utilisation,
+        };
+        Ok(Placement { containers, score })
+    }
+}

@@ -1,0 +1,132 @@
+//! Leader election on a `coordination.k8s.io/v1` Lease (`gpuledger-operator-leader` in
+//! `--namespace`).
+//!
+//! A small module of our own rather than a crate: the protocol is a read and one guarded write
+//! per period, every write carries the resourceVersion it read (so two candidates can never both
+//! win a round), and we need one behaviour crates differ on — a leader that cannot renew within
+//! [`RENEW_DEADLINE`] steps down *before* its Lease can expire, so two replicas never write at
+//! once. Timings follow client-go's defaults (15 s lease, 10 s renew deadline, 2 s retry).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use k8s_openapi::jiff::Timestamp;
+use kube::Client;
+use kube::api::{Api, PostParams};
+
+use crate::extender::lease::expired;
+use crate::telemetry::{Health, Metrics};
+
+/// Name of the leader-election Lease.
+pub const LEADER_LEASE: &str = "gpuledger-operator-leader";
+/// How long a leader's claim lasts without renewal.
+pub const LEASE_SECONDS: i32 = 15;
+/// A leader that has not renewed for this long stops acting as leader.
+pub const RENEW_DEADLINE: Duration = Duration::from_secs(10);
+/// Period of acquire/renew attempts.
+pub const RETRY_PERIOD: Duration = Duration::from_secs(2);
+
+/// Outcome of one round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Round {
+    /// We hold the Lease (acquired or renewed).
+    Leading,
+    /// Someone else holds a live Lease.
+    Following,
+}
+
+/// One acquire-or-renew attempt.
+pub async fn try_acquire_or_renew(
+    api: &Api<Lease>,
+    namespace: &str,
+    identity: &str,
+) -> Result<Round, kube::Error> {
+    let now = Timestamp::now();
+    let Some(mut lease) = api.get_opt(LEADER_LEASE).await? else {
+        let fresh = Lease {
+            metadata: ObjectMeta {
+                name: Some(LEADER_LEASE.into()),
+                namespace: Some(namespace.to_string()),
+                ..Default::default()
+            },
+            spec: Some(LeaseSpec {
+                holder_identity: Some(identity.to_string()),
+                lease_duration_seconds: Some(LEASE_SECONDS),
+                acquire_time: Some(MicroTime(now)),
+                renew_time: Some(MicroTime(now)),
+                lease_transitions: Some(0),
+                ..Default::default()
+            }),
+        };
+        return match api.create(&PostParams::default(), &fresh).await {
+            Ok(_) => Ok(Round::Leading),
+            Err(kube::Error::Api(s)) if s.is_already_exists() => Ok(Round::Following),
+            Err(e) => Err(e),
+        };
+    };
+    let mut spec = lease.spec.clone().unwrap_or_default();
+    let ours = spec.holder_identity.as_deref() == Some(identity);
+    if !ours && !expired(&spec, now) && spec.holder_identity.is_some() {
+        return Ok(Round::Following);
+    }
+    if !ours {
+        spec.holder_identity = Some(identity.to_string());
+        spec.acquire_time = Some(MicroTime(now));
+        spec.lease_transitions = Some(spec.lease_transitions.unwrap_or(0) + 1);
+    }
+    spec.lease_duration_seconds = Some(LEASE_SECONDS);
+    spec.renew_time = Some(MicroTime(now));
+    lease.spec = Some(spec);
+    match api
+        .replace(LEADER_LEASE, &PostParams::default(), &lease)
+        .await
+    {
+        Ok(_) => Ok(Round::Leading),
+        // Someone else wrote first in this round.
+        Err(kube::Error::Api(s)) if s.is_conflict() => Ok(Round::Following),
+        Err(e) => Err(e),
+    }
+}
+
+/// Runs the election forever, publishing leadership in `health` (and the `leader` gauge).
+pub async fn run(
+    client: Client,
+    namespace: String,
+    identity: String,
+    health: Arc<Health>,
+    metrics: Arc<Metrics>,
+) {
+    let api: Api<Lease> = Api::namespaced(client, &namespace);
+    let mut last_renewal: Option<Instant> = None;
+    loop {
+        let leading = match try_acquire_or_renew(&api, &namespace, &identity).await {
+            Ok(Round::Leading) => {
+                last_renewal = Some(Instant::now());
+                true
+            }
+            Ok(Round::Following) => {
+                last_renewal = None;
+                false
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "leader election round failed");
+                // Keep leading only while the last renewal is within the deadline.
+                last_renewal.is_some_and(|t| t.elapsed() < RENEW_DEADLINE)
+            }
+        };
+        if leading != health.is_leader() {
+            tracing::info!(identity = %identity, leading, "leadership changed");
+        }
+        health.set_leader(leading);
+        metrics.leader.set(i64::from(leading));
+        tokio::time::sleep(RETRY_PERIOD).await;
+    }
+}
+
+/// Identity of this process: `$HOSTNAME` (the pod name in a cluster) plus the process id.
+pub fn default_identity() -> String {
+    let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "gpuledger-operator".into());
+    format!("{host}-{}", std::process::id())
+}

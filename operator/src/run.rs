@@ -1,0 +1,301 @@
+//! `gpuledger-operator run`: wires the watches, the ledger, leader election, the extender, the
+//! controllers and the telemetry server together, and runs them until shutdown.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::get;
+use futures::{Stream, StreamExt};
+use gpuledger_crds::podapi::PodApiConfig;
+use gpuledger_crds::{GpuNode, GpuReservation, NumaPolicy};
+use k8s_openapi::api::core::v1::Namespace;
+use kube::api::{Api, ObjectMeta, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::runtime::events::Recorder;
+use kube::runtime::{WatchStreamExt, reflector, watcher};
+use kube::{Client, Config};
+use tokio::net::TcpListener;
+
+use crate::config::RunConfig;
+use crate::context::{Context, reporter};
+use crate::fit_adapter::FitEngine;
+use crate::ledger::usage::holds_capacity;
+use crate::ledger::{LedgerIndex, LedgerWriter, NodeLocks};
+use crate::placement::Policies;
+use crate::telemetry::{Health, Metrics};
+use crate::{controllers, extender, leader};
+
+/// Why the operator could not start or stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The kubeconfig could not be read.
+    #[error("kubeconfig {path}: {source}")]
+    Kubeconfig {
+        /// The file.
+        path: String,
+        /// Why.
+        #[source]
+        source: kube::config::KubeconfigError,
+    },
+    /// No usable client configuration.
+    #[error("client configuration: {0}")]
+    ClientConfig(String),
+    /// A listener could not be bound.
+    #[error("listen on {addr}: {source}")]
+    Listen {
+        /// The address.
+        addr: std::net::SocketAddr,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// TLS for the extender is not built into this version.
+    #[error(
+        "--tls-cert/--tls-key: serving the extender over TLS is not supported yet; terminate TLS in front of it"
+    )]
+    TlsUnsupported,
+    /// A server or essential task ended.
+    #[error("{0} stopped unexpectedly")]
+    TaskEnded(&'static str),
+}
+
+async fn client(config: &RunConfig) -> Result<Client, RunError> {
+    let cfg = match &config.kubeconfig {
+        Some(path) => {
+            let kc = Kubeconfig::read_from(path).map_err(|source| RunError::Kubeconfig {
+                path: path.display().to_string(),
+                source,
+            })?;
+            Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+                .await
+                .map_err(|source| RunError::Kubeconfig {
+                    path: path.display().to_string(),
+                    source,
+                })?
+        }
+        None => Config::infer()
+            .await
+            .map_err(|e| RunError::ClientConfig(e.to_string()))?,
+    };
+    Client::try_from(cfg).map_err(|e| RunError::ClientConfig(e.to_string()))
+}
+
+/// Drives a watch stream, reporting progress to `health` under `name`.
+async fn drive<S, T>(name: &'static str, stream: S, health: Arc<Health>)
+where
+    S: Stream<Item = Result<T, watcher::Error>>,
+{
+    let mut stream = std::pin::pin!(stream);
+    while let Some(item) = stream.next().await {
+        match item {
+            Ok(_) => health.watch_ok(name),
+            Err(e) => {
+                tracing::warn!(watch = name, error = %e, "watch error (retrying)");
+                health.watch_error(name);
+            }
+        }
+    }
+    health.watch_ended(name);
+}
+
+/// Creates the Lease namespace when it does not exist yet (best effort: without the right
+/// to create namespaces, the operator relies on it being installed).
+async fn ensure_namespace(client: &Client, ns: &str) {
+    let api: Api<Namespace> = Api::all(client.clone());
+    if let Ok(None) = api.get_opt(ns).await {
+        let obj = Namespace {
+            metadata: ObjectMeta {
+                name: Some(ns.to_string()),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        if let Err(e) = api.create(&PostParams::default(), &obj).await {
+            tracing::debug!(namespace = ns, error = %e, "could not create Lease namespace");
+        }
+    }
+}
+
+/// Runs the operator until `shutdown` completes or an essential task ends.
+pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Result<(), RunError> {
+    if config.tls_cert.is_some() || config.tls_key.is_some() {
+        return Err(RunError::TlsUnsupported);
+    }
+    let client = client(&config).await?;
+    ensure_namespace(&client, &config.namespace).await;
+    let identity = config
+        .identity
+        .clone()
+        .unwrap_or_else(leader::default_identity);
+    let health = Arc::new(Health::default());
+    let metrics = Arc::new(Metrics::new());
+    let index = Arc::new(LedgerIndex::new());
+
+    // Ledger: the watch feeds the index directly (its own relist/rv logic, see ledger::index).
+    let mut tasks = tokio::task::JoinSet::new();
+    {
+        let index = index.clone();
+        let api: Api<GpuReservation> = Api::all(client.clone());
+        let stream = watcher(api, watcher::Config::default())
+            .default_backoff()
+            .map(move |ev| ev.map(|ev| index.apply_event(ev)));
+        tasks.spawn(drive("gpureservations", stream, health.clone()));
+    }
+    let (gpunodes, writer) = reflector::store::<GpuNode>();
+    let stream = reflector::reflector(
+        writer,
+        watcher(
+            Api::<GpuNode>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff(),
+    );
+    tasks.spawn(drive("gpunodes", stream, health.clone()));
+    let (policies, writer) = reflector::store::<NumaPolicy>();
+    let stream = reflector::reflector(
+        writer,
+        watcher(
+            Api::<NumaPolicy>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff(),
+    );
+    tasks.spawn(drive("numapolicies", stream, health.clone()));
+
+    if config.leader_elect {
+        tasks.spawn(leader::run(
+            client.clone(),
+            config.namespace.clone(),
+            identity.clone(),
+            health.clone(),
+            metrics.clone(),
+        ));
+    } else {
+        health.set_leader(true);
+        metrics.leader.set(1);
+    }
+
+    let ctx = Arc::new(Context {
+        client: client.clone(),
+        namespace: config.namespace.clone(),
+        writer: LedgerWriter::new(client.clone(), index.clone()),
+        index: index.clone(),
+        node_locks: Arc::new(NodeLocks::new()),
+        gpunodes: gpunodes.clone(),
+        policies,
+        placer: Arc::new(FitEngine),
+        pod_api: PodApiConfig::default(),
+        default_policies: Policies {
+            node: config.node_policy,
+            gpu: config.gpu_policy,
+        },
+        default_alignment: config.default_alignment,
+        lease_wait: config.lease_wait,
+        allocating_timeout: config.allocating_timeout,
+        metrics: metrics.clone(),
+        health: health.clone(),
+        recorder: Recorder::new(client.clone(), reporter(&identity)),
+    });
+
+    // The extender answers only once the caches it decides on are complete.
+    index.wait_synced().await;
+    if gpunodes.wait_until_ready().await.is_err() {
+        return Err(RunError::TaskEnded("GpuNode watch"));
+    }
+    tracing::info!(identity = %identity, reservations = index.all().len(), "ledger index synced");
+
+    let ext_listener = TcpListener::bind(config.extender_addr)
+        .await
+        .map_err(|source| RunError::Listen {
+            addr: config.extender_addr,
+            source,
+        })?;
+    let tel_listener = TcpListener::bind(config.metrics_addr)
+        .await
+        .map_err(|source| RunError::Listen {
+            addr: config.metrics_addr,
+            source,
+        })?;
+    tracing::info!(extender = %config.extender_addr, metrics = %config.metrics_addr, "serving");
+    let ext_app = extender::server::router(ctx.clone());
+    tasks.spawn(async move {
+        if let Err(e) = axum::serve(ext_listener, ext_app).await {
+            tracing::error!(error = %e, "extender server failed");
+        }
+    });
+    let tel_app = telemetry_router(ctx.clone());
+    tasks.spawn(async move {
+        if let Err(e) = axum::serve(tel_listener, tel_app).await {
+            tracing::error!(error = %e, "telemetry server failed");
+        }
+    });
+    tasks.spawn(controllers::reservation::run(ctx.clone()));
+    tasks.spawn(controllers::numapolicy::run(ctx.clone()));
+    tasks.spawn(controllers::gpunode_usage::run(
+        ctx.clone(),
+        config.usage_interval,
+    ));
+
+    tokio::select! {
+        () = shutdown => {
+            tracing::info!("shutting down");
+            tasks.abort_all();
+            Ok(())
+        }
+        _ = tasks.join_next() => {
+            tasks.abort_all();
+            Err(RunError::TaskEnded("an essential task"))
+        }
+    }
+}
+
+fn telemetry_router(ctx: Arc<Context>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics_handler))
+        .route("/healthz", get(healthz_handler))
+        .route("/readyz", get(readyz_handler))
+        .with_state(ctx)
+}
+
+async fn metrics_handler(State(ctx): State<Arc<Context>>) -> (StatusCode, String) {
+    let mut counts = HashMap::new();
+    for r in ctx.index.all() {
+        let phase = r.status.as_ref().and_then(|s| s.phase).unwrap_or_default();
+        *counts.entry(phase).or_insert(0) += 1;
+    }
+    ctx.metrics.set_phase_counts(&counts);
+    match ctx.metrics.encode() {
+        Ok(text) => (StatusCode::OK, text),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
+}
+
+async fn healthz_handler(State(ctx): State<Arc<Context>>) -> (StatusCode, String) {
+    let problems = ctx.health.problems();
+    if problems.is_empty() {
+        (StatusCode::OK, "ok\n".into())
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, problems.join("\n") + "\n")
+    }
+}
+
+async fn readyz_handler(State(ctx): State<Arc<Context>>) -> (StatusCode, String) {
+    if ctx.may_write() {
+        let holding = ctx.index.all().iter().filter(|r| holds_capacity(r)).count();
+        (
+            StatusCode::OK,
+            format!("leader; {holding} reservations hold capacity\n"),
+        )
+    } else if !ctx.health.is_leader() {
+        (StatusCode::SERVICE_UNAVAILABLE, "not the leader\n".into())
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "ledger index not synced\n".into(),
+        )
+    }
+}
