@@ -1,0 +1,213 @@
+//! One container on one node: score every GPU, order them by policy, walk the order and take
+//! the first GPUs that pass every check (HAMi's `fitInDevices` + `NvidiaGPUDevices.Fit`).
+//!
+//! Device score, per candidate GPU, in `f32` like HAMi so that ties tie the same way:
+//! `10 × ((1 + sharers)/split + (cores_req + cores)/total_cores + (mem_req + mem)/total_mem)`,
+//! 0 when a total is 0.
+//!
+//! **The request share.** HAMi adds the request's own share (`1`, `cores_req`, `mem_req`) only
+//! when the request's type string equals the device's type string. In production the device type
+//! is the model (`NVIDIA A100…`) and the request type is `NVIDIA`, so the share is dropped there,
+//! while HAMi's unit tests (type `NVIDIA` on both sides) include it. We always include it: on
+//! GPUs of equal size the share is the same constant for every GPU, so the order — and every
+//! decision — equals production HAMi's; on mixed GPU sizes the score then describes the GPU as it
+//! will be after placement, which is what binpack/spread mean (a 4 GiB request fills a 16 GiB
+//! card more than an 80 GiB one), and it matches the decisions HAMi's own tests assert.
+//!
+//! Order (first = tried first; HAMi sorts ascending and walks from the end):
+//! - binpack: highest score, then higher NUMA id, then higher index;
+//! - spread: lowest score, then higher NUMA id, then higher index;
+//! - numa-bind + binpack: lowest NUMA id first, within it highest score, then higher index;
+//! - numa-bind + spread: highest NUMA id first, within it lowest score, then higher index.
+//!
+//! The index tie-break makes the order total (HAMi's sort is unstable, so its order among fully
+//! tied GPUs depends on input order); it is the last key of HAMi's policy chains.
+
+use std::cmp::Ordering;
+
+use gpuledger_crds::podapi::{GpuRequest, PodRequest, SchedulerPolicy};
+
+use super::model::{NodeView, Usage};
+use super::reason::{FitFailure, Reason, ReasonCounts};
+
+/// One GPU share picked by the walk (positions, not names: nothing is allocated while fitting).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RawPick {
+    pub device: u32,
+    pub memory_mib: u64,
+    pub cores: u32,
+}
+
+/// Buffers reused across containers and nodes so that a decision allocates only at its start.
+#[derive(Debug, Default)]
+pub(crate) struct DeviceScratch {
+    order: Vec<u32>,
+    scores: Vec<f32>,
+    pub picks: Vec<RawPick>,
+}
+
+/// What the walk needs to know about the pod.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Ask<'a> {
+    pub gpu: GpuRequest,
+    pub pod: &'a PodRequest,
+    pub policy: SchedulerPolicy,
+}
+
+/// The device score of HAMi's `ComputeScore` with the request share included.
+pub(crate) fn device_score(
+    split: u32,
+    total_cores: u32,
+    total_mem: u64,
+    used: Usage,
+    cores_req: u32,
+    mem_req: u64,
+) -> f32 {
+    if split == 0 || total_cores == 0 || total_mem == 0 {
+        return 0.0;
+    }
+    let slots = (1 + used.sharers) as f32 / split as f32;
+    let cores = (cores_req + used.cores) as f32 / total_cores as f32;
+    let mem = (mem_req + used.memory_mib) as f32 / total_mem as f32;
+    10.0 * (slots + cores + mem)
+}
+
+/// Fits `ask` on the GPUs of `node` at the positions `candidates`, against `usage` (indexed like
+/// `node.devices`). On success the picks are in `scratch.picks` and already added to `usage`.
+pub(crate) fn fit_container(
+    node: &NodeView,
+    candidates: &[u32],
+    usage: &mut [Usage],
+    ask: &Ask<'_>,
+    scratch: &mut DeviceScratch,
+) -> Result<(), FitFailure> {
+    let want = ask.gpu.count;
+    scratch.picks.clear();
+    if want == 0 {
+        return Ok(());
+    }
+    if want as usize > candidates.len() {
+        return Err(FitFailure::NodeInsufficientDevice);
+    }
+    let cores_req = ask.gpu.cores.min(100);
+
+    scratch.scores.clear();
+    scratch.scores.resize(node.devices.len(), 0.0);
+    for &i in candidates {
+        let d = &node.devices[i as usize];
+        let mem_req = ask.gpu.memory.on_device(d.memory_mib);
+        scratch.scores[i as usize] = device_score(
+            d.split_count,
+            d.cores,
+            d.memory_mib,
+            usage[i as usize],
+            cores_req,
+            mem_req,
+        );
+    }
+    scratch.order.clear();
+    scratch.order.extend_from_slice(candidates);
+    let scores = &scratch.scores;
+    let by_score = |a: u32, b: u32| -> Ordering {
+        let (sa, sb) = (scores[a as usize], scores[b as usize]);
+        match ask.policy {
+            SchedulerPolicy::Binpack => sb.partial_cmp(&sa),
+            SchedulerPolicy::Spread => sa.partial_cmp(&sb),
+        }
+        .unwrap_or(Ordering::Equal)
+    };
+    let numa = |i: u32| node.devices[i as usize].numa();
+    let index = |i: u32| node.devices[i as usize].index;
+    if ask.pod.numa_bind {
+        scratch.order.sort_unstable_by(|&a, &b| {
+            let numa_order = match ask.policy {
+                SchedulerPolicy::Binpack => numa(a).cmp(&numa(b)),
+                SchedulerPolicy::Spread => numa(b).cmp(&numa(a)),
+            };
+            numa_order
+                .then_with(|| by_score(a, b))
+                .then_with(|| index(b).cmp(&index(a)))
+        });
+    } else {
+        scratch.order.sort_unstable_by(|&a, &b| {
+            by_score(a, b)
+                .then_with(|| numa(b).cmp(&numa(a)))
+                .then_with(|| index(b).cmp(&index(a)))
+        });
+    }
+
+    let filters = &ask.pod.filters;
+    let check_filters = !filters.is_empty();
+    let mut counts = ReasonCounts::default();
+    let mut prev_numa: Option<u32> = None;
+    for &i in &scratch.order {
+        let d = &node.devices[i as usize];
+        let u = usage[i as usize];
+        if !d.healthy {
+            counts.add(Reason::CardNotHealth, 1);
+            continue;
+        }
+        if d.cordoned {
+            counts.add(Reason::CardCordoned, 1);
+            continue;
+        }
+        if d.mig || (check_filters && !filters.allows_model(&d.model)) {
+            counts.add(Reason::CardTypeMismatch, 1);
+            continue;
+        }
+        if ask.pod.numa_bind && prev_numa != Some(d.numa()) {
+            // A new NUMA group: whatever the previous group gave is dropped.
+            counts.add(Reason::NumaNotFit, scratch.picks.len() as u32);
+            scratch.picks.clear();
+            prev_numa = Some(d.numa());
+        }
+        if check_filters && !filters.allows_uuid(&d.uuid) {
+            counts.add(Reason::CardUuidMismatch, 1);
+            continue;
+        }
+        if u.sharers >= d.split_count {
+            counts.add(Reason::CardTimeSlicingExhausted, 1);
+            continue;
+        }
+        let mem_req = ask.gpu.memory.on_device(d.memory_mib);
+        if d.memory_mib.saturating_sub(u.memory_mib) < mem_req {
+            counts.add(Reason::CardInsufficientMemory, 1);
+            continue;
+        }
+        if d.cores.saturating_sub(u.cores) < cores_req {
+            counts.add(Reason::CardInsufficientCore, 1);
+            continue;
+        }
+        if d.cores == 100 && cores_req == 100 && u.sharers > 0 {
+            counts.add(Reason::ExclusiveDeviceAllocateConflict, 1);
+            continue;
+        }
+        if d.cores != 0 && u.cores >= d.cores && cores_req == 0 {
+            counts.add(Reason::CardComputeUnitsExhausted, 1);
+            continue;
+        }
+        scratch.picks.push(RawPick {
+            device: i,
+            memory_mib: mem_req,
+            cores: cores_req,
+        });
+        if scratch.picks.len() as u32 == want {
+            for p in &scratch.picks {
+                let u = &mut usage[p.device as usize];
+                u.sharers += 1;
+                u.memory_mib += p.memory_mib;
+                u.cores += p.cores;
+            }
+            return Ok(());
+        }
+    }
+    counts.add(
+        Reason::AllocatedCardsInsufficientRequest,
+        scratch.picks.len() as u32,
+    );
+    scratch.picks.clear();
+    Err(FitFailure::Devices {
+        counts,
+        devices: candidates.len() as u32,
+    })
+}

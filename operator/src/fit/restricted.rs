@@ -1,0 +1,169 @@
+//! The restricted fit of a NUMA refit: move one container's reservation onto GPUs the kubelet
+//! allows, on the pod's own node (HAMi's `RefitNumaAllocation` steps 2–3 and 13–23, and
+//! `fitInRestrictedDevices`). Only the pure decision lives here; identity checks, the ledger
+//! write and its version precondition belong to the refit controller.
+//!
+//! Order of the checks, as in HAMi: empty or oversized allowed set; nothing reserved for the
+//! container; already inside the allowed set (a no-op success, nothing moves); heterogeneous
+//! per-device amounts; an allowed GPU in MIG mode. Then the container's own shares are released
+//! from the node's usage (so it does not count against itself; its other containers still do),
+//! the request is rebuilt from the reservation (count = number of GPUs, memory and cores of the
+//! first GPU: a percentage request keeps its old absolute MiB) and the ordinary fit runs on the
+//! allowed GPUs only, with the pod's pins, type filters, numa-bind and policy.
+
+use gpuledger_crds::ReservedDevice;
+use gpuledger_crds::podapi::{GpuRequest, MemoryRequest, PodRequest};
+use gpuledger_crds::refit::MAX_ALLOWED_DEVICES;
+
+use super::device_fit::{Ask, DeviceScratch, fit_container};
+use super::model::{NodeView, Pick, Policy, Usage};
+use super::node::{NodeScratch, Placement, place};
+use super::reason::FitFailure;
+
+/// A successful refit.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RefitOutcome {
+    /// Every reserved GPU is already allowed: nothing moves.
+    Unchanged,
+    /// The container's new GPUs, in pick order.
+    Moved(Vec<Pick>),
+}
+
+/// Why a refit was refused; the reservation stays as it is.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RefitRefusal {
+    /// The allowed set is empty.
+    #[error("empty allowed device set")]
+    EmptyAllowedSet,
+    /// The allowed set is larger than HAMi's limit.
+    #[error("allowed device set has {0} entries, more than {MAX_ALLOWED_DEVICES}")]
+    TooManyAllowed(usize),
+    /// The container holds no GPU share to move.
+    #[error("container has no reserved GPU to refit")]
+    NothingReserved,
+    /// The container's GPUs hold different amounts; one request cannot express them.
+    #[error("reservation does not support heterogeneous reservations ({0})")]
+    Heterogeneous(String),
+    /// An allowed GPU is in MIG mode.
+    #[error("allowed device {0} is in MIG mode, which the NUMA refit does not support")]
+    MigDevice(String),
+    /// The ordinary fit, restricted to the allowed GPUs, failed.
+    #[error("no allowed device fits: {0}")]
+    NoAllowedDeviceFits(FitFailure),
+}
+
+/// Refits one container. `node` carries usage that still includes this container's `current`
+/// shares; `pod` supplies pins, type filters, numa-bind and the GPU policy annotation.
+pub fn refit(
+    node: &NodeView,
+    pod: &PodRequest,
+    defaults: &Policy,
+    current: &[ReservedDevice],
+    allowed: &[String],
+) -> Result<RefitOutcome, RefitRefusal> {
+    if allowed.is_empty() {
+        return Err(RefitRefusal::EmptyAllowedSet);
+    }
+    if allowed.len() > MAX_ALLOWED_DEVICES {
+        return Err(RefitRefusal::TooManyAllowed(allowed.len()));
+    }
+    let Some(first) = current.first() else {
+        return Err(RefitRefusal::NothingReserved);
+    };
+    if current.iter().all(|c| allowed.contains(&c.uuid)) {
+        return Ok(RefitOutcome::Unchanged);
+    }
+    if let Some(odd) = current
+        .iter()
+        .find(|c| c.memory_mib != first.memory_mib || c.cores != first.cores)
+    {
+        return Err(RefitRefusal::Heterogeneous(format!(
+            "{} holds {} MiB/{} cores, {} holds {} MiB/{} cores",
+            first.uuid, first.memory_mib, first.cores, odd.uuid, odd.memory_mib, odd.cores
+        )));
+    }
+    if let Some(mig) = node
+        .devices
+        .iter()
+        .find(|d| d.mig && allowed.contains(&d.uuid))
+    {
+        return Err(RefitRefusal::MigDevice(mig.uuid.clone()));
+    }
+
+    let candidates = allowed_positions(node, allowed);
+    if candidates.is_empty() {
+        return Err(RefitRefusal::NoAllowedDeviceFits(
+            FitFailure::AllowedDeviceSetUnmatched,
+        ));
+    }
+    let mut usage: Vec<Usage> = node.usage.clone();
+    usage.resize(node.devices.len(), Usage::default());
+    for c in current {
+        if let Some(i) = node.position(&c.uuid) {
+            usage[i].release(c.memory_mib, c.cores);
+        }
+    }
+    let ask = Ask {
+        gpu: GpuRequest {
+            count: current.len() as u32,
+            memory: MemoryRequest::Mib(first.memory_mib),
+            cores: first.cores,
+        },
+        pod,
+        policy: defaults.for_pod(pod).gpu,
+    };
+    let mut scratch = DeviceScratch::default();
+    fit_container(node, &candidates, &mut usage, &ask, &mut scratch)
+        .map_err(RefitRefusal::NoAllowedDeviceFits)?;
+    Ok(RefitOutcome::Moved(
+        scratch
+            .picks
+            .iter()
+            .map(|p| {
+                let d = &node.devices[p.device as usize];
+                Pick {
+                    device: p.device as usize,
+                    uuid: d.uuid.clone(),
+                    numa_node: d.numa_node,
+                    memory_mib: p.memory_mib,
+                    cores: p.cores,
+                }
+            })
+            .collect(),
+    ))
+}
+
+/// Fits the whole pod on `node` using only the allowed GPUs (the fit CLI's `allowed` without a
+/// current reservation: "where would this pod go on these GPUs?").
+pub fn fit_pod_restricted(
+    node: &NodeView,
+    node_position: usize,
+    pod: &PodRequest,
+    defaults: &Policy,
+    allowed: &[String],
+) -> Result<Placement, FitFailure> {
+    let candidates = allowed_positions(node, allowed);
+    if candidates.is_empty() {
+        return Err(FitFailure::AllowedDeviceSetUnmatched);
+    }
+    let policy = defaults.for_pod(pod);
+    place(
+        node,
+        node_position,
+        &candidates,
+        pod,
+        policy.gpu,
+        &mut NodeScratch::default(),
+    )
+}
+
+/// Positions of the node's GPUs named in `allowed`, in node order; unknown names are ignored
+/// (a replica ID such as `GPU-a-0` therefore matches nothing).
+fn allowed_positions(node: &NodeView, allowed: &[String]) -> Vec<u32> {
+    node.devices
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| allowed.contains(&d.uuid))
+        .map(|(i, _)| i as u32)
+        .collect()
+}
