@@ -1,3 +1,4 @@
 //! End-to-end harness for gpuledger.
 
 pub mod cluster;
+pub mod kubelet;

@@ -1,0 +1,562 @@
+//! A kubelet simulator that speaks the real device-plugin protocol over Unix sockets.
+//!
+//! It does what the kubelet's device manager does, in the same order (research notes,
+//! control-plane.md §8.3): serve `Registration` on `<dir>/kubelet.sock`; on Register dial the
+//! plugin, call GetDevicePluginOptions, answer, then open ListAndWatch and keep the device list
+//! with its topology; admit pods container by container (init containers first) with
+//! GetPreferredAllocation (when advertised), Allocate and PreStartContainer (when required);
+//! and restart like the kubelet, deleting every socket in the directory.
+
+pub mod devicemanager;
+mod registration;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use gpuledger_device_plugin::api;
+use gpuledger_device_plugin::api::registration_server::RegistrationServer;
+use tokio::net::UnixListener;
+use tokio::sync::watch;
+use tokio_stream::wrappers::UnixListenerStream;
+
+pub use devicemanager::{ChooseError, NumaPolicy, PreferredCall};
+pub use registration::is_extended_resource_name;
+use registration::{Endpoint, Registration};
+
+/// The kubelet's registration socket name.
+pub const KUBELET_SOCKET: &str = "kubelet.sock";
+
+/// What went wrong in the simulator or in an admission.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    /// The device-plugin directory or kubelet.sock could not be prepared.
+    #[error("{action} {path}: {source}")]
+    Io {
+        /// What we did.
+        action: &'static str,
+        /// The path.
+        path: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// No plugin registered the resource.
+    #[error("no device plugin is registered for {0}")]
+    NotRegistered(String),
+    /// Waiting for a condition on a resource took too long.
+    #[error("timed out after {timeout:?} waiting for {what}")]
+    Timeout {
+        /// What we waited for.
+        what: String,
+        /// How long.
+        timeout: Duration,
+    },
+    /// The device manager could not choose devices.
+    #[error("container {container}: {source}")]
+    Choose {
+        /// Container name.
+        container: String,
+        /// Why.
+        source: ChooseError,
+    },
+    /// Allocate failed.
+    #[error("container {container}: Allocate failed: {status}")]
+    Allocate {
+        /// Container name.
+        container: String,
+        /// The plugin's gRPC status.
+        status: tonic::Status,
+    },
+    /// Allocate answered without a container response.
+    #[error("container {container}: Allocate returned no container response")]
+    EmptyAllocateResponse {
+        /// Container name.
+        container: String,
+    },
+    /// PreStartContainer failed.
+    #[error("container {container}: PreStartContainer failed: {status}")]
+    PreStart {
+        /// Container name.
+        container: String,
+        /// The plugin's gRPC status.
+        status: tonic::Status,
+    },
+}
+
+/// A registered resource as seen by the simulator.
+#[derive(Debug, Clone)]
+pub struct ResourceView {
+    /// The plugin's socket.
+    pub socket: PathBuf,
+    /// The options from GetDevicePluginOptions.
+    pub options: api::DevicePluginOptions,
+    /// The last ListAndWatch device list.
+    pub devices: Vec<api::Device>,
+    /// Whether ListAndWatch is open.
+    pub streaming: bool,
+    /// How many times this resource was registered since the simulator started.
+    pub registrations: u64,
+}
+
+impl ResourceView {
+    /// IDs of the healthy devices.
+    pub fn healthy_ids(&self) -> Vec<String> {
+        self.devices
+            .iter()
+            .filter(|d| d.health == "Healthy")
+            .map(|d| d.id.clone())
+            .collect()
+    }
+
+    /// The NUMA node of a device, if it has topology.
+    pub fn numa_of(&self, id: &str) -> Option<i64> {
+        self.devices
+            .iter()
+            .find(|d| d.id == id)?
+            .topology
+            .as_ref()?
+            .nodes
+            .first()
+            .map(|n| n.id)
+    }
+}
+
+/// One container of a pod to admit.
+#[derive(Debug, Clone, Default)]
+pub struct ContainerSpec {
+    /// Container name.
+    pub name: String,
+    /// Whether it is an init container.
+    pub init: bool,
+    /// Device-plugin resources in `resources.limits` (e.g. `nvidia.com/gpu` → 1).
+    pub requests: BTreeMap<String, usize>,
+}
+
+impl ContainerSpec {
+    /// A container asking for `count` of `resource`.
+    pub fn new(name: &str, init: bool, resource: &str, count: usize) -> Self {
+        ContainerSpec {
+            name: name.to_string(),
+            init,
+            requests: BTreeMap::from([(resource.to_string(), count)]),
+        }
+    }
+}
+
+/// A pod to admit.
+#[derive(Debug, Clone, Default)]
+pub struct PodSpec {
+    /// Pod UID.
+    pub uid: String,
+    /// Containers; init containers are admitted first, each group in the given order.
+    pub containers: Vec<ContainerSpec>,
+}
+
+/// What the kubelet got for one (container, resource).
+#[derive(Debug, Clone)]
+pub struct AdmittedContainer {
+    /// Container name.
+    pub name: String,
+    /// Resource name.
+    pub resource: String,
+    /// The device IDs the device manager chose (sorted).
+    pub device_ids: Vec<String>,
+    /// `container_responses[0]` of Allocate.
+    pub response: api::ContainerAllocateResponse,
+}
+
+#[derive(Default)]
+struct Inner {
+    endpoints: HashMap<String, (u64, Endpoint)>,
+    next_generation: u64,
+    registrations: HashMap<String, u64>,
+    /// resource → device → pod UID; survives restarts like the kubelet's checkpoint.
+    allocated: HashMap<String, BTreeMap<String, String>>,
+}
+
+/// State shared with the Registration service and the ListAndWatch tasks.
+pub struct State {
+    inner: Mutex<Inner>,
+    changes: watch::Sender<u64>,
+}
+
+impl State {
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic elsewhere must not wedge the simulator: take the data as it is.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn notify(&self) {
+        self.changes.send_modify(|n| *n += 1);
+    }
+
+    fn replace_endpoint(&self, resource: &str, endpoint: Endpoint) -> u64 {
+        let generation = {
+            let mut inner = self.lock();
+            inner.next_generation += 1;
+            let generation = inner.next_generation;
+            *inner.registrations.entry(resource.to_string()).or_default() += 1;
+            if let Some((_, old)) = inner
+                .endpoints
+                .insert(resource.to_string(), (generation, endpoint))
+            {
+                old.stream_task.abort();
+            }
+            generation
+        };
+        self.notify();
+        generation
+    }
+
+    fn update_endpoint(&self, resource: &str, generation: u64, f: impl FnOnce(&mut Endpoint)) {
+        {
+            let mut inner = self.lock();
+            match inner.endpoints.get_mut(resource) {
+                Some((g, e)) if *g == generation => f(e),
+                _ => return,
+            }
+        }
+        self.notify();
+    }
+
+    fn view(&self, resource: &str) -> Option<ResourceView> {
+        let inner = self.lock();
+        let (_, e) = inner.endpoints.get(resource)?;
+        Some(ResourceView {
+            socket: e.socket.clone(),
+            options: e.options,
+            devices: e.devices.clone(),
+            streaming: e.streaming,
+            registrations: inner.registrations.get(resource).copied().unwrap_or(0),
+        })
+    }
+}
+
+/// The simulator. Dropping it stops serving; call [`KubeletSimulator::stop`] to wait for that.
+pub struct KubeletSimulator {
+    dir: PathBuf,
+    state: Arc<State>,
+    server: Option<(watch::Sender<bool>, tokio::task::JoinHandle<()>)>,
+    admission: tokio::sync::Mutex<()>,
+}
+
+/// Deletes every socket file in `dir`, like the kubelet's CleanupPluginDirectory (other files,
+/// such as the checkpoint, stay).
+pub fn cleanup_plugin_directory(dir: &Path) -> Result<(), SimError> {
+    use std::os::unix::fs::FileTypeExt;
+    let io = |action, source| SimError::Io {
+        action,
+        path: dir.display().to_string(),
+        source,
+    };
+    for entry in std::fs::read_dir(dir).map_err(|e| io("reading", e))? {
+        let entry = entry.map_err(|e| io("reading", e))?;
+        let is_socket = entry.file_type().map(|t| t.is_socket()).unwrap_or(false);
+        if is_socket {
+            std::fs::remove_file(entry.path()).map_err(|e| io("removing a socket in", e))?;
+        }
+    }
+    Ok(())
+}
+
+impl KubeletSimulator {
+    /// Cleans `dir` of sockets and serves Registration on `<dir>/kubelet.sock`.
+    pub async fn start(dir: impl Into<PathBuf>) -> Result<Self, SimError> {
+        let (changes, _) = watch::channel(0);
+        let mut sim = KubeletSimulator {
+            dir: dir.into(),
+            state: Arc::new(State {
+                inner: Mutex::new(Inner::default()),
+                changes,
+            }),
+            server: None,
+            admission: tokio::sync::Mutex::new(()),
+        };
+        sim.listen()?;
+        Ok(sim)
+    }
+
+    fn listen(&mut self) -> Result<(), SimError> {
+        std::fs::create_dir_all(&self.dir).map_err(|source| SimError::Io {
+            action: "creating",
+            path: self.dir.display().to_string(),
+            source,
+        })?;
+        cleanup_plugin_directory(&self.dir)?;
+        let path = self.dir.join(KUBELET_SOCKET);
+        let listener = UnixListener::bind(&path).map_err(|source| SimError::Io {
+            action: "listening on",
+            path: path.display().to_string(),
+            source,
+        })?;
+        let (stop_tx, mut stop_rx) = watch::channel(false);
+        let service = Registration {
+            state: self.state.clone(),
+            dir: self.dir.clone(),
+        };
+        let task = tokio::spawn(async move {
+            let served = tonic::transport::Server::builder()
+                .add_service(RegistrationServer::new(service))
+                .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async move {
+                    let _ = stop_rx.wait_for(|s| *s).await;
+                })
+                .await;
+            if let Err(e) = served {
+                tracing::warn!(error = %e, "kubelet simulator registration server failed");
+            }
+        });
+        self.server = Some((stop_tx, task));
+        Ok(())
+    }
+
+    /// The device-plugin directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The current view of `resource`, if a plugin registered it.
+    pub fn resource(&self, resource: &str) -> Option<ResourceView> {
+        self.state.view(resource)
+    }
+
+    /// Waits until `resource` is registered and `ready` holds for it.
+    pub async fn wait_for(
+        &self,
+        resource: &str,
+        timeout: Duration,
+        ready: impl Fn(&ResourceView) -> bool,
+    ) -> Result<ResourceView, SimError> {
+        let mut changes = self.state.changes.subscribe();
+        let wait = async {
+            loop {
+                if let Some(v) = self.state.view(resource).filter(|v| ready(v)) {
+                    return Some(v);
+                }
+                if changes.changed().await.is_err() {
+                    return None;
+                }
+            }
+        };
+        match tokio::time::timeout(timeout, wait).await {
+            Ok(Some(v)) => Ok(v),
+            _ => Err(SimError::Timeout {
+                what: format!("resource {resource}"),
+                timeout,
+            }),
+        }
+    }
+
+    /// Admits a pod like the kubelet: per container (init containers first) and per resource,
+    /// choose devices (with GetPreferredAllocation when advertised), Allocate, and
+    /// PreStartContainer when required. On failure the pod's devices are freed again.
+    pub async fn admit(
+        &self,
+        pod: &PodSpec,
+        policy: NumaPolicy,
+    ) -> Result<Vec<AdmittedContainer>, SimError> {
+        let _serial = self.admission.lock().await;
+        let result = self.admit_serialized(pod, policy).await;
+        if result.is_err() {
+            self.release(&pod.uid);
+        }
+        result
+    }
+
+    async fn admit_serialized(
+        &self,
+        pod: &PodSpec,
+        policy: NumaPolicy,
+    ) -> Result<Vec<AdmittedContainer>, SimError> {
+        let mut ordered: Vec<&ContainerSpec> = pod.containers.iter().filter(|c| c.init).collect();
+        ordered.extend(pod.containers.iter().filter(|c| !c.init));
+        let mut reusable: HashMap<String, BTreeSet<String>> = HashMap::new();
+        let mut out = Vec::new();
+        for container in ordered {
+            for (resource, &count) in &container.requests {
+                let admitted = self
+                    .admit_one(
+                        pod,
+                        container,
+                        resource,
+                        count,
+                        policy,
+                        reusable.entry(resource.clone()).or_default(),
+                    )
+                    .await?;
+                let reuse = reusable.entry(resource.clone()).or_default();
+                for id in &admitted.device_ids {
+                    if container.init {
+                        reuse.insert(id.clone());
+                    } else {
+                        reuse.remove(id);
+                    }
+                }
+                out.push(admitted);
+            }
+        }
+        Ok(out)
+    }
+
+    async fn admit_one(
+        &self,
+        pod: &PodSpec,
+        container: &ContainerSpec,
+        resource: &str,
+        count: usize,
+        policy: NumaPolicy,
+        reusable: &BTreeSet<String>,
+    ) -> Result<AdmittedContainer, SimError> {
+        let (devices, options, client, allocated) = {
+            let inner = self.state.lock();
+            let (_, e) = inner
+                .endpoints
+                .get(resource)
+                .ok_or_else(|| SimError::NotRegistered(resource.to_string()))?;
+            let allocated: BTreeSet<String> = inner
+                .allocated
+                .get(resource)
+                .map(|m| m.keys().cloned().collect())
+                .unwrap_or_default();
+            (e.devices.clone(), e.options, e.client.clone(), allocated)
+        };
+        let preferred = options.get_preferred_allocation_available.then(|| {
+            let client = client.clone();
+            move |call: PreferredCall| {
+                let mut client = client.clone();
+                async move {
+                    let request = api::PreferredAllocationRequest {
+                        container_requests: vec![api::ContainerPreferredAllocationRequest {
+                            available_device_i_ds: call.available,
+                            must_include_device_i_ds: call.must_include,
+                            allocation_size: i32::try_from(call.size).unwrap_or(i32::MAX),
+                        }],
+                    };
+                    let resp = client
+                        .get_preferred_allocation(request)
+                        .await
+                        .map_err(|s| format!("{}: {}", s.code(), s.message()))?;
+                    Ok(resp
+                        .into_inner()
+                        .container_responses
+                        .into_iter()
+                        .next()
+                        .map(|c| c.device_i_ds)
+                        .unwrap_or_default())
+                }
+            }
+        });
+        let chosen = devicemanager::choose(
+            resource, count, &devices, &allocated, reusable, policy, preferred,
+        )
+        .await
+        .map_err(|source| SimError::Choose {
+            container: container.name.clone(),
+            source,
+        })?;
+        let device_ids: Vec<String> = chosen.into_iter().collect();
+        {
+            let mut inner = self.state.lock();
+            let held = inner.allocated.entry(resource.to_string()).or_default();
+            for id in &device_ids {
+                held.insert(id.clone(), pod.uid.clone());
+            }
+        }
+        let mut client = client;
+        let request = api::AllocateRequest {
+            container_requests: vec![api::ContainerAllocateRequest {
+                devices_ids: device_ids.clone(),
+            }],
+        };
+        let response = client
+            .allocate(request)
+            .await
+            .map_err(|status| SimError::Allocate {
+                container: container.name.clone(),
+                status,
+            })?
+            .into_inner()
+            .container_responses
+            .into_iter()
+            .next()
+            .ok_or_else(|| SimError::EmptyAllocateResponse {
+                container: container.name.clone(),
+            })?;
+        if options.pre_start_required {
+            client
+                .pre_start_container(api::PreStartContainerRequest {
+                    devices_ids: device_ids.clone(),
+                })
+                .await
+                .map_err(|status| SimError::PreStart {
+                    container: container.name.clone(),
+                    status,
+                })?;
+        }
+        Ok(AdmittedContainer {
+            name: container.name.clone(),
+            resource: resource.to_string(),
+            device_ids,
+            response,
+        })
+    }
+
+    /// Frees every device held by pod `uid` (the pod ended).
+    pub fn release(&self, uid: &str) {
+        let mut inner = self.state.lock();
+        for held in inner.allocated.values_mut() {
+            held.retain(|_, owner| owner != uid);
+        }
+    }
+
+    /// Devices of `resource` held by pods.
+    pub fn allocated(&self, resource: &str) -> BTreeMap<String, String> {
+        self.state
+            .lock()
+            .allocated
+            .get(resource)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    async fn stop_server(&mut self) {
+        if let Some((stop, task)) = self.server.take() {
+            let _ = stop.send(true);
+            let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
+        }
+        let mut inner = self.state.lock();
+        for (_, (_, e)) in inner.endpoints.drain() {
+            e.stream_task.abort();
+        }
+    }
+
+    /// Simulates a kubelet restart: stop, forget every plugin (allocations survive, as with the
+    /// checkpoint), delete every socket in the directory, serve kubelet.sock again.
+    pub async fn restart(&mut self) -> Result<(), SimError> {
+        self.stop_server().await;
+        self.state.notify();
+        self.listen()
+    }
+
+    /// Stops serving and removes kubelet.sock.
+    pub async fn stop(&mut self) {
+        self.stop_server().await;
+        let _ = std::fs::remove_file(self.dir.join(KUBELET_SOCKET));
+    }
+}
+
+impl Drop for KubeletSimulator {
+    fn drop(&mut self) {
+        if let Some((stop, task)) = self.server.take() {
+            let _ = stop.send(true);
+            task.abort();
+        }
+        let mut inner = self.state.lock();
+        for (_, (_, e)) in inner.endpoints.drain() {
+            e.stream_task.abort();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
