@@ -1,0 +1,551 @@
+//! Issue 6's acceptance test: the device plugin against a real API server, driven by the
+//! kubelet simulator over real Unix sockets.
+//!
+//! One control plane serves every step (starting it is the expensive part). The plugin runs
+//! in-process with the RBAC identity of the gpuledger-device-plugin ServiceAccount, its token
+//! bound to the node, under the node-scope admission policy — exactly the rights it has in a
+//! cluster. The operator's part (reservation + allocation Lease at bind) is done by the test
+//! the way the operator does it.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpuledger_crds::conditions::{self, types::HEALTHY};
+use gpuledger_crds::names::{self, DEFAULT_NAMESPACE};
+use gpuledger_crds::resources::GPU;
+use gpuledger_crds::{
+    Alignment, ContainerReservation, GpuNode, GpuReservation, GpuReservationSpec, ReservedDevice,
+};
+use gpuledger_device_plugin::api;
+use gpuledger_device_plugin::api::device_plugin_client::DevicePluginClient;
+use gpuledger_device_plugin::discovery::file::FileDiscovery;
+use gpuledger_device_plugin::lifecycle::PLUGIN_SOCKET;
+use gpuledger_device_plugin::plugin::{self, PluginOptions};
+use gpuledger_device_plugin::refit::NoRefit;
+use gpuledger_device_plugin::uds::dial;
+use gpuledger_e2e::cluster::{
+    ControlPlane, ControlPlaneOptions, FakeGpuNode, apply_path, ensure_namespace,
+};
+use gpuledger_e2e::kubelet::{
+    AdmittedContainer, ContainerSpec, KubeletSimulator, NumaPolicy, PodSpec,
+};
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Api, PostParams};
+use kube::{Client, ResourceExt};
+use tokio::sync::watch;
+
+const NODE: &str = "gpu-node-1";
+const NS: &str = "dp-e2e";
+const PLUGIN_SA: &str = "gpuledger-device-plugin";
+/// Generous for a loaded two-core machine; never a timing assertion.
+const WAIT: Duration = Duration::from_secs(120);
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+/// UUID of GPU `i` in config/samples/devices-8gpu-2numa.yaml (0-3 on NUMA 0, 4-7 on NUMA 1).
+fn uuid(i: u32) -> String {
+    format!("GPU-{i:08x}-0000-4000-8000-00000000000{i}")
+}
+
+fn gpu_of(replica: &str) -> &str {
+    replica.rsplit_once('-').unwrap().0
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_plugin_against_the_real_api_server() {
+    let mut opts = ControlPlaneOptions::default().without_scheduler();
+    opts.controller_manager = false;
+    let cp = ControlPlane::start(opts).await.unwrap();
+    let admin = cp.client();
+    apply_path(&admin, &repo_root().join("crds/yaml"))
+        .await
+        .unwrap();
+    ensure_namespace(&admin, DEFAULT_NAMESPACE).await.unwrap();
+    apply_path(&admin, &repo_root().join("config/rbac"))
+        .await
+        .unwrap();
+    apply_path(&admin, &repo_root().join("config/admission"))
+        .await
+        .unwrap();
+    ensure_namespace(&admin, NS).await.unwrap();
+    let _node = FakeGpuNode::new(NODE, 8).create(&admin).await.unwrap();
+    let plugin_client = cp
+        .client_for_service_account_on_node(DEFAULT_NAMESPACE, PLUGIN_SA, NODE)
+        .await
+        .unwrap();
+
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("device-plugins");
+    let mut sim = KubeletSimulator::start(&dir).await.unwrap();
+    let mut options = PluginOptions::new(NODE, &dir);
+    options.poll_interval = Duration::from_millis(50);
+    let sample = repo_root().join("config/samples/devices-8gpu-2numa.yaml");
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let plugin = tokio::spawn(plugin::run(
+        options,
+        plugin_client,
+        Arc::new(FileDiscovery::new(sample)),
+        Arc::new(NoRefit),
+        stop_rx,
+    ));
+
+    registers_and_advertises_80_replicas_with_numa(&sim).await;
+    gpunode_is_published_and_shown_by_kubectl(&cp).await;
+    allocate_without_a_pending_reservation_is_a_clear_error(&sim, &dir).await;
+    preferred_allocation_and_allocate_follow_the_reservation(&sim, &admin).await;
+    lease_is_released_only_after_the_last_gpu_container(&dir, &admin).await;
+    numa_restricted_admission_still_exposes_the_reserved_gpu(&sim, &admin).await;
+    recovers_after_a_kubelet_restart(&mut sim, &admin).await;
+
+    stop_tx.send(true).unwrap();
+    plugin.await.unwrap().unwrap();
+    assert!(
+        !dir.join(PLUGIN_SOCKET).exists(),
+        "socket removed on shutdown"
+    );
+    sim.stop().await;
+}
+
+async fn registers_and_advertises_80_replicas_with_numa(sim: &KubeletSimulator) {
+    let view = sim
+        .wait_for(GPU, WAIT, |v| v.streaming && v.devices.len() == 80)
+        .await
+        .unwrap();
+    assert_eq!(view.registrations, 1);
+    assert!(view.options.get_preferred_allocation_available);
+    for i in 0..8 {
+        for r in 0..10 {
+            let id = format!("{}-{r}", uuid(i));
+            assert_eq!(view.numa_of(&id), Some(if i < 4 { 0 } else { 1 }), "{id}");
+        }
+    }
+    assert_eq!(view.healthy_ids().len(), 80);
+}
+
+async fn gpunode_is_published_and_shown_by_kubectl(cp: &ControlPlane) {
+    let nodes: Api<GpuNode> = Api::all(cp.client());
+    let node = gpuledger_e2e::cluster::wait_for("GpuNode published", WAIT, || {
+        let nodes = nodes.clone();
+        async move {
+            let n = nodes.get_opt(NODE).await?;
+            Ok::<_, kube::Error>(
+                n.filter(|n| n.status.as_ref().is_some_and(|s| s.gpu_count == Some(8))),
+            )
+        }
+    })
+    .await
+    .unwrap();
+    let s = node.status.unwrap();
+    assert_eq!(s.healthy_count, Some(8));
+    assert_eq!(s.numa_nodes.as_deref(), Some("0,1"));
+    assert_eq!(s.split_count, Some(10));
+    assert_eq!(s.devices[5].uuid, uuid(5));
+    assert_eq!(s.devices[5].numa_node, Some(1));
+    assert!(conditions::is_true(&s.conditions, HEALTHY));
+    let managers: Vec<String> = node
+        .metadata
+        .managed_fields
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|m| m.manager)
+        .collect();
+    assert!(
+        managers.iter().any(|m| m == names::DEVICE_PLUGIN_MANAGER),
+        "{managers:?}"
+    );
+
+    let out = tokio::process::Command::new(kubectl())
+        .arg("--kubeconfig")
+        .arg(cp.kubeconfig())
+        .args(["get", "gpunodes"])
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "kubectl: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("kubectl get gpunodes:\n{stdout}");
+    let row: Vec<&str> = stdout
+        .lines()
+        .find(|l| l.starts_with(NODE))
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    assert_eq!(&row[..4], [NODE, "8", "0,1", "8"], "NAME GPUS NUMA HEALTHY");
+}
+
+fn kubectl() -> PathBuf {
+    let gcloud = PathBuf::from("/usr/lib/google-cloud-sdk/bin/kubectl.1.33");
+    if gcloud.is_file() {
+        gcloud
+    } else {
+        PathBuf::from("kubectl")
+    }
+}
+
+async fn allocate_without_a_pending_reservation_is_a_clear_error(
+    sim: &KubeletSimulator,
+    dir: &Path,
+) {
+    let mut client = DevicePluginClient::new(dial(&dir.join(PLUGIN_SOCKET)).await.unwrap());
+    let err = client
+        .allocate(api::AllocateRequest {
+            container_requests: vec![api::ContainerAllocateRequest {
+                devices_ids: vec![format!("{}-0", uuid(0))],
+            }],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound, "{err:?}");
+    assert!(
+        err.message().contains(&names::allocation_lease_name(NODE)),
+        "{}",
+        err.message()
+    );
+    assert!(
+        err.message().contains("no pod is being admitted"),
+        "{}",
+        err.message()
+    );
+
+    // Through the kubelet path the admission fails and the devices are not kept.
+    let pod = PodSpec {
+        uid: "nobody".into(),
+        containers: vec![ContainerSpec::new("main", false, GPU, 1)],
+    };
+    let err = sim.admit(&pod, NumaPolicy::None).await.unwrap_err();
+    assert!(
+        err.to_string().contains("no pod is being admitted"),
+        "{err}"
+    );
+    assert!(sim.allocated(GPU).is_empty());
+}
+
+fn device(i: u32, memory_mib: u64, cores: u32) -> ReservedDevice {
+    ReservedDevice {
+        uuid: uuid(i),
+        memory_mib,
+        cores,
+        numa_node: Some(if i < 4 { 0 } else { 1 }),
+    }
+}
+
+/// What the operator's bind does: the reservation, then the node's allocation Lease.
+async fn bind(admin: &Client, pod: &str, containers: Vec<ContainerReservation>) -> String {
+    let uid = format!("uid-{pod}");
+    let spec = GpuReservationSpec {
+        pod_name: pod.into(),
+        pod_uid: uid.clone(),
+        node_name: NODE.into(),
+        alignment: Alignment::None,
+        containers,
+        ..Default::default()
+    };
+    let mut res = GpuReservation::new(&names::reservation_name(pod), spec);
+    res.metadata.namespace = Some(NS.into());
+    Api::<GpuReservation>::namespaced(admin.clone(), NS)
+        .create(&PostParams::default(), &res)
+        .await
+        .unwrap();
+    let lease = Lease {
+        metadata: ObjectMeta {
+            name: Some(names::allocation_lease_name(NODE)),
+            namespace: Some(DEFAULT_NAMESPACE.into()),
+            ..Default::default()
+        },
+        spec: Some(LeaseSpec {
+            holder_identity: Some(names::lease_holder(NS, pod, &uid)),
+            lease_duration_seconds: Some(names::ALLOCATION_LEASE_SECONDS),
+            ..Default::default()
+        }),
+    };
+    Api::<Lease>::namespaced(admin.clone(), DEFAULT_NAMESPACE)
+        .create(&PostParams::default(), &lease)
+        .await
+        .unwrap();
+    uid
+}
+
+async fn lease_exists(admin: &Client) -> bool {
+    Api::<Lease>::namespaced(admin.clone(), DEFAULT_NAMESPACE)
+        .get_opt(&names::allocation_lease_name(NODE))
+        .await
+        .unwrap()
+        .is_some()
+}
+
+async fn reservation(admin: &Client, pod: &str) -> GpuReservation {
+    Api::<GpuReservation>::namespaced(admin.clone(), NS)
+        .get(pod)
+        .await
+        .unwrap()
+}
+
+fn ctr(index: u32, name: &str, devices: Vec<ReservedDevice>) -> ContainerReservation {
+    ContainerReservation {
+        index,
+        name: name.into(),
+        init: false,
+        devices,
+    }
+}
+
+async fn preferred_allocation_and_allocate_follow_the_reservation(
+    sim: &KubeletSimulator,
+    admin: &Client,
+) {
+    let uid = bind(
+        admin,
+        "train-0",
+        vec![ctr(
+            0,
+            "main",
+            vec![device(1, 4096, 30), device(5, 8000, 50)],
+        )],
+    )
+    .await;
+    let pod = PodSpec {
+        uid: uid.clone(),
+        containers: vec![ContainerSpec::new("main", false, GPU, 2)],
+    };
+    let admitted = sim.admit(&pod, NumaPolicy::None).await.unwrap();
+    assert_eq!(admitted.len(), 1);
+    let a: &AdmittedContainer = &admitted[0];
+    // Without a preference the kubelet would take the two smallest IDs (both on GPU 0): these
+    // are the plugin's preferred replicas of the reserved GPUs.
+    let mut gpus: Vec<&str> = a.device_ids.iter().map(|id| gpu_of(id)).collect();
+    gpus.sort();
+    assert_eq!(gpus, [uuid(1), uuid(5)]);
+    let env = &a.response.envs;
+    assert_eq!(
+        env["NVIDIA_VISIBLE_DEVICES"],
+        format!("{},{}", uuid(1), uuid(5))
+    );
+    assert_eq!(env["CUDA_DEVICE_MEMORY_LIMIT_0"], "4096m");
+    assert_eq!(env["CUDA_DEVICE_MEMORY_LIMIT_1"], "8000m");
+    assert_eq!(env["CUDA_DEVICE_SM_LIMIT"], "30");
+    assert!(
+        a.response.mounts.is_empty(),
+        "no --hami-core-dir, no mounts"
+    );
+
+    let res = reservation(admin, "train-0").await;
+    let alloc = &res.status.as_ref().unwrap().allocation;
+    assert_eq!(alloc.len(), 1);
+    assert_eq!(alloc[0].index, 0);
+    assert_eq!(alloc[0].name, "main");
+    assert_eq!(alloc[0].replica_ids, a.device_ids);
+    let mut devices = alloc[0].devices.clone();
+    devices.sort();
+    assert_eq!(devices, [uuid(1), uuid(5)]);
+    assert!(alloc[0].allocated_at.is_some());
+    assert!(
+        res.managed_fields()
+            .iter()
+            .any(|m| m.manager.as_deref() == Some(names::DEVICE_PLUGIN_MANAGER))
+    );
+    assert!(
+        !lease_exists(admin).await,
+        "the Lease goes after the last GPU container"
+    );
+}
+
+async fn lease_is_released_only_after_the_last_gpu_container(dir: &Path, admin: &Client) {
+    // Init container first (index 0), then the app container (index 1).
+    let mut init = ctr(0, "prep", vec![device(2, 1000, 10)]);
+    init.init = true;
+    bind(
+        admin,
+        "train-1",
+        vec![ctr(1, "main", vec![device(3, 2000, 20)]), init],
+    )
+    .await;
+    let mut client = DevicePluginClient::new(dial(&dir.join(PLUGIN_SOCKET)).await.unwrap());
+    let preferred = |ids: Vec<String>| api::PreferredAllocationRequest {
+        container_requests: vec![api::ContainerPreferredAllocationRequest {
+            available_device_i_ds: ids,
+            must_include_device_i_ds: vec![],
+            allocation_size: 1,
+        }],
+    };
+    let all: Vec<String> = (0..8)
+        .flat_map(|i| (0..10).map(move |r| format!("{}-{r}", uuid(i))))
+        .collect();
+    // Request 0 is the init container: GPU 2.
+    let answer = client
+        .get_preferred_allocation(preferred(all.clone()))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        answer.container_responses[0].device_i_ds,
+        [format!("{}-0", uuid(2))]
+    );
+    let allocate = |id: String| api::AllocateRequest {
+        container_requests: vec![api::ContainerAllocateRequest {
+            devices_ids: vec![id],
+        }],
+    };
+    let r = client
+        .allocate(allocate(format!("{}-0", uuid(2))))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        r.container_responses[0].envs["NVIDIA_VISIBLE_DEVICES"],
+        uuid(2)
+    );
+    assert!(
+        lease_exists(admin).await,
+        "one GPU container is still to come"
+    );
+    // Next call is the app container: GPU 3.
+    let answer = client
+        .get_preferred_allocation(preferred(all))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        answer.container_responses[0].device_i_ds,
+        [format!("{}-0", uuid(3))]
+    );
+    let r = client
+        .allocate(allocate(format!("{}-0", uuid(3))))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        r.container_responses[0].envs["CUDA_DEVICE_MEMORY_LIMIT_0"],
+        "2000m"
+    );
+    assert!(!lease_exists(admin).await);
+    let res = reservation(admin, "train-1").await;
+    let idx: Vec<u32> = res
+        .status
+        .unwrap()
+        .allocation
+        .iter()
+        .map(|a| a.index)
+        .collect();
+    assert_eq!(idx, [0, 1]);
+
+    // Unknown replica IDs are refused clearly, never guessed at.
+    bind_again_and_refuse_unknown_ids(&mut client, admin).await;
+}
+
+async fn bind_again_and_refuse_unknown_ids(
+    client: &mut DevicePluginClient<tonic::transport::Channel>,
+    admin: &Client,
+) {
+    bind(
+        admin,
+        "train-2",
+        vec![ctr(0, "main", vec![device(0, 1000, 10)])],
+    )
+    .await;
+    let err = client
+        .allocate(api::AllocateRequest {
+            container_requests: vec![api::ContainerAllocateRequest {
+                devices_ids: vec!["GPU-not-ours-0".into()],
+            }],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(
+        err.message().contains("GPU-not-ours-0") && err.message().contains("train-2"),
+        "{}",
+        err.message()
+    );
+    // Clean up for the next step: the operator would free the Lease on timeout.
+    Api::<Lease>::namespaced(admin.clone(), DEFAULT_NAMESPACE)
+        .delete(&names::allocation_lease_name(NODE), &Default::default())
+        .await
+        .unwrap();
+}
+
+async fn numa_restricted_admission_still_exposes_the_reserved_gpu(
+    sim: &KubeletSimulator,
+    admin: &Client,
+) {
+    // Reserved on GPU 6 (NUMA 1) but the Topology Manager allows NUMA 0 only: the reserved GPU
+    // has no available replica, the refit hook (none yet) lets the kubelet choose, and the
+    // container still sees the reserved GPU; the divergence is recorded in status.allocation.
+    let uid = bind(
+        admin,
+        "train-3",
+        vec![ctr(0, "main", vec![device(6, 3000, 25)])],
+    )
+    .await;
+    let pod = PodSpec {
+        uid,
+        containers: vec![ContainerSpec::new("main", false, GPU, 1)],
+    };
+    let admitted = sim
+        .admit(&pod, NumaPolicy::SingleNumaNode(0))
+        .await
+        .unwrap();
+    let a = &admitted[0];
+    let view = sim.resource(GPU).unwrap();
+    assert_eq!(
+        view.numa_of(&a.device_ids[0]),
+        Some(0),
+        "the kubelet chose on NUMA 0"
+    );
+    assert_eq!(a.response.envs["NVIDIA_VISIBLE_DEVICES"], uuid(6));
+    let res = reservation(admin, "train-3").await;
+    let alloc = &res.status.unwrap().allocation[0];
+    assert_eq!(alloc.replica_ids, a.device_ids);
+    assert_ne!(
+        alloc.devices,
+        [uuid(6)],
+        "recorded: the kubelet's replicas are another GPU"
+    );
+    assert!(!lease_exists(admin).await);
+}
+
+async fn recovers_after_a_kubelet_restart(sim: &mut KubeletSimulator, admin: &Client) {
+    let held_before: BTreeMap<String, String> = sim.allocated(GPU);
+    sim.restart().await.unwrap();
+    let view = sim
+        .wait_for(GPU, WAIT, |v| {
+            v.registrations == 2 && v.streaming && v.devices.len() == 80
+        })
+        .await
+        .unwrap();
+    assert_eq!(view.healthy_ids().len(), 80);
+    assert_eq!(
+        sim.allocated(GPU),
+        held_before,
+        "allocations survive like the checkpoint"
+    );
+    let uid = bind(
+        admin,
+        "train-4",
+        vec![ctr(0, "main", vec![device(7, 5000, 40)])],
+    )
+    .await;
+    let pod = PodSpec {
+        uid,
+        containers: vec![ContainerSpec::new("main", false, GPU, 1)],
+    };
+    let admitted = sim.admit(&pod, NumaPolicy::None).await.unwrap();
+    assert_eq!(gpu_of(&admitted[0].device_ids[0]), uuid(7));
+    assert_eq!(admitted[0].response.envs["NVIDIA_VISIBLE_DEVICES"], uuid(7));
+    let res = reservation(admin, "train-4").await;
+    assert_eq!(res.name_any(), "train-4");
+    assert_eq!(res.status.unwrap().allocation.len(), 1);
+}
