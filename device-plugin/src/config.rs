@@ -46,6 +46,10 @@ pub struct Cli {
     /// Host directory with HAMi-core (libvgpu.so, ld.so.preload); adds its mounts to Allocate.
     #[arg(long, env = "GPULEDGER_HAMI_CORE_DIR")]
     pub hami_core_dir: Option<PathBuf>,
+    /// Whether to hand reserved-GPU-unavailable admissions to the NUMA refit path (issue 7);
+    /// `false` always lets the kubelet choose, as alignment `none` does.
+    #[arg(long, env = "GPULEDGER_REFIT", default_value_t = true, action = clap::ArgAction::Set)]
+    pub refit: bool,
     /// How often GPUs are re-discovered to notice health changes.
     #[arg(long, env = "GPULEDGER_REFRESH_INTERVAL", default_value = "10s", value_parser = parse_duration)]
     pub refresh_interval: Duration,
@@ -142,5 +146,21 @@ mod tests {
         assert_eq!(cli.metrics_addr, OptionalAddr(None));
         assert_eq!(cli.split_count, 4);
         assert!(Cli::try_parse_from(["p", "--node-name", "n1", "--split-count", "0"]).is_err());
+        // The DaemonSet in config/device-plugin passes these exact spellings.
+        let cli = Cli::try_parse_from([
+            "p",
+            "--node-name=n1",
+            "--namespace=gpuledger-system",
+            "--device-plugin-dir=/var/lib/kubelet/device-plugins",
+            "--split-count=10",
+            "--refit=true",
+            "--refit-timeout=2s",
+            "--metrics-addr=0.0.0.0:8081",
+        ])
+        .unwrap();
+        assert!(cli.refit);
+        assert_eq!(cli.metrics_addr.0.unwrap().port(), 8081);
+        let cli = Cli::try_parse_from(["p", "--node-name=n1", "--refit=false"]).unwrap();
+        assert!(!cli.refit);
     }
 }
