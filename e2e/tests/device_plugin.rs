@@ -89,12 +89,19 @@ async fn device_plugin_against_the_real_api_server() {
     let mut sim = KubeletSimulator::start(&dir).await.unwrap();
     let mut options = PluginOptions::new(NODE, &dir);
     options.poll_interval = Duration::from_millis(50);
-    let sample = repo_root().join("config/samples/devices-8gpu-2numa.yaml");
+    options.refresh_interval = Duration::from_millis(200);
+    // A copy, so a step can turn a GPU unhealthy.
+    let sample = tmp.path().join("devices.yaml");
+    std::fs::copy(
+        repo_root().join("config/samples/devices-8gpu-2numa.yaml"),
+        &sample,
+    )
+    .unwrap();
     let (stop_tx, stop_rx) = watch::channel(false);
     let plugin = tokio::spawn(plugin::run(
         options,
         plugin_client,
-        Arc::new(FileDiscovery::new(sample)),
+        Arc::new(FileDiscovery::new(&sample)),
         Arc::new(NoRefit),
         stop_rx,
     ));
@@ -106,6 +113,7 @@ async fn device_plugin_against_the_real_api_server() {
     lease_is_released_only_after_the_last_gpu_container(&dir, &admin).await;
     numa_restricted_admission_still_exposes_the_reserved_gpu(&sim, &admin).await;
     recovers_after_a_kubelet_restart(&mut sim, &admin).await;
+    an_unhealthy_gpu_reaches_the_kubelet_and_the_gpunode(&sim, &admin, &sample).await;
 
     stop_tx.send(true).unwrap();
     plugin.await.unwrap().unwrap();
@@ -548,4 +556,48 @@ async fn recovers_after_a_kubelet_restart(sim: &mut KubeletSimulator, admin: &Cl
     let res = reservation(admin, "train-4").await;
     assert_eq!(res.name_any(), "train-4");
     assert_eq!(res.status.unwrap().allocation.len(), 1);
+}
+
+async fn an_unhealthy_gpu_reaches_the_kubelet_and_the_gpunode(
+    sim: &KubeletSimulator,
+    admin: &Client,
+    devices_file: &Path,
+) {
+    let text = std::fs::read_to_string(devices_file).unwrap();
+    // GPU 0 is listed first in the sample.
+    std::fs::write(
+        devices_file,
+        text.replacen("healthy: true", "healthy: false", 1),
+    )
+    .unwrap();
+    let view = sim
+        .wait_for(GPU, WAIT, |v| v.healthy_ids().len() == 70)
+        .await
+        .unwrap();
+    assert!(
+        view.devices
+            .iter()
+            .filter(|d| d.health != "Healthy")
+            .all(|d| gpu_of(&d.id) == uuid(0))
+    );
+    let nodes: Api<GpuNode> = Api::all(admin.clone());
+    let node = gpuledger_e2e::cluster::wait_for("GpuNode shows the unhealthy GPU", WAIT, || {
+        let nodes = nodes.clone();
+        async move {
+            let n = nodes.get_opt(NODE).await?;
+            Ok::<_, kube::Error>(n.filter(|n| {
+                n.status
+                    .as_ref()
+                    .is_some_and(|s| s.healthy_count == Some(7))
+            }))
+        }
+    })
+    .await
+    .unwrap();
+    let status = node.status.unwrap();
+    let healthy = conditions::find(&status.conditions, HEALTHY).unwrap();
+    assert_eq!(healthy.status, "False");
+    assert_eq!(healthy.reason, "UnhealthyGPUs");
+    assert!(healthy.message.contains(&uuid(0)), "{}", healthy.message);
+    assert!(!status.devices[0].healthy);
 }
