@@ -4,8 +4,8 @@
 
 use std::path::PathBuf;
 
-use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
-use k8s_openapi::api::core::v1::ServiceAccount;
+use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
+use k8s_openapi::api::core::v1::{Node, ServiceAccount};
 use kube::Client;
 use kube::api::{Api, ObjectMeta, PostParams};
 
@@ -18,13 +18,31 @@ pub const TOKEN_SECONDS: i64 = 24 * 3600;
 
 impl ControlPlane {
     /// Creates ServiceAccount `namespace/name` (and its namespace) unless they exist, and mints a
-    /// token for it.
+    /// token for it. With `node`, the token is bound to that Node, so it carries the
+    /// `authentication.kubernetes.io/node-name` claim a kubelet-projected token of a pod on that
+    /// node has (what config/admission checks for the device plugin).
     pub async fn service_account_token(
         &self,
         namespace: &str,
         name: &str,
+        node: Option<&str>,
     ) -> Result<String, ClusterError> {
         let client = self.client();
+        let bound_object_ref = match node {
+            None => None,
+            Some(node) => {
+                let nodes: Api<Node> = Api::all(client.clone());
+                let found = nodes.get(node).await.map_err(|e| {
+                    ClusterError::kube(format!("get node {node} to bind a token to"), e)
+                })?;
+                Some(BoundObjectReference {
+                    api_version: Some("v1".into()),
+                    kind: Some("Node".into()),
+                    name: Some(node.to_string()),
+                    uid: found.metadata.uid,
+                })
+            }
+        };
         ensure_namespace(&client, namespace).await?;
         let sas: Api<ServiceAccount> = Api::namespaced(client, namespace);
         let sa = ServiceAccount {
@@ -49,7 +67,7 @@ impl ControlPlane {
                 // Empty: the API server's own audience, as for an in-cluster token.
                 audiences: Vec::new(),
                 expiration_seconds: Some(TOKEN_SECONDS),
-                bound_object_ref: None,
+                bound_object_ref,
             },
             ..Default::default()
         };
@@ -63,13 +81,15 @@ impl ControlPlane {
     }
 
     /// Writes a kubeconfig authenticating as ServiceAccount `namespace/name` (created if
-    /// missing) into the run dir and returns its path; for components run as processes.
+    /// missing; token bound to `node` if given, see [`ControlPlane::service_account_token`])
+    /// into the run dir and returns its path; for components run as processes.
     pub async fn service_account_kubeconfig(
         &self,
         namespace: &str,
         name: &str,
+        node: Option<&str>,
     ) -> Result<PathBuf, ClusterError> {
-        let token = self.service_account_token(namespace, name).await?;
+        let token = self.service_account_token(namespace, name, node).await?;
         let user = format!("system:serviceaccount:{namespace}:{name}");
         let yaml = config::kubeconfig_yaml(self.server_url(), self.ca_cert(), &user, &token)
             .map_err(|source| ClusterError::Yaml {
@@ -90,7 +110,23 @@ impl ControlPlane {
         namespace: &str,
         name: &str,
     ) -> Result<Client, ClusterError> {
-        let path = self.service_account_kubeconfig(namespace, name).await?;
+        let path = self
+            .service_account_kubeconfig(namespace, name, None)
+            .await?;
         client_from_kubeconfig(&path, &format!("{namespace}/{name}")).await
+    }
+
+    /// Like [`ControlPlane::client_for_service_account`], with a token bound to Node `node`: a
+    /// device plugin's identity on that node.
+    pub async fn client_for_service_account_on_node(
+        &self,
+        namespace: &str,
+        name: &str,
+        node: &str,
+    ) -> Result<Client, ClusterError> {
+        let path = self
+            .service_account_kubeconfig(namespace, name, Some(node))
+            .await?;
+        client_from_kubeconfig(&path, &format!("{namespace}/{name} on {node}")).await
     }
 }
