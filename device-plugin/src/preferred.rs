@@ -68,8 +68,8 @@ pub fn select_replicas(
     let gpu_of = |id: &str| inventory.physical(id).map(|g| g.uuid.as_str());
     let mut chosen: Vec<String> = must_include.to_vec();
     let mut taken: HashSet<&str> = must_include.iter().map(String::as_str).collect();
-    let covered: Vec<&str> = must_include.iter().filter_map(|id| gpu_of(id)).collect();
-    let mut covered_left = covered.clone();
+    // GPUs the kubelet already holds replicas of; each covers one reserved GPU.
+    let mut covered_left: Vec<&str> = must_include.iter().filter_map(|id| gpu_of(id)).collect();
     for uuid in reserved {
         if let Some(pos) = covered_left.iter().position(|c| c == uuid) {
             covered_left.remove(pos);

@@ -114,6 +114,7 @@ async fn device_plugin_against_the_real_api_server() {
     numa_restricted_admission_still_exposes_the_reserved_gpu(&sim, &admin).await;
     recovers_after_a_kubelet_restart(&mut sim, &admin).await;
     an_unhealthy_gpu_reaches_the_kubelet_and_the_gpunode(&sim, &admin, &sample).await;
+    admission_latency_report(&sim, &admin).await;
 
     stop_tx.send(true).unwrap();
     plugin.await.unwrap().unwrap();
@@ -600,4 +601,40 @@ async fn an_unhealthy_gpu_reaches_the_kubelet_and_the_gpunode(
     assert_eq!(healthy.reason, "UnhealthyGPUs");
     assert!(healthy.message.contains(&uuid(0)), "{}", healthy.message);
     assert!(!status.devices[0].healthy);
+}
+
+/// Not an assertion on time: prints how long a kubelet admission (GetPreferredAllocation +
+/// Allocate, each reading the Lease and the reservation, plus the status apply and the Lease
+/// delete) takes through the real API server, for the report.
+async fn admission_latency_report(sim: &KubeletSimulator, admin: &Client) {
+    let mut took = Vec::new();
+    for i in 0..30u32 {
+        let gpu = 1 + i % 7; // GPU 0 is unhealthy now
+        let pod = format!("lat-{i}");
+        let uid = bind(
+            admin,
+            &pod,
+            vec![ctr(0, "main", vec![device(gpu, 1000, 5)])],
+        )
+        .await;
+        let spec = PodSpec {
+            uid: uid.clone(),
+            containers: vec![ContainerSpec::new("main", false, GPU, 1)],
+        };
+        let started = std::time::Instant::now();
+        let admitted = sim.admit(&spec, NumaPolicy::None).await.unwrap();
+        took.push(started.elapsed());
+        assert_eq!(gpu_of(&admitted[0].device_ids[0]), uuid(gpu));
+        assert!(!lease_exists(admin).await);
+        sim.release(&uid);
+    }
+    took.sort();
+    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+    eprintln!(
+        "admission (GetPreferredAllocation + Allocate) over {} pods: p50 {:.1} ms, p90 {:.1} ms, max {:.1} ms",
+        took.len(),
+        ms(took[took.len() / 2]),
+        ms(took[took.len() * 9 / 10]),
+        ms(took[took.len() - 1])
+    );
 }
