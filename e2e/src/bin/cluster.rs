@@ -250,6 +250,7 @@ async fn serve_async(setup: Setup) -> Result<(), CliError> {
             _ = tick.tick() => {
                 if let Err(e) = cp.check_running() {
                     tracing::error!(error = %e, "a component died; stopping the control plane");
+                    let _ = std::fs::remove_file(state.join(READY));
                     return Err(e.into());
                 }
             }
