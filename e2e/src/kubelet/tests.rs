@@ -181,3 +181,151 @@ async fn register_rejects_bad_versions_and_resource_names_and_admit_needs_a_plug
     assert!(matches!(err, SimError::NotRegistered(_)), "{err}");
     sim.stop().await;
 }
+
+/// A minimal plugin that wants PreStartContainer and offers no GetPreferredAllocation: the
+/// simulator must follow the options it read, like the kubelet.
+#[derive(Default)]
+struct Recorder {
+    preferred: std::sync::atomic::AtomicUsize,
+    allocate: std::sync::atomic::AtomicUsize,
+    pre_start: std::sync::Mutex<Vec<Vec<String>>>,
+}
+
+#[derive(Clone, Default)]
+struct RecorderService(Arc<Recorder>);
+
+type DeviceStream = std::pin::Pin<
+    Box<dyn tokio_stream::Stream<Item = Result<api::ListAndWatchResponse, tonic::Status>> + Send>,
+>;
+
+#[tonic::async_trait]
+impl api::device_plugin_server::DevicePlugin for RecorderService {
+    async fn get_device_plugin_options(
+        &self,
+        _: tonic::Request<api::Empty>,
+    ) -> Result<tonic::Response<api::DevicePluginOptions>, tonic::Status> {
+        Ok(tonic::Response::new(api::DevicePluginOptions {
+            pre_start_required: true,
+            get_preferred_allocation_available: false,
+        }))
+    }
+
+    type ListAndWatchStream = DeviceStream;
+
+    async fn list_and_watch(
+        &self,
+        _: tonic::Request<api::Empty>,
+    ) -> Result<tonic::Response<DeviceStream>, tonic::Status> {
+        let devices = ["x-2", "x-0", "x-1"]
+            .iter()
+            .map(|id| api::Device {
+                id: id.to_string(),
+                health: "Healthy".into(),
+                topology: None,
+            })
+            .collect();
+        let first = tokio_stream::once(Ok(api::ListAndWatchResponse { devices }));
+        // Keep the stream open like a real plugin.
+        Ok(tonic::Response::new(Box::pin(
+            tokio_stream::StreamExt::chain(first, tokio_stream::pending()),
+        )))
+    }
+
+    async fn get_preferred_allocation(
+        &self,
+        _: tonic::Request<api::PreferredAllocationRequest>,
+    ) -> Result<tonic::Response<api::PreferredAllocationResponse>, tonic::Status> {
+        self.0
+            .preferred
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Err(tonic::Status::unimplemented("not advertised"))
+    }
+
+    async fn allocate(
+        &self,
+        _: tonic::Request<api::AllocateRequest>,
+    ) -> Result<tonic::Response<api::AllocateResponse>, tonic::Status> {
+        self.0
+            .allocate
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok(tonic::Response::new(api::AllocateResponse {
+            container_responses: vec![api::ContainerAllocateResponse::default()],
+        }))
+    }
+
+    async fn pre_start_container(
+        &self,
+        request: tonic::Request<api::PreStartContainerRequest>,
+    ) -> Result<tonic::Response<api::PreStartContainerResponse>, tonic::Status> {
+        self.0
+            .pre_start
+            .lock()
+            .unwrap()
+            .push(request.into_inner().devices_ids);
+        Ok(tonic::Response::new(api::PreStartContainerResponse {}))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn options_decide_pre_start_and_preferred_calls() {
+    let tmp = tempfile::tempdir().unwrap();
+    let sim = KubeletSimulator::start(tmp.path()).await.unwrap();
+    let service = RecorderService::default();
+    let listener = tokio::net::UnixListener::bind(tmp.path().join("rec.sock")).unwrap();
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(api::device_plugin_server::DevicePluginServer::new(
+                service.clone(),
+            ))
+            .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener)),
+    );
+    let mut reg = RegistrationClient::new(dial(&tmp.path().join(KUBELET_SOCKET)).await.unwrap());
+    reg.register(api::RegisterRequest {
+        version: "v1beta1".into(),
+        endpoint: "rec.sock".into(),
+        resource_name: "example.com/dev".into(),
+        // Deliberately different from GetDevicePluginOptions: the kubelet trusts the latter.
+        options: Some(api::DevicePluginOptions {
+            pre_start_required: false,
+            get_preferred_allocation_available: true,
+        }),
+    })
+    .await
+    .unwrap();
+    let view = sim
+        .wait_for("example.com/dev", WAIT, |v| v.devices.len() == 3)
+        .await
+        .unwrap();
+    assert!(view.options.pre_start_required);
+    let pod = PodSpec {
+        uid: "u".into(),
+        containers: vec![ContainerSpec::new("c", false, "example.com/dev", 2)],
+    };
+    let admitted = sim.admit(&pod, NumaPolicy::None).await.unwrap();
+    assert_eq!(
+        admitted[0].device_ids,
+        ["x-0", "x-1"],
+        "sorted order without a preference"
+    );
+    let rec = &service.0;
+    assert_eq!(rec.preferred.load(std::sync::atomic::Ordering::SeqCst), 0);
+    assert_eq!(rec.allocate.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(
+        *rec.pre_start.lock().unwrap(),
+        [vec!["x-0".to_string(), "x-1".to_string()]]
+    );
+    // The third device is left; asking for two more fails and keeps nothing.
+    let err = sim
+        .admit(
+            &PodSpec {
+                uid: "v".into(),
+                containers: vec![ContainerSpec::new("c", false, "example.com/dev", 2)],
+            },
+            NumaPolicy::None,
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(err, SimError::Choose { .. }), "{err}");
+    assert_eq!(sim.allocated("example.com/dev").len(), 2);
+    server.abort();
+}
