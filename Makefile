@@ -24,8 +24,11 @@ demo:
 k8s-binaries:
 	@e2e/k8s/build.sh
 
+## Unit tests, integration tests and the end-to-end suite (benchmarks run under `make bench`;
+## clippy --all-targets in `make lint` still compiles them). Test binaries run one after another,
+## each end-to-end binary with its own control plane.
 test: k8s-binaries
-	GPULEDGER_K8S_BIN="$$(e2e/k8s/build.sh 2>/dev/null | tail -n1)" $(CARGO) test --workspace --all-targets -j $(JOBS)
+	GPULEDGER_K8S_BIN="$$(e2e/k8s/build.sh 2>/dev/null | tail -n1)" $(CARGO) test --workspace --lib --bins --tests -j $(JOBS)
 
 unit:
 	$(CARGO) test --workspace --lib --bins -j $(JOBS)
