@@ -20,6 +20,8 @@ use crate::cluster::{ClusterError, wait_for};
 pub const FIELD_MANAGER: &str = "gpuledger-e2e";
 /// How long a CRD may take to become Established.
 pub const CRD_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a kind may take to appear in discovery.
+pub const DISCOVERY_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// One object read from a manifest file.
 #[derive(Clone, Debug)]
@@ -151,9 +153,13 @@ async fn apply_one(
     let (ar, namespaced) = match kinds.get(&m.gvk) {
         Some(known) => known.clone(),
         None => {
-            let (ar, caps) = pinned_kind(client, &m.gvk)
-                .await
-                .map_err(|e| ClusterError::kube(format!("{what}: discover its kind"), e))?;
+            // Retried: a kind defined by a CRD applied a moment ago can lag in discovery.
+            let (ar, caps) = wait_for(
+                format!("discovery of {}/{}", m.gvk.api_version(), m.gvk.kind),
+                DISCOVERY_TIMEOUT,
+                || async { pinned_kind(client, &m.gvk).await.map(Some) },
+            )
+            .await?;
             let known = (ar, caps.scope == Scope::Namespaced);
             kinds.insert(m.gvk.clone(), known.clone());
             known
