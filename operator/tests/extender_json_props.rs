@@ -1,0 +1,343 @@
+//! Property tests of the scheduler extender against hostile input.
+//!
+//! 1. `filter` on arbitrary pods (random GPU amounts and annotations, valid or not) and arbitrary
+//!    candidate lists: every candidate either survives or is refused with a non-empty reason,
+//!    never both, never lost; `prioritize` scores every candidate within 0..=10.
+//! 2. The HTTP server fed arbitrary bodies on every verb: it answers every request (no panic, no
+//!    dropped connection), with 200 and the verb's JSON shape or a 4xx that says what is wrong.
+//!
+//! The handlers run on a real `Context` whose API client points at a closed loopback port:
+//! `filter` and `prioritize` decide from the caches alone, and the few writes they attempt (pod
+//! events) fail fast, as they would during an API outage. No API server is imitated.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpuledger_crds::podapi::{PodApiConfig, SchedulerPolicy};
+use gpuledger_crds::{Alignment, GpuDevice, GpuNode, GpuNodeSpec, GpuNodeStatus};
+use gpuledger_operator::context::{Context, reporter};
+use gpuledger_operator::extender::filter::{filter, prioritize};
+use gpuledger_operator::extender::server::router;
+use gpuledger_operator::extender::wire::{ExtenderArgs, MAX_EXTENDER_PRIORITY};
+use gpuledger_operator::fit_adapter::FitEngine;
+use gpuledger_operator::ledger::{LedgerIndex, LedgerWriter, NodeLocks};
+use gpuledger_operator::placement::Policies;
+use gpuledger_operator::telemetry::{Health, Metrics};
+use kube::runtime::events::Recorder;
+use kube::runtime::reflector;
+use kube::runtime::watcher;
+use proptest::prelude::*;
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// Nodes with a GpuNode inventory in the cache; any other name is a node without GPUs.
+const GPU_NODES: [&str; 3] = ["gpu-a", "gpu-b", "gpu-c"];
+
+fn gpunode(name: &str, gpus: u32) -> GpuNode {
+    let mut node = GpuNode::new(name, GpuNodeSpec::default());
+    let mut status = GpuNodeStatus {
+        devices: (0..gpus)
+            .map(|i| GpuDevice {
+                uuid: format!("GPU-{name}-{i}"),
+                index: i,
+                model: "NVIDIA A100-SXM4-80GB".into(),
+                memory_mib: 81920,
+                cores: 100,
+                numa_node: Some(i % 2),
+                pci_bus_id: None,
+                mig: false,
+                healthy: i != 1,
+            })
+            .collect(),
+        split_count: Some(4),
+        ..Default::default()
+    };
+    status.summarize();
+    node.status = Some(status);
+    node
+}
+
+/// A leading, synced operator context whose client reaches nothing (call inside a runtime:
+/// the client spawns its request buffer).
+fn context(leader: bool) -> Arc<Context> {
+    let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
+    let client = kube::Client::try_from(config).unwrap();
+    let index = Arc::new(LedgerIndex::new());
+    index.apply_event(watcher::Event::Init);
+    index.apply_event(watcher::Event::InitDone);
+    let (gpunodes, mut writer) = reflector::store::<GpuNode>();
+    for (i, name) in GPU_NODES.iter().enumerate() {
+        writer.apply_watcher_event(&watcher::Event::Apply(gpunode(name, 2 + 2 * i as u32)));
+    }
+    let (policies, _) = reflector::store();
+    let health = Arc::new(Health::default());
+    health.set_leader(leader);
+    Arc::new(Context {
+        client: client.clone(),
+        namespace: "gpuledger-system".into(),
+        writer: LedgerWriter::new(client.clone(), index.clone()),
+        index,
+        node_locks: Arc::new(NodeLocks::new()),
+        gpunodes,
+        policies,
+        placer: Arc::new(FitEngine),
+        pod_api: PodApiConfig::default(),
+        default_policies: Policies {
+            node: SchedulerPolicy::Binpack,
+            gpu: SchedulerPolicy::Spread,
+        },
+        default_alignment: Alignment::None,
+        lease_wait: Duration::from_millis(50),
+        allocating_timeout: Duration::from_secs(60),
+        metrics: Arc::new(Metrics::new()),
+        health,
+        recorder: Recorder::new(client, reporter("props")),
+    })
+}
+
+fn amount() -> impl Strategy<Value = String> {
+    prop_oneof![
+        (0u64..200_000).prop_map(|n| n.to_string()),
+        "[0-9]{1,4}(\\.5|m|Ki|Gi|e3)?",
+        "-[0-9]{1,3}",
+        "[a-z ]{0,5}",
+    ]
+}
+
+/// A pod as the scheduler sends it (no TypeMeta), with random GPU resources and annotations.
+fn pod_json() -> impl Strategy<Value = Value> {
+    let keys = prop::sample::select(vec![
+        "nvidia.com/gpu",
+        "nvidia.com/gpumem",
+        "nvidia.com/gpumem-percentage",
+        "nvidia.com/gpucores",
+        "cpu",
+    ]);
+    let annotations = prop::collection::btree_map(
+        prop::sample::select(vec![
+            "nvidia.com/use-gputype",
+            "nvidia.com/nouse-gpuuuid",
+            "nvidia.com/numa-bind",
+            "hami.io/gpu-scheduler-policy",
+            "hami.io/numa-alignment",
+        ]),
+        prop_oneof![
+            Just("A100".to_string()),
+            Just("true".to_string()),
+            Just("binpack".to_string()),
+            Just("strict".to_string()),
+            "[a-zA-Z0-9,-]{0,10}",
+        ],
+        0..3,
+    );
+    (
+        prop::collection::vec(prop::collection::btree_map(keys, amount(), 0..5), 1..3),
+        annotations,
+        "[a-z0-9]{1,8}",
+    )
+        .prop_map(|(containers, annotations, uid)| {
+            let containers: Vec<Value> = containers
+                .into_iter()
+                .enumerate()
+                .map(|(i, limits)| {
+                    json!({"name": format!("c{i}"), "image": "x", "resources": {"limits": limits}})
+                })
+                .collect();
+            json!({
+                "metadata": {"name": "p", "namespace": "default", "uid": uid, "annotations": annotations},
+                "spec": {"containers": containers},
+            })
+        })
+}
+
+fn candidates() -> impl Strategy<Value = Vec<String>> {
+    prop::collection::btree_set(
+        prop_oneof![
+            prop::sample::select(GPU_NODES.to_vec()).prop_map(String::from),
+            "cpu-[0-9]{1,2}",
+        ],
+        0..6,
+    )
+    .prop_map(|s| s.into_iter().collect())
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// Every candidate is accounted for: it survives, or it is refused with a reason.
+    #[test]
+    fn filter_accounts_for_every_candidate_with_a_reason(pod in pod_json(), names in candidates(), full_nodes in any::<bool>()) {
+        let rt = runtime();
+        let _in_runtime = rt.enter();
+        let ctx = context(true);
+        // The scheduler sends names (node-cache capable) or whole Node objects; both are legal.
+        let body = if full_nodes {
+            let items: Vec<Value> = names.iter().map(|n| json!({"metadata": {"name": n}})).collect();
+            json!({"Pod": pod, "Nodes": {"items": items}, "NodeNames": null})
+        } else {
+            json!({"Pod": pod, "Nodes": null, "NodeNames": names})
+        };
+        let args: ExtenderArgs = serde_json::from_value(body).unwrap();
+        let out = rt.block_on(filter(&ctx, args.clone()));
+        prop_assert_eq!(&out.error, "");
+        let survivors: BTreeSet<String> = match (&out.node_names, &out.nodes) {
+            (Some(n), None) => n.iter().cloned().collect(),
+            (None, Some(list)) => list.names().into_iter().collect(),
+            other => panic!("answer not in the request's shape: {other:?}"),
+        };
+        let mut refused: BTreeMap<String, String> = out.failed_nodes.clone();
+        for (n, r) in &out.failed_and_unresolvable_nodes {
+            prop_assert!(refused.insert(n.clone(), r.clone()).is_none(), "{n} refused twice");
+        }
+        for n in &names {
+            let kept = survivors.contains(n);
+            prop_assert!(kept != refused.contains_key(n), "{n}: kept={kept}, refused={:?}", refused.get(n));
+            if let Some(reason) = refused.get(n) {
+                prop_assert!(!reason.trim().is_empty(), "{n} refused without a reason");
+            }
+            if kept && !GPU_NODES.contains(&n.as_str()) {
+                // Only a pod without GPUs may land on a node without a GPU inventory.
+                let req = gpuledger_operator::extender::filter::gpu_request(&ctx, &args.pod);
+                prop_assert!(matches!(req, Ok(None)), "{n} has no GPUs but kept a GPU pod");
+            }
+        }
+        prop_assert_eq!(survivors.len() + refused.len(), names.len());
+
+        let scores = rt.block_on(prioritize(&ctx, args));
+        let scored: BTreeSet<String> = scores.iter().map(|h| h.host.clone()).collect();
+        prop_assert_eq!(scored, names.iter().cloned().collect::<BTreeSet<_>>());
+        prop_assert!(scores.iter().all(|h| (0..=MAX_EXTENDER_PRIORITY).contains(&h.score)));
+    }
+
+    /// A replica that does not lead refuses the whole call with a reason instead of deciding.
+    #[test]
+    fn a_follower_refuses_with_a_reason(pod in pod_json(), names in candidates()) {
+        let rt = runtime();
+        let _in_runtime = rt.enter();
+        let ctx = context(false);
+        let args: ExtenderArgs =
+            serde_json::from_value(json!({"Pod": pod, "NodeNames": names})).unwrap();
+        let out = rt.block_on(filter(&ctx, args));
+        prop_assert!(out.error.contains("leader"), "{out:?}");
+    }
+}
+
+/// One HTTP/1.1 request; `(status, body)`.
+async fn post(port: u16, path: &str, body: &[u8]) -> (u16, String) {
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(body).await.unwrap();
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).await.unwrap();
+    let text = String::from_utf8_lossy(&out).to_string();
+    let code = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (code, body)
+}
+
+/// Bodies that are JSON of the wrong shape, truncated JSON, or plain garbage.
+fn hostile_body() -> impl Strategy<Value = Vec<u8>> {
+    let json_value =
+        any::<i64>()
+            .prop_map(|n| json!(n))
+            .boxed()
+            .prop_recursive(3, 24, 4, |inner| {
+                prop_oneof![
+                    prop::collection::vec(inner.clone(), 0..4).prop_map(Value::from),
+                    prop::collection::btree_map(
+                        prop_oneof![
+                            Just("Pod".to_string()),
+                            Just("NodeNames".to_string()),
+                            Just("Nodes".to_string()),
+                            Just("PodName".to_string()),
+                            Just("PodUID".to_string()),
+                            Just("metadata".to_string()),
+                            "[a-zA-Z]{1,6}",
+                        ],
+                        inner,
+                        0..4
+                    )
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+                    "[ -~]{0,8}".prop_map(Value::from),
+                ]
+            });
+    prop_oneof![
+        json_value.prop_map(|v| serde_json::to_vec(&v).unwrap()),
+        prop::collection::vec(any::<u8>(), 0..64),
+        "\\{\"Pod\": \\{\"metadata\": [ -~]{0,20}".prop_map(String::into_bytes),
+    ]
+}
+
+#[test]
+fn the_server_answers_every_body_on_every_verb() {
+    let rt = runtime();
+    let _in_runtime = rt.enter();
+    let ctx = context(true);
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let port = listener.local_addr().unwrap().port();
+    rt.spawn(async move { axum::serve(listener, router(ctx)).await });
+
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig::with_cases(300));
+    runner
+        .run(
+            &(
+                prop::sample::select(vec!["/filter", "/prioritize", "/bind"]),
+                hostile_body(),
+            ),
+            |(verb, body)| {
+                let (code, answer) = rt.block_on(post(port, verb, &body));
+                match code {
+                    200 => {
+                        let v: Value = serde_json::from_str(&answer).unwrap();
+                        match verb {
+                            "/prioritize" => prop_assert!(v.is_array(), "{answer}"),
+                            "/bind" => {
+                                // A bind the operator cannot carry out says why.
+                                prop_assert!(
+                                    v["Error"].as_str().is_some_and(|e| !e.is_empty()),
+                                    "{answer}"
+                                )
+                            }
+                            _ => prop_assert!(v.get("Error").is_some(), "{answer}"),
+                        }
+                    }
+                    400..=499 => prop_assert!(!answer.trim().is_empty(), "{code} without a reason"),
+                    _ => prop_assert!(false, "{verb}: status {code}: {answer}"),
+                }
+                Ok(())
+            },
+        )
+        .unwrap();
+    // Still serving after all that.
+    let (code, _) = rt.block_on(post(
+        port,
+        "/filter",
+        br#"{"Pod": {"metadata": {"name": "ok"}, "spec": {"containers": []}}, "NodeNames": ["gpu-a"]}"#,
+    ));
+    assert_eq!(code, 200);
+}
