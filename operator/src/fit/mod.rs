@@ -15,12 +15,14 @@
 //! GPUs are skipped as `CardTypeMismatch`, the reason HAMi gives a mode mismatch) and resource
 //! quotas. Module map: `model` (data), `device_fit` (one container on one node: score, order,
 //! walk), `node` (a pod on a node, the node choice), `restricted` (refits), `usage`
-//! (init-container collapse), `reason` (HAMi's failure strings), `cli` (the JSON front end).
+//! (init-container collapse), `reason` (HAMi's failure strings), `cli` (the JSON front end),
+//! `fixture` (seeded synthetic clusters for benchmarks and side-by-side runs).
 //!
 //! [`PodRequest`]: gpuledger_crds::podapi::PodRequest
 
 pub mod cli;
 mod device_fit;
+pub mod fixture;
 mod model;
 mod node;
 mod reason;
