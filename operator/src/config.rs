@@ -90,6 +90,9 @@ pub struct RunConfig {
     /// Minimum interval between two writes of one GpuNode's status.usage.
     #[arg(long, env = "GPULEDGER_USAGE_INTERVAL", default_value = "2s", value_parser = parse_duration)]
     pub usage_interval: Duration,
+    /// How long answered RefitRequests are kept (for `kubectl get refit`) before deletion.
+    #[arg(long, env = "GPULEDGER_REFIT_TTL", default_value = "10m", value_parser = parse_duration)]
+    pub refit_ttl: Duration,
 }
 
 #[cfg(test)]
@@ -122,6 +125,7 @@ mod tests {
         assert_eq!(cli.run.node_policy, SchedulerPolicy::Binpack);
         assert_eq!(cli.run.gpu_policy, SchedulerPolicy::Spread);
         assert!(!cli.run.leader_elect);
+        assert_eq!(cli.run.refit_ttl, Duration::from_secs(600));
     }
 
     #[test]

@@ -235,6 +235,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
     });
     tasks.spawn(controllers::reservation::run(ctx.clone()));
     tasks.spawn(controllers::numapolicy::run(ctx.clone()));
+    tasks.spawn(controllers::refit::run(ctx.clone(), config.refit_ttl));
     tasks.spawn(controllers::gpunode_usage::run(
         ctx.clone(),
         config.usage_interval,

@@ -62,6 +62,8 @@ pub struct Metrics {
     pub reservations: Family<PhaseLabels, Gauge>,
     /// NUMA refits by outcome (written by the refit controller).
     pub refits: Family<OutcomeLabels, Counter>,
+    /// Time from the refit controller picking up a RefitRequest to its answer in status.
+    pub refit_latency: Histogram,
     /// Reservations found Misaligned.
     pub misaligned: Counter,
     /// Ledger writes that lost a resourceVersion race and were re-decided.
@@ -102,6 +104,12 @@ impl Metrics {
         );
         let refits = Family::<OutcomeLabels, Counter>::default();
         registry.register("refits", "NUMA refits by outcome", refits.clone());
+        let refit_latency = Histogram::new(exponential_buckets(0.0005, 2.0, 14));
+        registry.register(
+            "refit_latency_seconds",
+            "NUMA refit decision and commit latency (request picked up to status answered)",
+            refit_latency.clone(),
+        );
         let misaligned = Counter::default();
         registry.register(
             "misaligned_reservations",
@@ -126,6 +134,7 @@ impl Metrics {
             latency,
             reservations,
             refits,
+            refit_latency,
             misaligned,
             conflicts,
             leader,

@@ -1,6 +1,7 @@
-//! The operator's controllers: reservation lifecycle, NumaPolicy status, GpuNode usage.
+//! The operator's controllers: reservation lifecycle, NumaPolicy status, GpuNode usage, NUMA refits.
 
 pub mod gpunode_usage;
 pub mod lifecycle;
 pub mod numapolicy;
+pub mod refit;
 pub mod reservation;

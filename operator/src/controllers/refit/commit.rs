@@ -1,0 +1,136 @@
+//! The guarded commit of a refit: under the node's lock (the one bind and the init-container
+//! shrink take), re-read the reservation from the ledger index, re-validate, plan, check the
+//! deadline one last time, and replace the reservation spec with the resourceVersion the plan
+//! was based on. A conflict means someone wrote the reservation meanwhile (the plugin recording
+//! an allocation, the lifecycle controller moving the phase): we re-read and decide again, still
+//! under the lock, so the retry is as safe as the first try. Every API call made while holding
+//! the lock is bounded, because bind on this node waits for the same lock.
+
+use std::time::Duration;
+
+use gpuledger_crds::podapi::parse_pod;
+use gpuledger_crds::{GpuReservation, RefitRequestSpec};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::jiff::Timestamp;
+
+use super::plan::{Plan, plan};
+use super::validation::validate;
+use super::{Answer, ReconcileError};
+use crate::context::Context;
+use crate::fit::Policy;
+use crate::ledger::{ReservationKey, WriteError};
+
+/// Longest a single API call may hold the node's lock (HAMi bounds its patch the same way,
+/// #2817). A call that runs out leaves the request Pending; the next reconcile finds out what
+/// happened from the reservation itself.
+pub const LOCKED_CALL_BOUND: Duration = Duration::from_secs(2);
+
+/// How often a commit re-decides after losing a resourceVersion race.
+const ATTEMPTS: usize = 3;
+
+/// Whether `deadline` has passed.
+pub fn expired(spec: &RefitRequestSpec, now: Timestamp) -> bool {
+    now >= spec.deadline.0
+}
+
+/// A committed move: the reservation as written and the GPUs before and after.
+#[derive(Clone, Debug)]
+pub struct Moved {
+    /// The reservation after the write.
+    pub reservation: GpuReservation,
+    /// GPUs before.
+    pub from: Vec<String>,
+    /// GPUs after.
+    pub to: Vec<String>,
+}
+
+async fn bounded<T>(
+    what: &'static str,
+    call: impl std::future::Future<Output = Result<T, WriteError>>,
+) -> Result<Result<T, WriteError>, ReconcileError> {
+    tokio::time::timeout(LOCKED_CALL_BOUND, call)
+        .await
+        .map_err(|_| ReconcileError::LockedCallTimedOut(what))
+}
+
+/// Decides and commits the refit of a validated request whose container is not yet on allowed
+/// GPUs. Returns the answer for the request's status, and the move when one was written.
+pub async fn commit(
+    ctx: &Context,
+    namespace: &str,
+    spec: &RefitRequestSpec,
+    pod: &Pod,
+) -> Result<(Answer, Option<Moved>), ReconcileError> {
+    let key = ReservationKey::new(namespace, &spec.reservation);
+    let request = match parse_pod(pod, &ctx.pod_api) {
+        Ok(r) => r,
+        Err(e) => return Ok((Answer::refused(format!("pod GPU request: {e}"), true), None)),
+    };
+    let defaults = Policy {
+        node: ctx.default_policies.node,
+        gpu: ctx.default_policies.gpu,
+    };
+    let _node = ctx.node_locks.lock(&spec.node_name).await;
+    for _ in 0..ATTEMPTS {
+        let current = ctx.index.get(&key);
+        let container = match validate(namespace, spec, Some(pod), current.as_deref()) {
+            Ok(c) => c.index,
+            Err(refusal) => return Ok((Answer::refused(refusal.reason, refusal.event), None)),
+        };
+        let Some(current) = current else {
+            return Ok((Answer::refused("reservation vanished".into(), true), None));
+        };
+        let Some(node) = ctx.gpunode(&spec.node_name) else {
+            let reason = format!("node {} has no GpuNode inventory", spec.node_name);
+            return Ok((Answer::refused(reason, true), None));
+        };
+        let others =
+            ctx.index
+                .node_usage(&spec.node_name, Some(&spec.pod_uid), ctx.placer.as_ref());
+        let decided = plan(
+            &node,
+            &others,
+            &current.spec,
+            container,
+            &request,
+            &defaults,
+            &spec.allowed_devices,
+        );
+        let (new_spec, from, to) = match decided {
+            Err(refusal) => return Ok((Answer::refused(refusal.to_string(), true), None)),
+            Ok(Plan::Unchanged { devices }) => return Ok((Answer::unchanged(devices), None)),
+            Ok(Plan::Move { spec, from, to }) => (spec, from, to),
+        };
+        // The last moment before the write: a late commit would move a reservation the plugin
+        // has already stopped waiting for.
+        if expired(spec, Timestamp::now()) {
+            return Ok((Answer::expired(), None));
+        }
+        let mut updated = current.as_ref().clone();
+        updated.spec = new_spec;
+        match bounded("replace reservation", ctx.writer.replace(&updated)).await? {
+            Ok(written) => {
+                let answer = Answer::moved(to.clone());
+                let moved = Moved {
+                    reservation: written,
+                    from,
+                    to,
+                };
+                return Ok((answer, Some(moved)));
+            }
+            Err(WriteError::Conflict { .. }) => {
+                ctx.metrics.conflicts.inc();
+                bounded("re-read reservation", ctx.writer.reread(&key)).await??;
+            }
+            Err(WriteError::NotFound { .. }) => {
+                return Ok((
+                    Answer::refused("reservation was deleted".into(), true),
+                    None,
+                ));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let reason = format!("reservation {key} kept changing during the refit; not moved");
+    Ok((Answer::refused(reason, true), None))
+}

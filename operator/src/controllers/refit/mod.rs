@@ -1,0 +1,434 @@
+//! The RefitRequest controller: answers a device plugin's request to move one container's
+//! reservation onto GPUs the kubelet allows (DESIGN.md Flow 4, HAMi's `RefitNumaAllocation`).
+//!
+//! Per request, once: validate in HAMi's order ([`validation`]); succeed without a write when
+//! the container already sits on allowed GPUs; refuse a request past its deadline; otherwise
+//! plan the restricted fit and commit it under the node's lock ([`commit`]). The answer goes
+//! into the request's status with the request's resourceVersion as precondition (two replicas
+//! or a stale cache can never answer twice), then the `Refitted` condition, the pod event and
+//! the metrics follow — after the answer, so the waiting kubelet is not kept waiting on them.
+//! Answered requests are deleted after `--refit-ttl`.
+
+pub mod commit;
+pub mod plan;
+pub mod validation;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use gpuledger_crds::conditions::{condition, set_condition, types};
+use gpuledger_crds::{RefitPhase, RefitRequest, RefitRequestStatus};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::watcher;
+use kube::{Resource, ResourceExt};
+use serde_json::json;
+
+use crate::context::{Context, pod_ref_by_name};
+use crate::ledger::writer::OperatorStatus;
+use crate::ledger::{ReservationKey, WriteError};
+use crate::telemetry::OutcomeLabels;
+use commit::{Moved, expired};
+
+/// Default of `--refit-ttl`: how long answered requests stay for `kubectl get refit`.
+pub const DEFAULT_TTL: Duration = Duration::from_secs(600);
+
+/// The operator's answer to one request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Answer {
+    /// The container now holds `devices`; `moved` is false for the no-op success.
+    Succeeded {
+        /// Its GPUs.
+        devices: Vec<String>,
+        /// Whether the reservation was rewritten.
+        moved: bool,
+    },
+    /// Refused; nothing changed.
+    Failed {
+        /// Why.
+        reason: String,
+        /// Whether the pod gets a `NumaRefitFailed` event.
+        event: bool,
+        /// Metric label: `refused` or `expired`.
+        outcome: &'static str,
+    },
+}
+
+impl Answer {
+    /// A refusal.
+    pub fn refused(reason: String, event: bool) -> Self {
+        Answer::Failed {
+            reason,
+            event,
+            outcome: "refused",
+        }
+    }
+
+    /// The deadline passed before anything was committed.
+    pub fn expired() -> Self {
+        Answer::Failed {
+            reason: "expired: the request's deadline passed before the refit could be committed"
+                .into(),
+            event: true,
+            outcome: "expired",
+        }
+    }
+
+    /// Already on allowed GPUs.
+    pub fn unchanged(devices: Vec<String>) -> Self {
+        Answer::Succeeded {
+            devices,
+            moved: false,
+        }
+    }
+
+    /// Moved onto `devices`.
+    pub fn moved(devices: Vec<String>) -> Self {
+        Answer::Succeeded {
+            devices,
+            moved: true,
+        }
+    }
+
+    /// Metric label.
+    pub fn outcome(&self) -> &'static str {
+        match self {
+            Answer::Succeeded { moved: true, .. } => "moved",
+            Answer::Succeeded { moved: false, .. } => "unchanged",
+            Answer::Failed { outcome, .. } => outcome,
+        }
+    }
+
+    /// The request's status for this answer.
+    pub fn status(&self, generation: Option<i64>, now: Timestamp) -> RefitRequestStatus {
+        let (phase, devices, reason, moved) = match self {
+            Answer::Succeeded { devices, moved } => {
+                (RefitPhase::Succeeded, devices.clone(), None, *moved)
+            }
+            Answer::Failed { reason, .. } => {
+                (RefitPhase::Failed, Vec::new(), Some(reason.clone()), false)
+            }
+        };
+        let result = match &reason {
+            Some(r) => r.clone(),
+            None => devices.join(","),
+        };
+        let ready = condition(
+            types::READY,
+            true,
+            &format!("{phase:?}"),
+            result.clone(),
+            generation,
+            Time(now),
+        );
+        RefitRequestStatus {
+            observed_generation: generation,
+            phase: Some(phase),
+            devices,
+            reason,
+            result: Some(result),
+            moved,
+            completed_at: Some(Time(now)),
+            conditions: vec![ready],
+        }
+    }
+}
+
+/// Why a reconcile failed (it is retried).
+#[derive(Debug, thiserror::Error)]
+pub enum ReconcileError {
+    /// A ledger write failed.
+    #[error(transparent)]
+    Ledger(#[from] WriteError),
+    /// An API call made under the node's lock ran past its bound.
+    #[error("{0} took longer than {LOCKED_CALL_BOUND:?} under the node lock", LOCKED_CALL_BOUND = commit::LOCKED_CALL_BOUND)]
+    LockedCallTimedOut(&'static str),
+    /// Reading the pod, answering or deleting the request failed.
+    #[error("{action} for RefitRequest {request}: {source}")]
+    Api {
+        /// What was attempted.
+        action: &'static str,
+        /// namespace/name.
+        request: String,
+        /// The client error.
+        #[source]
+        source: kube::Error,
+    },
+}
+
+/// What the controller shares besides the operator's context.
+pub struct RefitContext {
+    /// The operator's context.
+    pub ctx: Arc<Context>,
+    /// `--refit-ttl`.
+    pub ttl: Duration,
+}
+
+/// Runs the controller until the process ends.
+pub async fn run(ctx: Arc<Context>, ttl: Duration) {
+    let requests: Api<RefitRequest> = Api::all(ctx.client.clone());
+    Controller::new(requests, watcher::Config::default())
+        .run(reconcile, error_policy, Arc::new(RefitContext { ctx, ttl }))
+        .for_each(|res| async move {
+            if let Err(e) = res {
+                tracing::debug!(error = %e, "refit reconcile");
+            }
+        })
+        .await;
+}
+
+fn error_policy(req: Arc<RefitRequest>, e: &ReconcileError, _: Arc<RefitContext>) -> Action {
+    tracing::warn!(request = %id(&req), error = %e, "refit reconcile failed");
+    Action::requeue(Duration::from_millis(500))
+}
+
+fn id(req: &RefitRequest) -> String {
+    format!("{}/{}", req.namespace().unwrap_or_default(), req.name_any())
+}
+
+fn api_err(action: &'static str, req: &RefitRequest) -> impl FnOnce(kube::Error) -> ReconcileError {
+    let request = id(req);
+    move |source| ReconcileError::Api {
+        action,
+        request,
+        source,
+    }
+}
+
+async fn reconcile(
+    req: Arc<RefitRequest>,
+    rc: Arc<RefitContext>,
+) -> Result<Action, ReconcileError> {
+    let ctx = &rc.ctx;
+    if !ctx.may_write() {
+        return Ok(Action::requeue(Duration::from_secs(2)));
+    }
+    let status = req.status.clone().unwrap_or_default();
+    if status.phase.is_some_and(RefitPhase::is_terminal) {
+        return expire_answered(&req, &status, &rc).await;
+    }
+    let started = Instant::now();
+    let (answer, moved) = decide(ctx, &req).await?;
+    if !write_answer(ctx, &req, &answer).await? {
+        // The request changed since our cache saw it (answered by another replica, or our own
+        // earlier answer): the watch brings the fresh object.
+        return Ok(Action::requeue(Duration::from_millis(100)));
+    }
+    ctx.metrics
+        .refit_latency
+        .observe(started.elapsed().as_secs_f64());
+    ctx.metrics
+        .refits
+        .get_or_create(&OutcomeLabels {
+            outcome: answer.outcome().to_string(),
+        })
+        .inc();
+    tracing::info!(request = %id(&req), outcome = answer.outcome(), ?answer, "refit answered");
+    if let Some(m) = &moved {
+        mark_refitted(ctx, &req, m).await;
+    }
+    publish_event(ctx, &req, &answer, moved.as_ref()).await;
+    Ok(Action::requeue(rc.ttl))
+}
+
+/// The answer to a Pending request.
+async fn decide(
+    ctx: &Context,
+    req: &RefitRequest,
+) -> Result<(Answer, Option<Moved>), ReconcileError> {
+    let ns = req.namespace().unwrap_or_default();
+    let spec = &req.spec;
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    let pod = if spec.pod_name.is_empty() {
+        None
+    } else {
+        pods.get_opt(&spec.pod_name)
+            .await
+            .map_err(api_err("read pod", req))?
+    };
+    let key = ReservationKey::new(&ns, &spec.reservation);
+    let current = ctx.index.get(&key);
+    let container = match validation::validate(&ns, spec, pod.as_ref(), current.as_deref()) {
+        Ok(c) => c,
+        Err(r) => return Ok((Answer::refused(r.reason, r.event), None)),
+    };
+    // Nothing to commit: answered even when late (this is also how a commit whose answer got
+    // lost is recognised on the next try).
+    if container
+        .devices
+        .iter()
+        .all(|d| spec.allowed_devices.contains(&d.uuid))
+    {
+        let devices = container.devices.iter().map(|d| d.uuid.clone()).collect();
+        return Ok((Answer::unchanged(devices), None));
+    }
+    if expired(spec, Timestamp::now()) {
+        return Ok((Answer::expired(), None));
+    }
+    match pod {
+        Some(pod) => commit::commit(ctx, &ns, spec, &pod).await,
+        None => Ok((Answer::refused("pod vanished".into(), false), None)),
+    }
+}
+
+/// Writes the answer with the request's resourceVersion as precondition; false on a conflict.
+async fn write_answer(
+    ctx: &Context,
+    req: &RefitRequest,
+    answer: &Answer,
+) -> Result<bool, ReconcileError> {
+    let api: Api<RefitRequest> =
+        Api::namespaced(ctx.client.clone(), &req.namespace().unwrap_or_default());
+    let status = answer.status(req.meta().generation, Timestamp::now());
+    let body = json!({
+        "metadata": { "resourceVersion": req.resource_version() },
+        "status": status,
+    });
+    match api
+        .patch_status(
+            &req.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(&body),
+        )
+        .await
+    {
+        Ok(_) => Ok(true),
+        Err(kube::Error::Api(s)) if s.is_conflict() || s.is_not_found() => Ok(false),
+        Err(e) => Err(api_err("write status", req)(e)),
+    }
+}
+
+/// Sets `Refitted` and the kubectl summaries on the moved reservation. The move itself is
+/// already committed and answered, so a failure here is logged, not retried forever.
+async fn mark_refitted(ctx: &Context, req: &RefitRequest, m: &Moved) {
+    let message = format!(
+        "container {} moved from [{}] to [{}] by RefitRequest {}",
+        req.spec.container_name,
+        m.from.join(","),
+        m.to.join(","),
+        id(req)
+    );
+    let key = ReservationKey::of(&m.reservation);
+    let mut current = m.reservation.clone();
+    for _ in 0..3 {
+        let mut status = OperatorStatus::of(&current);
+        let cond = condition(
+            types::REFITTED,
+            true,
+            "NumaRefit",
+            message.clone(),
+            current.meta().generation,
+            Time(Timestamp::now()),
+        );
+        set_condition(&mut status.conditions, cond);
+        status.devices = Some(crate::extender::bind::devices_summary(ctx, &current));
+        status.numa = Some(crate::extender::bind::numa_summary(&current));
+        match ctx.writer.apply_status(&current, &status).await {
+            Ok(_) => return,
+            Err(WriteError::Conflict { .. }) => match ctx.writer.reread(&key).await {
+                Ok(Some(r)) => current = r,
+                _ => break,
+            },
+            Err(e) => {
+                tracing::warn!(reservation = %key, error = %e, "could not record Refitted");
+                return;
+            }
+        }
+    }
+    tracing::warn!(reservation = %key, "could not record Refitted: reservation kept changing");
+}
+
+async fn publish_event(ctx: &Context, req: &RefitRequest, answer: &Answer, moved: Option<&Moved>) {
+    let ns = req.namespace().unwrap_or_default();
+    let target = pod_ref_by_name(&ns, &req.spec.pod_name, &req.spec.pod_uid);
+    match (answer, moved) {
+        (Answer::Succeeded { .. }, Some(m)) => {
+            let note = format!(
+                "NUMA refit moved container {} ({}) from [{}] to [{}]",
+                req.spec.container_index,
+                req.spec.container_name,
+                m.from.join(","),
+                m.to.join(",")
+            );
+            ctx.pod_event(&target, false, "NumaRefitSucceeded", note)
+                .await;
+        }
+        (
+            Answer::Failed {
+                reason,
+                event: true,
+                ..
+            },
+            _,
+        ) => {
+            let note = format!(
+                "NUMA refit of container {} ({}) refused: {reason}",
+                req.spec.container_index, req.spec.container_name
+            );
+            ctx.pod_event(&target, true, "NumaRefitFailed", note).await;
+        }
+        // No event for the no-op success, nor for refusals before the pod was identified.
+        _ => {}
+    }
+}
+
+/// Deletes an answered request once its TTL has passed; otherwise looks again then.
+async fn expire_answered(
+    req: &RefitRequest,
+    status: &RefitRequestStatus,
+    rc: &RefitContext,
+) -> Result<Action, ReconcileError> {
+    let answered = status
+        .completed_at
+        .as_ref()
+        .or(req.metadata.creation_timestamp.as_ref())
+        .map(|t| t.0)
+        .unwrap_or_else(Timestamp::now);
+    let age = Duration::try_from(Timestamp::now().duration_since(answered)).unwrap_or_default();
+    if age < rc.ttl {
+        return Ok(Action::requeue(rc.ttl - age + Duration::from_millis(100)));
+    }
+    let api: Api<RefitRequest> =
+        Api::namespaced(rc.ctx.client.clone(), &req.namespace().unwrap_or_default());
+    let params = DeleteParams::default().preconditions(Preconditions {
+        uid: req.uid(),
+        resource_version: None,
+    });
+    match api.delete(&req.name_any(), &params).await {
+        Ok(_) => tracing::debug!(request = %id(req), "answered refit request expired; deleted"),
+        Err(kube::Error::Api(s)) if s.is_not_found() || s.is_conflict() => {}
+        Err(e) => return Err(api_err("delete", req)(e)),
+    }
+    Ok(Action::await_change())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_of_a_move_a_no_op_and_a_refusal() {
+        let now = Timestamp::from_second(1_800_000_000).unwrap();
+        let s = Answer::moved(vec!["GPU-a".into(), "GPU-b".into()]).status(Some(1), now);
+        assert_eq!(s.phase, Some(RefitPhase::Succeeded));
+        assert!(s.moved);
+        assert_eq!(s.result.as_deref(), Some("GPU-a,GPU-b"));
+        assert_eq!(s.conditions[0].reason, "Succeeded");
+        let s = Answer::unchanged(vec!["GPU-a".into()]).status(None, now);
+        assert!(!s.moved);
+        assert_eq!(Answer::unchanged(vec![]).outcome(), "unchanged");
+        let s = Answer::refused("no allowed device fits".into(), true).status(None, now);
+        assert_eq!(s.phase, Some(RefitPhase::Failed));
+        assert!(s.devices.is_empty());
+        assert_eq!(s.reason.as_deref(), Some("no allowed device fits"));
+        assert_eq!(s.result, s.reason);
+        assert_eq!(s.completed_at, Some(Time(now)));
+        let e = Answer::expired();
+        assert_eq!(e.outcome(), "expired");
+        assert!(e.status(None, now).reason.unwrap().starts_with("expired"));
+    }
+}
