@@ -55,5 +55,8 @@ cluster-up:
 	@bin="$$(e2e/k8s/build.sh | tail -n1)"; \
 	GPULEDGER_K8S_BIN="$$bin" $(CARGO) run -q -j $(JOBS) -p gpuledger-e2e --bin gpuledger-cluster -- up --state-dir target/cluster
 
+# Uses the binary cluster-up built, so stopping never depends on the workspace compiling.
 cluster-down:
-	@$(CARGO) run -q -j $(JOBS) -p gpuledger-e2e --bin gpuledger-cluster -- down --state-dir target/cluster
+	@bin="$${CARGO_TARGET_DIR:-target}/debug/gpuledger-cluster"; \
+	[ -x "$$bin" ] || $(CARGO) build -q -j $(JOBS) -p gpuledger-e2e --bin gpuledger-cluster; \
+	"$$bin" down --state-dir target/cluster
