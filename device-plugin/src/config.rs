@@ -46,8 +46,9 @@ pub struct Cli {
     /// Host directory with HAMi-core (libvgpu.so, ld.so.preload); adds its mounts to Allocate.
     #[arg(long, env = "GPULEDGER_HAMI_CORE_DIR")]
     pub hami_core_dir: Option<PathBuf>,
-    /// Whether to hand reserved-GPU-unavailable admissions to the NUMA refit path (issue 7);
-    /// `false` always lets the kubelet choose, as alignment `none` does.
+    /// Whether to ask the operator for a NUMA refit (a RefitRequest) when a reserved GPU is not
+    /// among the replicas the kubelet allows; `false` always lets the kubelet choose (strict
+    /// pods included, as in HAMi without a refit endpoint) and the divergence is recorded.
     #[arg(long, env = "GPULEDGER_REFIT", default_value_t = true, action = clap::ArgAction::Set)]
     pub refit: bool,
     /// How often GPUs are re-discovered to notice health changes.

@@ -9,7 +9,8 @@ use gpuledger_device_plugin::discovery::Discovery;
 use gpuledger_device_plugin::discovery::file::FileDiscovery;
 use gpuledger_device_plugin::discovery::nvml::NvmlDiscovery;
 use gpuledger_device_plugin::plugin;
-use gpuledger_device_plugin::refit::NoRefit;
+use gpuledger_device_plugin::refit::client::RefitClient;
+use gpuledger_device_plugin::refit::{NoRefit, RefitHook};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::watch;
 
@@ -68,15 +69,12 @@ async fn main() -> ExitCode {
         }
         let _ = stop_tx.send(true);
     });
-    match plugin::run(
-        cli.plugin_options(),
-        client,
-        discovery,
-        Arc::new(NoRefit),
-        stop_rx,
-    )
-    .await
-    {
+    let refit: Arc<dyn RefitHook> = if cli.refit {
+        Arc::new(RefitClient::new(client.clone()))
+    } else {
+        Arc::new(NoRefit)
+    };
+    match plugin::run(cli.plugin_options(), client, discovery, refit, stop_rx).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!("{e}");

@@ -1,14 +1,27 @@
-//! The hand-over point to the NUMA refit path (issue 7).
+//! The NUMA refit path of GetPreferredAllocation.
 //!
 //! GetPreferredAllocation calls a [`RefitHook`] when a reserved GPU has no replica among the
-//! replicas the kubelet allows. The hook decides what the kubelet gets for that container. Until
-//! the refit client exists, [`NoRefit`] lets the kubelet choose and logs how serious that is for
-//! the pod's alignment mode (HAMi's behaviour with refit disabled).
+//! replicas the kubelet allows. The hook decides what the kubelet gets for that container:
+//!
+//! - [`client::RefitClient`] (`--refit=true`, the default): for alignment `best-effort` or
+//!   `strict`, one `RefitRequest` written to the API server and its answer awaited with a watch,
+//!   bounded by `--refit-timeout`; the answer is mapped by [`outcome::decide`] (HAMi's outcome
+//!   matrix, hami-behaviour §2.11). Alignment `none` never writes a request.
+//! - [`NoRefit`] (`--refit=false`): the kubelet chooses, with a log whose severity follows the
+//!   alignment mode. Like HAMi with the refit endpoint unset, `strict` then only logs at Error
+//!   level instead of failing the pod: turning the refit off must not start failing admissions
+//!   that a refit could have saved. The divergence is still recorded: Allocate writes the
+//!   kubelet's GPUs into `status.allocation` and the operator marks the reservation `Misaligned`.
+
+pub mod client;
+pub mod outcome;
 
 use std::time::Duration;
 
 use futures::future::BoxFuture;
 use gpuledger_crds::{Alignment, ContainerReservation, GpuReservation};
+
+use crate::inventory::Inventory;
 
 /// Everything a refit needs to know about the container being admitted.
 #[derive(Debug, Clone)]
@@ -39,6 +52,8 @@ pub struct RefitContext {
     pub allowed_gpus: Vec<String>,
     /// `--refit-timeout`.
     pub timeout: Duration,
+    /// The node's GPUs at the time of the call, to map refitted GPUs back to replica IDs.
+    pub inventory: Inventory,
 }
 
 /// What GetPreferredAllocation answers for the container.

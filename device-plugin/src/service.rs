@@ -147,6 +147,7 @@ impl DevicePluginService {
                     allocation_size: size,
                     allowed_gpus: physical_gpus(inventory, &req.available_device_i_ds),
                     timeout: self.shared.config.refit_timeout,
+                    inventory: inventory.clone(),
                 };
                 match self.shared.refit.refit(ctx).await {
                     RefitOutcome::Preferred(ids) => {
@@ -159,6 +160,7 @@ impl DevicePluginService {
                     }
                     RefitOutcome::Reject { reason } => {
                         Metrics::count(&metrics.preferred, "rejected");
+                        self.release_after_rejection(pending);
                         Err(Status::failed_precondition(reason))
                     }
                 }
@@ -268,6 +270,24 @@ impl api::device_plugin_server::DevicePlugin for DevicePluginService {
 }
 
 impl DevicePluginService {
+    /// A rejected admission ends the pod's turn on this node (HAMi's `PodAllocationFailed`):
+    /// free the allocation Lease so the next pod can be admitted. In the background, so the
+    /// kubelet gets its answer within the refit timeout even when the API server is stalled.
+    fn release_after_rejection(&self, pending: &Pending) {
+        let ledger = self.shared.ledger.clone();
+        let pending = pending.clone();
+        tokio::spawn(async move {
+            match ledger.release_lease(&pending).await {
+                Ok(released) => {
+                    tracing::info!(pod = %pod_ref(&pending), released, "admission rejected; allocation Lease released")
+                }
+                Err(e) => {
+                    tracing::warn!(pod = %pod_ref(&pending), error = %e, "admission rejected; could not release the allocation Lease")
+                }
+            }
+        });
+    }
+
     async fn allocate_for(
         &self,
         inventory: &Inventory,
