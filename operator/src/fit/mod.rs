@@ -7,7 +7,8 @@
 //!
 //! - [`fit_pod`]: scheduling — every node's fit or failure reason, the chosen node and devices.
 //! - [`fit_on_node`]: the extender's bind — the devices on an already chosen node.
-//! - [`refit`]: a NUMA refit — one container moved into the kubelet's allowed set.
+//! - [`refit`] / [`refit_reservation`]: a NUMA refit — one container moved into the kubelet's
+//!   allowed set (HAMi's release-then-fit, or phase-aware capacity as HAMi does since #2868).
 //! - [`reservation_usage`]: what a reservation holds per GPU, for the ledger index.
 //!
 //! Not carried over from HAMi: `hami.io/device-scoring-weights` (weights are 1/1/1), the
@@ -32,7 +33,7 @@ mod usage;
 pub use model::{Device, NodeView, Pick, Policy, Usage};
 pub use node::{ContainerPlacement, NodeOutcome, Placement, PodDecision, fit_on_node, fit_pod};
 pub use reason::{FitFailure, Reason, ReasonCounts};
-pub use restricted::{RefitOutcome, RefitRefusal, fit_pod_restricted, refit};
+pub use restricted::{RefitOutcome, RefitRefusal, fit_pod_restricted, refit, refit_reservation};
 pub use usage::{DeviceShare, effective_usage, placement_shares, reservation_usage};
 
 #[cfg(test)]

@@ -143,6 +143,19 @@ fn pod() -> impl Strategy<Value = PodRequest> {
         )
 }
 
+/// Asserts that every pick is a GPU that takes new shares.
+fn assert_usable(node: &NodeView, picks: &[Pick]) -> Result<(), TestCaseError> {
+    for p in picks {
+        let d = &node.devices[p.device];
+        prop_assert!(
+            d.healthy && !d.mig && !d.cordoned,
+            "picked unusable {}",
+            d.uuid
+        );
+    }
+    Ok(())
+}
+
 /// Asserts that `node` with `extra` added stays within every GPU's capacity.
 fn assert_within_capacity(node: &NodeView, extra: &[DeviceShare]) -> Result<(), TestCaseError> {
     for share in extra {
@@ -170,11 +183,6 @@ fn assert_within_capacity(node: &NodeView, extra: &[DeviceShare]) -> Result<(), 
             "sharers {} > {} on {}",
             u.sharers,
             d.split_count,
-            d.uuid
-        );
-        prop_assert!(
-            d.healthy && !d.mig && !d.cordoned,
-            "picked unusable {}",
             d.uuid
         );
     }
@@ -207,6 +215,9 @@ proptest! {
                     let numas: Vec<_> = c.devices.iter().map(|d| d.numa_node).collect();
                     prop_assert!(numas.windows(2).all(|w| w[0] == w[1]), "numa-bind split: {numas:?}");
                 }
+            }
+            for c in &p.containers {
+                assert_usable(node, &c.devices)?;
             }
             let shares = placement_shares(p);
             let eff = effective_usage(shares.iter().map(|(i, s)| (*i, s.as_slice())), false);
@@ -261,6 +272,7 @@ proptest! {
         if let Ok(RefitOutcome::Moved(picks)) = refit(&with_self, &pod, &Policy::default(), &current, &allowed) {
             prop_assert_eq!(picks.len(), current.len());
             prop_assert!(picks.iter().all(|p| allowed.contains(&p.uuid)));
+            assert_usable(&with_self, &picks)?;
             // Commit: release the old shares, add the new ones, check capacity.
             let mut after = with_self.clone();
             for c in &current {
@@ -273,6 +285,94 @@ proptest! {
                 .map(|p| DeviceShare { uuid: p.uuid.clone(), usage: Usage { sharers: 1, memory_mib: p.memory_mib, cores: p.cores } })
                 .collect();
             assert_within_capacity(&after, &new)?;
+        }
+    }
+}
+
+/// A pod's reservation on `node` that fits on top of the node's other pods: one init container
+/// and two app containers, one GPU each, with amounts shrunk until the collapsed usage fits.
+fn fitting_reservation(
+    node: &NodeView,
+    picks: [usize; 3],
+    mem: [u64; 3],
+    cores: [u32; 3],
+) -> Option<gpuledger_crds::GpuReservationSpec> {
+    let n = node.devices.len();
+    if n == 0 {
+        return None;
+    }
+    let containers: Vec<gpuledger_crds::ContainerReservation> = (0..3)
+        .map(|k| {
+            let d = &node.devices[picks[k] % n];
+            gpuledger_crds::ContainerReservation {
+                index: k as u32,
+                name: format!("c{k}"),
+                init: k == 0,
+                devices: vec![ReservedDevice {
+                    uuid: d.uuid.clone(),
+                    memory_mib: mem[k].min(d.memory_mib),
+                    cores: cores[k],
+                    numa_node: d.numa_node,
+                }],
+            }
+        })
+        .collect();
+    let spec = gpuledger_crds::GpuReservationSpec {
+        containers,
+        ..gpuledger_crds::GpuReservationSpec::default()
+    };
+    let fits = reservation_usage(&spec).iter().all(|s| {
+        node.position(&s.uuid).is_some_and(|i| {
+            let (d, mut u) = (&node.devices[i], node.usage[i]);
+            u.add(s.usage);
+            u.memory_mib <= d.memory_mib && u.cores <= d.cores && u.sharers <= d.split_count
+        })
+    });
+    fits.then_some(spec)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(600))]
+
+    #[test]
+    fn no_phase_aware_refit_over_commits_the_collapsed_usage(
+        nodes in nodes(),
+        picks in any::<[usize; 3]>(),
+        mem in [0u64..30_000, 0u64..30_000, 0u64..30_000],
+        cores in [0u32..40, 0u32..40, 0u32..40],
+        index in 0u32..3,
+        allow_mask in any::<u16>(),
+    ) {
+        let Some(node) = nodes.iter().max_by_key(|n| n.devices.len()) else {
+            return Ok(());
+        };
+        let Some(spec) = fitting_reservation(node, picks, mem, cores) else {
+            return Ok(());
+        };
+        let allowed: Vec<String> = node
+            .devices
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| allow_mask & (1 << i) != 0)
+            .map(|(_, d)| d.uuid.clone())
+            .collect();
+        let pod = PodRequest::default();
+        if let Ok(RefitOutcome::Moved(new)) =
+            refit_reservation(node, &spec, index, &pod, &Policy::default(), &allowed)
+        {
+            assert_usable(node, &new)?;
+            prop_assert!(new.iter().all(|p| allowed.contains(&p.uuid)));
+            let mut after = spec.clone();
+            let target = after
+                .containers
+                .iter_mut()
+                .find(|c| c.index == index)
+                .ok_or_else(|| TestCaseError::fail("container"))?;
+            target.devices = new
+                .iter()
+                .map(|p| ReservedDevice { uuid: p.uuid.clone(), memory_mib: p.memory_mib, cores: p.cores, numa_node: p.numa_node })
+                .collect();
+            assert_within_capacity(node, &reservation_usage(&after))?;
         }
     }
 }

@@ -11,9 +11,9 @@
 //! first GPU: a percentage request keeps its old absolute MiB) and the ordinary fit runs on the
 //! allowed GPUs only, with the pod's pins, type filters, numa-bind and policy.
 
-use gpuledger_crds::ReservedDevice;
 use gpuledger_crds::podapi::{GpuRequest, MemoryRequest, PodRequest};
 use gpuledger_crds::refit::MAX_ALLOWED_DEVICES;
+use gpuledger_crds::{GpuReservationSpec, ReservedDevice};
 
 use super::device_fit::{Ask, DeviceScratch, fit_container};
 use super::model::{NodeView, Pick, Policy, Usage};
@@ -52,8 +52,9 @@ pub enum RefitRefusal {
     NoAllowedDeviceFits(FitFailure),
 }
 
-/// Refits one container. `node` carries usage that still includes this container's `current`
-/// shares; `pod` supplies pins, type filters, numa-bind and the GPU policy annotation.
+/// Refits one container, HAMi's way at the refit's merge (`3d802564`): `node` carries usage
+/// that still includes this container's `current` shares, which are released before the fit;
+/// `pod` supplies pins, type filters, numa-bind and the GPU policy annotation.
 pub fn refit(
     node: &NodeView,
     pod: &PodRequest,
@@ -61,6 +62,66 @@ pub fn refit(
     current: &[ReservedDevice],
     allowed: &[String],
 ) -> Result<RefitOutcome, RefitRefusal> {
+    if let Some(done) = precheck(node, current, allowed)? {
+        return Ok(done);
+    }
+    let mut usage = usage_of(node);
+    for c in current {
+        if let Some(i) = node.position(&c.uuid) {
+            usage[i].release(c.memory_mib, c.cores);
+        }
+    }
+    fit_moved(node, usage, pod, defaults, current, allowed)
+}
+
+/// Refits container `index` of `reservation` with phase-aware capacity (HAMi #2868): `node`
+/// carries the usage of every *other* pod, not this one.
+///
+/// An init container runs alone (before the app containers), so it competes only with other
+/// pods; an app container runs beside the pod's other app containers, so it competes with them
+/// too, but not with the init containers, which are done by then. The result never
+/// over-commits the collapsed usage the ledger computes (max of init peak and app sum): the
+/// other phase's amounts are unchanged and already fitted. Where [`refit`] would count an app
+/// container against an init container's peak, this accepts the move, as HAMi does since #2868.
+pub fn refit_reservation(
+    node: &NodeView,
+    reservation: &GpuReservationSpec,
+    index: u32,
+    pod: &PodRequest,
+    defaults: &Policy,
+    allowed: &[String],
+) -> Result<RefitOutcome, RefitRefusal> {
+    let target = reservation.container(index);
+    let current: &[ReservedDevice] = target.map(|c| c.devices.as_slice()).unwrap_or_default();
+    if let Some(done) = precheck(node, current, allowed)? {
+        return Ok(done);
+    }
+    let mut usage = usage_of(node);
+    let runs_beside_apps = target.is_some_and(|t| !t.init) || reservation.init_released;
+    if runs_beside_apps {
+        let apps = reservation
+            .containers
+            .iter()
+            .filter(|c| !c.init && c.index != index);
+        for share in apps.flat_map(|c| c.devices.iter()) {
+            if let Some(i) = node.position(&share.uuid) {
+                usage[i].add(Usage {
+                    sharers: 1,
+                    memory_mib: share.memory_mib,
+                    cores: share.cores,
+                });
+            }
+        }
+    }
+    fit_moved(node, usage, pod, defaults, current, allowed)
+}
+
+/// HAMi's refusals before any fit, in its order; `Some(Unchanged)` for the no-op success.
+fn precheck(
+    node: &NodeView,
+    current: &[ReservedDevice],
+    allowed: &[String],
+) -> Result<Option<RefitOutcome>, RefitRefusal> {
     if allowed.is_empty() {
         return Err(RefitRefusal::EmptyAllowedSet);
     }
@@ -71,7 +132,7 @@ pub fn refit(
         return Err(RefitRefusal::NothingReserved);
     };
     if current.iter().all(|c| allowed.contains(&c.uuid)) {
-        return Ok(RefitOutcome::Unchanged);
+        return Ok(Some(RefitOutcome::Unchanged));
     }
     if let Some(odd) = current
         .iter()
@@ -89,25 +150,41 @@ pub fn refit(
     {
         return Err(RefitRefusal::MigDevice(mig.uuid.clone()));
     }
+    Ok(None)
+}
 
+/// The node's usage, one entry per device.
+fn usage_of(node: &NodeView) -> Vec<Usage> {
+    let mut usage = node.usage.clone();
+    usage.resize(node.devices.len(), Usage::default());
+    usage
+}
+
+/// The fit of the rebuilt request on the allowed GPUs against `usage` (which must not contain
+/// the container's own shares). `current` is non-empty and homogeneous (checked).
+fn fit_moved(
+    node: &NodeView,
+    mut usage: Vec<Usage>,
+    pod: &PodRequest,
+    defaults: &Policy,
+    current: &[ReservedDevice],
+    allowed: &[String],
+) -> Result<RefitOutcome, RefitRefusal> {
     let candidates = allowed_positions(node, allowed);
     if candidates.is_empty() {
         return Err(RefitRefusal::NoAllowedDeviceFits(
             FitFailure::AllowedDeviceSetUnmatched,
         ));
     }
-    let mut usage: Vec<Usage> = node.usage.clone();
-    usage.resize(node.devices.len(), Usage::default());
-    for c in current {
-        if let Some(i) = node.position(&c.uuid) {
-            usage[i].release(c.memory_mib, c.cores);
-        }
-    }
+    let (memory_mib, cores) = current
+        .first()
+        .map(|f| (f.memory_mib, f.cores))
+        .unwrap_or_default();
     let ask = Ask {
         gpu: GpuRequest {
             count: current.len() as u32,
-            memory: MemoryRequest::Mib(first.memory_mib),
-            cores: first.cores,
+            memory: MemoryRequest::Mib(memory_mib),
+            cores,
         },
         pod,
         policy: defaults.for_pod(pod).gpu,

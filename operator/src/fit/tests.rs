@@ -905,3 +905,130 @@ fn refit_keeps_the_absolute_amount_of_a_percentage_request() {
     .unwrap();
     assert_eq!(moved_to(&r), [("GPU-b", 20000, 0)]);
 }
+
+// ---- phase-aware refits (HAMi #2868): `node` holds other pods only ----
+
+fn reservation(
+    containers: Vec<(u32, bool, Vec<ReservedDevice>)>,
+) -> gpuledger_crds::GpuReservationSpec {
+    gpuledger_crds::GpuReservationSpec {
+        containers: containers
+            .into_iter()
+            .map(
+                |(index, init, devices)| gpuledger_crds::ContainerReservation {
+                    index,
+                    name: format!("c{index}"),
+                    init,
+                    devices,
+                },
+            )
+            .collect(),
+        ..gpuledger_crds::GpuReservationSpec::default()
+    }
+}
+
+#[test]
+fn an_app_container_may_move_onto_its_init_containers_peak() {
+    // Init holds 30000 MiB on GPU-b, the app 20000 on GPU-a; GPU-b has 40000. Collapsed,
+    // GPU-b would hold max(30000, 20000) = 30000 after the move: it fits.
+    let others = node(
+        "n",
+        vec![
+            (dev("GPU-a", 1, 40000), used(0, 0, 0)),
+            (dev("GPU-b", 0, 40000), used(0, 0, 0)),
+        ],
+    );
+    let spec = reservation(vec![
+        (0, true, vec![share("GPU-b", 30000, 10)]),
+        (1, false, vec![share("GPU-a", 20000, 10)]),
+    ]);
+    let p = pod_with(&[], &[(1, 30000, 10)], &[(1, 20000, 10)]);
+    let allowed = strings(&["GPU-b"]);
+    let r = refit_reservation(&others, &spec, 1, &p, &Policy::default(), &allowed).unwrap();
+    assert_eq!(moved_to(&r), [("GPU-b", 20000, 10)]);
+
+    // The release-then-fit refit over the collapsed ledger refuses the same move.
+    let mut collapsed = others.clone();
+    for s in reservation_usage(&spec) {
+        collapsed.add_usage(&s.uuid, s.usage);
+    }
+    let current = [share("GPU-a", 20000, 10)];
+    let err = refit(&collapsed, &p, &Policy::default(), &current, &allowed).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "no allowed device fits: 1/1 CardInsufficientMemory"
+    );
+
+    // After the move the collapsed usage stays within capacity.
+    let mut after = spec.clone();
+    after.containers[1].devices = vec![share("GPU-b", 20000, 10)];
+    let b = reservation_usage(&after);
+    assert_eq!(
+        b,
+        [DeviceShare {
+            uuid: "GPU-b".into(),
+            usage: used(1, 30000, 10)
+        }]
+    );
+}
+
+#[test]
+fn app_containers_still_compete_with_each_other() {
+    // Another app container of the pod holds 25000 MiB on GPU-b: 25000 + 20000 > 40000.
+    let others = node(
+        "n",
+        vec![
+            (dev("GPU-a", 1, 40000), used(0, 0, 0)),
+            (dev("GPU-b", 0, 40000), used(0, 0, 0)),
+        ],
+    );
+    let spec = reservation(vec![
+        (0, false, vec![share("GPU-b", 25000, 10)]),
+        (1, false, vec![share("GPU-a", 20000, 10)]),
+    ]);
+    let p = pod_with(&[], &[], &[(1, 25000, 10), (1, 20000, 10)]);
+    let err = refit_reservation(
+        &others,
+        &spec,
+        1,
+        &p,
+        &Policy::default(),
+        &strings(&["GPU-b"]),
+    )
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "no allowed device fits: 1/1 CardInsufficientMemory"
+    );
+}
+
+#[test]
+fn an_init_container_competes_only_with_other_pods() {
+    // The app holds 35000 of GPU-b's 40000; the init container (20000) runs before it.
+    let others = node(
+        "n",
+        vec![
+            (dev("GPU-a", 1, 40000), used(0, 0, 0)),
+            (dev("GPU-b", 0, 40000), used(1, 5000, 0)),
+        ],
+    );
+    let spec = reservation(vec![
+        (0, true, vec![share("GPU-a", 20000, 10)]),
+        (1, false, vec![share("GPU-b", 35000, 10)]),
+    ]);
+    let p = pod_with(&[], &[(1, 20000, 10)], &[(1, 35000, 10)]);
+    let allowed = strings(&["GPU-b"]);
+    let r = refit_reservation(&others, &spec, 0, &p, &Policy::default(), &allowed).unwrap();
+    assert_eq!(moved_to(&r), [("GPU-b", 20000, 10)]);
+    // Once the init containers are released, the same container is counted with the apps.
+    let mut released = spec.clone();
+    released.init_released = true;
+    let err =
+        refit_reservation(&others, &released, 0, &p, &Policy::default(), &allowed).unwrap_err();
+    assert!(matches!(err, RefitRefusal::NoAllowedDeviceFits(_)));
+    // Nothing reserved at that index.
+    assert_eq!(
+        refit_reservation(&others, &spec, 7, &p, &Policy::default(), &allowed),
+        Err(RefitRefusal::NothingReserved)
+    );
+}
