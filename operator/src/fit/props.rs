@@ -228,6 +228,35 @@ proptest! {
     }
 
     #[test]
+    fn the_node_choice_follows_the_policy_and_ignores_input_order(
+        nodes in nodes(),
+        pod in pod(),
+        node_pol in policy(),
+    ) {
+        let defaults = Policy { node: node_pol, gpu: SchedulerPolicy::Spread };
+        let d = fit_pod(&nodes, &pod, &defaults);
+        if let Some(p) = &d.placement {
+            for o in &d.outcomes {
+                if let Ok(score) = o.result {
+                    let better = match d.policy.node {
+                        SchedulerPolicy::Binpack => score > p.score,
+                        SchedulerPolicy::Spread => score < p.score,
+                    };
+                    prop_assert!(!better, "{} scores {score}, chosen {} {}", nodes[o.node].name, p.node_name, p.score);
+                    if score == p.score {
+                        prop_assert!(p.node_name <= nodes[o.node].name);
+                    }
+                }
+            }
+        }
+        let mut reversed = nodes.clone();
+        reversed.reverse();
+        let r = fit_pod(&reversed, &pod, &defaults);
+        let key = |d: &PodDecision| d.placement.as_ref().map(|p| (p.node_name.clone(), p.containers.clone()));
+        prop_assert_eq!(key(&d), key(&r));
+    }
+
+    #[test]
     fn no_refit_over_commits_a_gpu(
         nodes in nodes(),
         pod in pod(),
