@@ -16,8 +16,9 @@ use gpuledger_crds::{
     NumaPolicySpec, RefitPhase, RefitRequest, RefitRequestSpec, ReservationPhase, ReservedDevice,
 };
 use gpuledger_e2e::cluster::{
-    ControlPlane, ControlPlaneOptions, FakeGpuNode, apply_path, delete_bound_pod, ensure_namespace,
-    expected_git_version, mark_pod_running, wait_for,
+    ControlPlane, ControlPlaneOptions, FakeGpuNode, apply_kustomization, apply_path,
+    delete_bound_pod, ensure_namespace, expected_git_version, kubectl_path, mark_pod_running,
+    wait_for,
 };
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Pod, Secret, ServiceAccount};
@@ -187,10 +188,16 @@ async fn rbac_applies(client: &Client) {
     apply_path(client, &repo_root().join("config/default/namespace.yaml"))
         .await
         .unwrap();
-    let applied = apply_path(client, &repo_root().join("config/rbac"))
-        .await
-        .unwrap();
-    let kinds: Vec<&str> = applied.iter().map(|m| m.gvk.kind.as_str()).collect();
+    let rbac = repo_root().join("config/rbac");
+    let applied = apply_kustomization(client, &rbac).await.unwrap();
+    let ids = |ms: &[gpuledger_e2e::cluster::apply::Manifest]| {
+        let mut ids: Vec<String> = ms
+            .iter()
+            .map(|m| format!("{}/{}", m.gvk.kind, m.object.name_any()))
+            .collect();
+        ids.sort();
+        ids
+    };
     for kind in [
         "ServiceAccount",
         "ClusterRole",
@@ -199,14 +206,14 @@ async fn rbac_applies(client: &Client) {
         "RoleBinding",
     ] {
         assert!(
-            kinds.contains(&kind),
-            "config/rbac has no {kind}: {kinds:?}"
+            applied.iter().any(|m| m.gvk.kind == kind),
+            "config/rbac has no {kind}: {:?}",
+            ids(&applied)
         );
     }
-    // Applying twice is a no-op, not an error (server-side apply).
-    apply_path(client, &repo_root().join("config/rbac"))
-        .await
-        .unwrap();
+    // The kustomization lists every file, and applying again is a no-op (server-side apply).
+    let again = apply_path(client, &rbac).await.unwrap();
+    assert_eq!(ids(&again), ids(&applied));
 }
 
 /// Asserts that `result` is an API error with HTTP `code` whose message contains `needle`.
@@ -229,17 +236,8 @@ fn assert_refused<T: std::fmt::Debug>(
     }
 }
 
-fn kubectl() -> PathBuf {
-    let gcloud = PathBuf::from("/usr/lib/google-cloud-sdk/bin/kubectl.1.33");
-    if gcloud.is_file() {
-        gcloud
-    } else {
-        PathBuf::from("kubectl")
-    }
-}
-
 async fn kubectl_shows_the_ledger_columns(cp: &ControlPlane) {
-    let out = tokio::process::Command::new(kubectl())
+    let out = tokio::process::Command::new(kubectl_path())
         .arg("--kubeconfig")
         .arg(cp.kubeconfig())
         .args(["get", "gpureservations", "-n", NS])
@@ -283,7 +281,7 @@ async fn kubectl_shows_the_ledger_columns(cp: &ControlPlane) {
     );
 
     // The `gpuledger` category lists every kind at once.
-    let out = tokio::process::Command::new(kubectl())
+    let out = tokio::process::Command::new(kubectl_path())
         .arg("--kubeconfig")
         .arg(cp.kubeconfig())
         .args(["get", "gpuledger", "-A", "-o", "name"])

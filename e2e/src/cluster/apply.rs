@@ -117,6 +117,48 @@ pub async fn apply_path(client: &Client, path: &Path) -> Result<Vec<Manifest>, C
     Ok(manifests)
 }
 
+/// kubectl for the harness: gcloud's 1.33 build when installed (within skew of our 1.34 server),
+/// else `kubectl` from `PATH`.
+pub fn kubectl_path() -> PathBuf {
+    let gcloud = PathBuf::from(GCLOUD_KUBECTL);
+    if gcloud.is_file() {
+        gcloud
+    } else {
+        PathBuf::from("kubectl")
+    }
+}
+
+/// Where gcloud's SDK installs kubectl 1.33.
+pub const GCLOUD_KUBECTL: &str = "/usr/lib/google-cloud-sdk/bin/kubectl.1.33";
+
+/// Renders the kustomization in `dir` with `kubectl kustomize` (namespace transforms, patches…)
+/// and applies the result like [`apply_manifests`].
+pub async fn apply_kustomization(
+    client: &Client,
+    dir: &Path,
+) -> Result<Vec<Manifest>, ClusterError> {
+    let kubectl = kubectl_path();
+    let out = tokio::process::Command::new(&kubectl)
+        .arg("kustomize")
+        .arg(dir)
+        .output()
+        .await
+        .map_err(|e| ClusterError::io("run kubectl kustomize on", dir, e))?;
+    if !out.status.success() {
+        return Err(ClusterError::Manifest {
+            path: dir.to_path_buf(),
+            problem: format!(
+                "{} kustomize failed: {}",
+                kubectl.display(),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        });
+    }
+    let manifests = parse_manifests(dir, &String::from_utf8_lossy(&out.stdout))?;
+    apply_manifests(client, &manifests).await?;
+    Ok(manifests)
+}
+
 /// Applies `manifests`: CRDs and Namespaces first (CRDs awaited until Established), then the
 /// rest in order. Namespaced objects without a namespace go to `default`.
 pub async fn apply_manifests(client: &Client, manifests: &[Manifest]) -> Result<(), ClusterError> {

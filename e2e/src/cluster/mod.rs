@@ -25,7 +25,9 @@ pub mod pods;
 pub mod process;
 mod wait;
 
-pub use apply::{apply_path, ensure_namespace, wait_crd_established};
+pub use apply::{
+    apply_kustomization, apply_path, ensure_namespace, kubectl_path, wait_crd_established,
+};
 pub use binaries::{Binaries, expected_git_version, k8s_version};
 pub use config::DEFAULT_EXTENDER_URL;
 pub use control_plane::{

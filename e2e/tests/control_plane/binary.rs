@@ -33,7 +33,7 @@ fn cluster_binary_up_then_down_leaves_nothing_behind() {
     let kubeconfig = PathBuf::from(stdout.lines().last().unwrap());
     assert_eq!(kubeconfig, state.join("kubeconfig"));
 
-    let readyz = std::process::Command::new(kubectl())
+    let readyz = std::process::Command::new(kubectl_path())
         .arg("--kubeconfig")
         .arg(&kubeconfig)
         .args(["get", "--raw", "/readyz"])
