@@ -5,19 +5,30 @@ CARGO ?= cargo
 JOBS ?= 2
 export CARGO_BUILD_JOBS ?= $(JOBS)
 
-.PHONY: help demo test unit e2e crds crds-check bench lint fmt k8s-binaries cluster-up cluster-down
+.PHONY: help demo demo-down test unit e2e crds crds-check bench lint fmt k8s-binaries cluster-up cluster-down
 
 help:
 	@echo "make demo        run the main job on a local control plane with simulated GPUs"
+	@echo "make demo-down   stop whatever a killed demo left behind"
 	@echo "make test        run every test (unit, integration, end-to-end)"
 	@echo "make crds        regenerate crds/yaml from the Rust types"
 	@echo "make bench       run the benchmarks"
 	@echo "make lint        cargo fmt --check and clippy -D warnings"
 	@echo "make cluster-up  start a local control plane; make cluster-down stops it"
 
+## The main job: builds what it needs, then `gpuledger-demo run` starts a local control plane, the
+## operator and two simulated 8-GPU/2-NUMA nodes, tells the story and stops everything (state and
+## logs in target/demo). `make demo-down` kills what a run killed with -9 may have left.
 demo:
-	@echo "make demo: not yet — the end-to-end demo lands with the demo issue (#8)."
-	@echo "Until then: 'make cluster-up' starts a real local control plane."
+	@t=$$(date +%s); echo "==> [build] Kubernetes v$$(cat e2e/k8s/VERSION) binaries (e2e/k8s/build.sh: cached after the first build, ~6 min cold)"; \
+	bin="$$(e2e/k8s/build.sh | tail -n1)"; echo "    ✓ done in $$(( $$(date +%s) - t ))s ($$bin)"; \
+	t=$$(date +%s); echo "==> [build] gpuledger-operator, gpuledger-device-plugin, gpuledger-demo (cargo build)"; \
+	$(CARGO) build -q -j $(JOBS) --bins -p gpuledger-operator -p gpuledger-device-plugin -p gpuledger-e2e; \
+	echo "    ✓ done in $$(( $$(date +%s) - t ))s"; \
+	GPULEDGER_K8S_BIN="$$bin" "$$($(CARGO) metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')/debug/gpuledger-demo" run --state-dir target/demo
+
+demo-down:
+	@$(CARGO) run -q -j $(JOBS) -p gpuledger-e2e --bin gpuledger-demo -- down --state-dir target/demo
 
 ## Kubernetes binaries (kube-apiserver, kube-scheduler, kube-controller-manager) built once from
 ## the k8s.io/kubernetes Go module into /var/cache/gpuledger; see e2e/k8s/build.sh.

@@ -172,7 +172,15 @@ pub fn scheduler_config(kubeconfig: &Path, extender: Option<&str>) -> Value {
             "nodeCacheCapable": true,
             "httpTimeout": "5s",
             "ignorable": false,
-            "managedResources": [{ "name": GPU_RESOURCE, "ignoredByScheduler": false }],
+            // Nodes advertise only nvidia.com/gpu (the device plugin's replicas); memory and
+            // cores are the extender's business, so kube-scheduler must not look for them in
+            // the node's allocatable, or no pod asking for them would ever fit.
+            "managedResources": [
+                { "name": GPU_RESOURCE, "ignoredByScheduler": false },
+                { "name": "nvidia.com/gpumem", "ignoredByScheduler": true },
+                { "name": "nvidia.com/gpumem-percentage", "ignoredByScheduler": true },
+                { "name": "nvidia.com/gpucores", "ignoredByScheduler": true },
+            ],
         }]);
     }
     cfg
@@ -308,6 +316,9 @@ mod tests {
         assert_eq!(ext["httpTimeout"], "5s");
         assert_eq!(ext["managedResources"][0]["name"], "nvidia.com/gpu");
         assert_eq!(ext["managedResources"][0]["ignoredByScheduler"], false);
+        assert_eq!(ext["managedResources"][1]["name"], "nvidia.com/gpumem");
+        assert_eq!(ext["managedResources"][3]["name"], "nvidia.com/gpucores");
+        assert_eq!(ext["managedResources"][3]["ignoredByScheduler"], true);
         let yaml = scheduler_config_yaml(Path::new("/k"), Some("http://x")).unwrap();
         let back: Value = serde_yaml::from_str(&yaml).unwrap();
         assert_eq!(back["extenders"][0]["urlPrefix"], "http://x");

@@ -1,0 +1,88 @@
+//! Simulated GPU nodes and the pieces of a complete local gpuledger installation, shared by
+//! `make demo` and the end-to-end suite.
+//!
+//! A [`SimNode`] is what a GPU node would be: a Node object (renewing its heartbeat Lease), a
+//! real `gpuledger-device-plugin` child process reading a simulated topology
+//! (`--devices-from`) with a node-bound ServiceAccount token under config/rbac and
+//! config/admission, an in-process [`KubeletSimulator`] it registers with, and a pod-lifecycle
+//! loop ([`lifecycle`]) that admits the pods bound to the node with `single-numa-node`
+//! semantics (CPU NUMA node rule: [`admission`]). [`OperatorProcess`] runs the real operator
+//! the same way, with the operator's least-privilege identity.
+
+pub mod admission;
+pub mod binaries;
+mod cluster;
+pub mod devices;
+pub mod lifecycle;
+mod node;
+mod operator;
+pub mod pods;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+pub use admission::CPU_NUMA_ANNOTATION;
+pub use cluster::{Quiet, SimCluster, SimClusterOptions, Steps};
+pub use devices::SimGpu;
+pub use lifecycle::{Admission, AdmissionOutcome, Admissions};
+pub use node::{SimNode, SimNodeOptions};
+pub use operator::{OperatorProcess, install_gpuledger};
+
+use crate::cluster::ClusterError;
+use crate::kubelet::SimError;
+
+/// Label the DaemonSet's nodeSelector (config/device-plugin) looks for; simulated nodes carry it.
+pub const GPU_NODE_LABEL: &str = "gpuledger.io/gpu-node";
+/// How long a simulated component may take to come up on a loaded two-core machine.
+pub const STARTUP_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// What went wrong while starting or using a simulated node or the operator.
+#[derive(Debug, thiserror::Error)]
+pub enum SimNodeError {
+    /// The control-plane harness failed (API call, process, wait).
+    #[error(transparent)]
+    Cluster(#[from] ClusterError),
+    /// The kubelet simulator failed.
+    #[error("kubelet simulator: {0}")]
+    Kubelet(#[from] SimError),
+    /// A gpuledger executable is missing.
+    #[error(
+        "{name} not found at {}: build it with `cargo build -p {name}` or set GPULEDGER_BIN_DIR",
+        path.display()
+    )]
+    MissingBinary {
+        /// Which executable.
+        name: &'static str,
+        /// Where it was expected.
+        path: PathBuf,
+    },
+    /// Building the gpuledger executables failed.
+    #[error("building the gpuledger binaries: {0}")]
+    Build(String),
+    /// The simulated topology file is unusable.
+    #[error("simulated devices file {}: {problem}", path.display())]
+    DevicesFile {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        problem: String,
+    },
+    /// A component did not reach a state in time; its log tail says why.
+    #[error("{what} did not happen within {timeout:?}; last lines of {}:\n{tail}", log.display())]
+    NotReady {
+        /// What we waited for.
+        what: String,
+        /// How long.
+        timeout: Duration,
+        /// The component's log.
+        log: PathBuf,
+        /// Its end.
+        tail: String,
+    },
+}
+
+impl SimNodeError {
+    fn io(action: &'static str, path: impl Into<PathBuf>, e: std::io::Error) -> Self {
+        SimNodeError::Cluster(ClusterError::io(action, path, e))
+    }
+}

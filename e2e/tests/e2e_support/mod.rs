@@ -1,0 +1,156 @@
+//! Shared vocabulary of the end-to-end suite: the namespace, waits, and the assertions every
+//! scenario makes about the ledger, the Allocate environment and the events.
+
+#![allow(dead_code)]
+
+pub mod scenarios;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use gpuledger_crds::conditions::{self, types::MISALIGNED};
+use gpuledger_crds::{GpuReservation, ReservationPhase};
+use gpuledger_e2e::cluster::{delete_bound_pod, ensure_namespace, wait_for};
+use gpuledger_e2e::kubelet::AdmittedContainer;
+use gpuledger_e2e::sim::pods::{GpuPod, reserved_uuids, wait_bound, wait_reservation};
+use gpuledger_e2e::sim::{Admission, SimCluster, SimNode};
+use kube::api::{Api, ListParams};
+
+/// Namespace of the suite's pods.
+pub const NS: &str = "e2e";
+/// Generous bound for anything the cluster has to do (two shared cores); never a timing check.
+pub const WAIT: Duration = Duration::from_secs(120);
+
+/// A scenario: an async function of the cluster.
+pub type Scenario = for<'a> fn(&'a SimCluster) -> Pin<Box<dyn Future<Output = ()> + 'a>>;
+
+/// Creates the suite's namespace.
+pub async fn prepare(cluster: &SimCluster) {
+    ensure_namespace(&cluster.cp.client(), NS).await.unwrap();
+}
+
+/// What a scenario observes about one pod once the kubelet dealt with it.
+pub struct Observed<'a> {
+    /// The node it was bound to.
+    pub node: &'a SimNode,
+    /// The kubelet's admission.
+    pub admission: Admission,
+}
+
+/// Creates `pod`, waits until it is bound and the node's kubelet admitted or rejected it.
+pub async fn run_pod<'a>(cluster: &'a SimCluster, pod: GpuPod) -> Observed<'a> {
+    let client = cluster.cp.client();
+    let created = pod.create(&client).await.unwrap();
+    let name = created.metadata.name.clone().unwrap();
+    let uid = created.metadata.uid.clone().unwrap();
+    let node_name = wait_bound(&client, NS, &name, WAIT).await.unwrap();
+    let node = cluster
+        .node(&node_name)
+        .unwrap_or_else(|| panic!("pod {name} bound to unknown node {node_name}"));
+    let admission = node
+        .wait_admission(NS, &name, Some(&uid), WAIT)
+        .await
+        .unwrap();
+    Observed { node, admission }
+}
+
+/// Waits until the pod's reservation is `Allocated` (every GPU container allocated).
+pub async fn allocated(cluster: &SimCluster, pod: &str) -> GpuReservation {
+    wait_reservation(&cluster.cp.client(), NS, pod, "Allocated", WAIT, |r| {
+        phase(r) == ReservationPhase::Allocated
+    })
+    .await
+    .unwrap()
+}
+
+/// The reservation's phase (`Reserved` when unset).
+pub fn phase(r: &GpuReservation) -> ReservationPhase {
+    r.status.as_ref().and_then(|s| s.phase).unwrap_or_default()
+}
+
+/// Whether a condition of the reservation is True.
+pub fn condition_true(r: &GpuReservation, type_: &str) -> bool {
+    r.status
+        .as_ref()
+        .is_some_and(|s| conditions::is_true(&s.conditions, type_))
+}
+
+/// The Allocate environment of the admitted container `name`.
+pub fn env_of<'a>(admitted: &'a [AdmittedContainer], name: &str) -> &'a HashMap<String, String> {
+    &admitted
+        .iter()
+        .find(|c| c.name == name)
+        .unwrap_or_else(|| panic!("container {name} was not allocated GPUs: {admitted:?}"))
+        .response
+        .envs
+}
+
+/// Asserts the HAMi-core environment of one container: its reserved GPUs, memory limits and SM
+/// limit, as the ledger holds them.
+pub fn assert_env(env: &HashMap<String, String>, uuids: &[String], memory_mib: u64, cores: u32) {
+    assert_eq!(env["NVIDIA_VISIBLE_DEVICES"], uuids.join(","), "{env:?}");
+    for i in 0..uuids.len() {
+        assert_eq!(
+            env[&format!("CUDA_DEVICE_MEMORY_LIMIT_{i}")],
+            format!("{memory_mib}m"),
+            "{env:?}"
+        );
+    }
+    assert_eq!(env["CUDA_DEVICE_SM_LIMIT"], cores.to_string(), "{env:?}");
+}
+
+/// The NUMA nodes of the reserved GPUs, as the node's topology says.
+pub fn numa_of_reserved(node: &SimNode, r: &GpuReservation) -> Vec<u32> {
+    reserved_uuids(r)
+        .iter()
+        .map(|u| {
+            node.numa_of(u)
+                .unwrap_or_else(|| panic!("{u} is not on {}", node.name()))
+        })
+        .collect()
+}
+
+/// The GPUs (physical UUIDs) behind the kubelet's replica IDs (`<uuid>-<n>`).
+pub fn gpus_of_replicas(ids: &[String]) -> Vec<String> {
+    let mut gpus: Vec<String> = ids
+        .iter()
+        .map(|id| {
+            id.rsplit_once('-')
+                .map_or(id.clone(), |(g, _)| g.to_string())
+        })
+        .collect();
+    gpus.dedup();
+    gpus
+}
+
+/// Deletes pods (at once, as a kubelet would confirm) and waits until their reservations are
+/// gone, so the next scenario starts from an idle cluster.
+pub async fn cleanup(cluster: &SimCluster, pods: &[&str]) {
+    let client = cluster.cp.client();
+    for pod in pods {
+        delete_bound_pod(&client, NS, pod).await.unwrap();
+    }
+    let api: Api<GpuReservation> = Api::namespaced(client, NS);
+    wait_for("reservations of deleted pods to disappear", WAIT, || {
+        let api = api.clone();
+        async move {
+            let left = api.list(&ListParams::default()).await?;
+            let names: Vec<String> = left
+                .items
+                .iter()
+                .filter_map(|r| r.metadata.name.clone())
+                .filter(|n| pods.contains(&n.as_str()))
+                .collect();
+            Ok::<_, kube::Error>(names.is_empty().then_some(()))
+        }
+    })
+    .await
+    .unwrap();
+}
+
+/// Whether the reservation records a misalignment.
+pub fn misaligned(r: &GpuReservation) -> bool {
+    condition_true(r, MISALIGNED)
+}

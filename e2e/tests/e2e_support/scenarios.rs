@@ -1,0 +1,208 @@
+//! The scenarios without a refit: aligned, alignment `none`, an init container with two GPU
+//! containers, and pod deletion.
+
+use gpuledger_crds::conditions::types::REFITTED;
+use gpuledger_crds::{Alignment, GpuNode, ReservationPhase};
+use gpuledger_e2e::cluster::{delete_bound_pod, wait_for};
+use gpuledger_e2e::sim::AdmissionOutcome;
+use gpuledger_e2e::sim::pods::{GpuPod, pod_events, refit_requests, reserved_uuids, wait_event};
+use kube::api::Api;
+
+use super::*;
+
+/// Reservation on NUMA 1, CPUs on NUMA 1: the kubelet allows the reserved GPU, no refit.
+pub async fn aligned(cluster: &SimCluster) {
+    let pod = GpuPod::new(NS, "aligned")
+        .gpu_container("main", 1, 8192, 25)
+        .alignment("best-effort")
+        .cpu_numa(1);
+    let seen = run_pod(cluster, pod).await;
+    let admitted = seen.admission.admitted().expect("admitted").to_vec();
+    let r = allocated(cluster, "aligned").await;
+    assert_eq!(r.spec.alignment, Alignment::BestEffort);
+    assert_eq!(r.spec.alignment_source.as_deref(), Some("annotation"));
+    let uuids = reserved_uuids(&r);
+    assert_eq!(uuids.len(), 1);
+    assert_eq!(numa_of_reserved(seen.node, &r), [1]);
+    assert_env(env_of(&admitted, "main"), &uuids, 8192, 25);
+    // The kubelet's replica is on the reserved GPU: nothing to record.
+    assert_eq!(gpus_of_replicas(&admitted[0].device_ids), uuids);
+    assert!(!misaligned(&r), "{r:?}");
+    assert!(!condition_true(&r, REFITTED), "{r:?}");
+    let alloc = &r.status.as_ref().unwrap().allocation;
+    assert_eq!(alloc.len(), 1);
+    assert_eq!(alloc[0].devices, uuids);
+    let client = cluster.cp.client();
+    assert!(
+        refit_requests(&client, NS, "aligned")
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let events = pod_events(&client, NS, "aligned").await.unwrap();
+    assert!(
+        events
+            .iter()
+            .all(|(reason, _)| !reason.starts_with("NumaRefit") && reason != "Misaligned"),
+        "{events:?}"
+    );
+    cleanup(cluster, &["aligned"]).await;
+}
+
+/// Alignment `none` with the CPUs on the other NUMA node: no refit is asked; the kubelet picks
+/// a replica of an allowed GPU, Allocate still exposes the reserved GPU, and the difference is
+/// recorded (Misaligned condition and event), never silent.
+pub async fn alignment_none(cluster: &SimCluster) {
+    let pod = GpuPod::new(NS, "unaligned")
+        .gpu_container("main", 1, 4096, 10)
+        .alignment("none")
+        .cpu_numa(0);
+    let seen = run_pod(cluster, pod).await;
+    let admitted = seen.admission.admitted().expect("admitted").to_vec();
+    assert_eq!(seen.admission.cpu_numa(), Some(0));
+    let client = cluster.cp.client();
+    let r = wait_reservation(
+        &client,
+        NS,
+        "unaligned",
+        "Allocated and Misaligned",
+        WAIT,
+        |r| phase(r) == ReservationPhase::Allocated && misaligned(r),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.spec.alignment, Alignment::None);
+    let uuids = reserved_uuids(&r);
+    assert_eq!(numa_of_reserved(seen.node, &r), [1]);
+    // What the container sees is the ledger's GPU, not the kubelet's choice.
+    assert_env(env_of(&admitted, "main"), &uuids, 4096, 10);
+    let kubelet_gpus = gpus_of_replicas(&admitted[0].device_ids);
+    assert_ne!(kubelet_gpus, uuids);
+    assert_eq!(seen.node.numa_of(&kubelet_gpus[0]), Some(0));
+    assert!(
+        refit_requests(&client, NS, "unaligned")
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let message = wait_event(&client, NS, "unaligned", "Misaligned", WAIT)
+        .await
+        .unwrap();
+    assert!(message.contains(&uuids[0]), "{message}");
+    cleanup(cluster, &["unaligned"]).await;
+}
+
+/// An init container and two GPU containers: one reservation with three containers, each
+/// allocated with its own environment; the init container is flagged and the kubelet may reuse
+/// its device for an app container.
+pub async fn init_and_two_containers(cluster: &SimCluster) {
+    let pod = GpuPod::new(NS, "multi")
+        .gpu_init_container("warmup", 1, 2048, 10)
+        .gpu_container("trainer", 1, 8192, 30)
+        .gpu_container("evaluator", 1, 4096, 20)
+        .plain_container("logger")
+        .cpu_numa(1);
+    let seen = run_pod(cluster, pod).await;
+    let admitted = seen.admission.admitted().expect("admitted").to_vec();
+    let names: Vec<&str> = admitted.iter().map(|c| c.name.as_str()).collect();
+    assert_eq!(names, ["warmup", "trainer", "evaluator"], "init first");
+    let r = allocated(cluster, "multi").await;
+    assert_eq!(r.spec.alignment, Alignment::None);
+    assert_eq!(r.spec.alignment_source.as_deref(), Some("default"));
+    let shape: Vec<(&str, bool, usize)> = r
+        .spec
+        .containers
+        .iter()
+        .map(|c| (c.name.as_str(), c.init, c.devices.len()))
+        .collect();
+    assert_eq!(
+        shape,
+        [
+            ("warmup", true, 1),
+            ("trainer", false, 1),
+            ("evaluator", false, 1)
+        ]
+    );
+    for (name, mem, cores) in [
+        ("warmup", 2048, 10),
+        ("trainer", 8192, 30),
+        ("evaluator", 4096, 20),
+    ] {
+        let c = r.spec.containers.iter().find(|c| c.name == name).unwrap();
+        let uuids: Vec<String> = c.devices.iter().map(|d| d.uuid.clone()).collect();
+        assert_env(env_of(&admitted, name), &uuids, mem, cores);
+    }
+    // Each app container on its own share: spread puts them on two different GPUs.
+    let trainer = &r.spec.containers[1].devices[0].uuid;
+    let evaluator = &r.spec.containers[2].devices[0].uuid;
+    assert_ne!(trainer, evaluator);
+    let alloc = &r.status.as_ref().unwrap().allocation;
+    assert_eq!(alloc.len(), 3, "{alloc:?}");
+    assert!(!misaligned(&r), "{r:?}");
+    cleanup(cluster, &["multi"]).await;
+}
+
+/// Deleting pods removes their reservations and gives the GPUs' capacity back (GpuNode usage).
+pub async fn deletion_cleans_the_ledger(cluster: &SimCluster) {
+    let client = cluster.cp.client();
+    let mut nodes = Vec::new();
+    for name in ["keep-a", "keep-b"] {
+        let pod = GpuPod::new(NS, name)
+            .gpu_container("main", 1, 10240, 50)
+            .cpu_numa(1);
+        let seen = run_pod(cluster, pod).await;
+        assert!(matches!(
+            seen.admission.outcome,
+            AdmissionOutcome::Admitted(_)
+        ));
+        allocated(cluster, name).await;
+        nodes.push(seen.node.name().to_string());
+    }
+    let gpunodes: Api<GpuNode> = Api::all(client.clone());
+    let used = |n: &GpuNode| {
+        n.status
+            .as_ref()
+            .and_then(|s| s.usage.as_ref())
+            .map_or(0, |u| u.memory_mib)
+    };
+    // Usage is published by the operator (rate-limited): wait until it shows the pods.
+    wait_for("GpuNode usage to show the pods", WAIT, || {
+        let gpunodes = gpunodes.clone();
+        let nodes = nodes.clone();
+        async move {
+            let mut total = 0;
+            for n in &nodes {
+                if let Some(g) = gpunodes.get_opt(n).await? {
+                    total += used(&g);
+                }
+            }
+            Ok::<_, kube::Error>((total >= 10240).then_some(()))
+        }
+    })
+    .await
+    .unwrap();
+    for name in ["keep-a", "keep-b"] {
+        delete_bound_pod(&client, NS, name).await.unwrap();
+    }
+    cleanup(cluster, &["keep-a", "keep-b"]).await;
+    wait_for("GpuNode usage back to zero", WAIT, || {
+        let gpunodes = gpunodes.clone();
+        let nodes = nodes.clone();
+        async move {
+            let mut total = 0;
+            for n in &nodes {
+                if let Some(g) = gpunodes.get_opt(n).await? {
+                    total += used(&g);
+                }
+            }
+            Ok::<_, kube::Error>((total == 0).then_some(()))
+        }
+    })
+    .await
+    .unwrap();
+    // The kubelet freed the devices too.
+    for node in &cluster.nodes {
+        let held = node.kubelet().allocated(gpuledger_crds::resources::GPU);
+        assert!(held.is_empty(), "{}: {held:?}", node.name());
+    }
+}
