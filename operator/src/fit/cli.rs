@@ -28,7 +28,8 @@ use std::io::Read;
 
 use gpuledger_crds::ReservedDevice;
 use gpuledger_crds::podapi::{self, PodApiConfig, PodApiError, PodResources, SchedulerPolicy};
-use serde_json::{Map, Value, json};
+use serde::Serialize;
+use serde_json::{Map, Value};
 
 use super::model::{Device, NodeView, Policy, Usage};
 use super::node::{ContainerPlacement, Placement, fit_pod};
@@ -68,6 +69,69 @@ fn field(path: impl Into<String>, problem: impl Into<String>) -> CliError {
     }
 }
 
+/// The decision, as printed.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Answer {
+    /// Whether the pod (or the refit) fits.
+    pub fits: bool,
+    /// The chosen node.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+    /// Refits only: whether the container moved.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub moved: Option<bool>,
+    /// Every container with its GPU shares (the refitted container only, for a refit).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub containers: Option<Vec<ContainerAnswer>>,
+    /// Node name → HAMi reason string, for the nodes that do not fit.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasons: Option<BTreeMap<String, String>>,
+    /// A remark when the answer needs one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub note: Option<&'static str>,
+}
+
+impl Answer {
+    fn refused(reasons: BTreeMap<&str, String>) -> Self {
+        Answer {
+            fits: false,
+            reasons: Some(owned(reasons)),
+            ..Answer::default()
+        }
+    }
+}
+
+/// One container of an [`Answer`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ContainerAnswer {
+    /// Container name.
+    pub name: String,
+    /// Its GPU shares.
+    pub devices: Vec<DeviceAnswer>,
+}
+
+/// One GPU share of an [`Answer`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct DeviceAnswer {
+    /// GPU UUID.
+    pub uuid: String,
+    /// Memory in MiB.
+    #[serde(rename = "memoryMiB")]
+    pub memory_mib: u64,
+    /// Cores in percent points.
+    pub cores: u32,
+}
+
+impl DeviceAnswer {
+    fn new(uuid: &str, memory_mib: u64, cores: u32) -> Self {
+        DeviceAnswer {
+            uuid: uuid.to_string(),
+            memory_mib,
+            cores,
+        }
+    }
+}
+
 /// Reads the scenario from `input` (`-` = stdin), returns the decision as pretty JSON.
 pub fn run(input: &str) -> Result<String, CliError> {
     let text = if input == "-" {
@@ -85,12 +149,12 @@ pub fn run(input: &str) -> Result<String, CliError> {
             error,
         })?
     };
-    let out = evaluate(&text)?;
-    Ok(serde_json::to_string_pretty(&out)?)
+    let answer = evaluate(&text)?;
+    Ok(serde_json::to_string_pretty(&answer)?)
 }
 
 /// Evaluates one scenario given as JSON text.
-pub fn evaluate(text: &str) -> Result<Value, CliError> {
+pub fn evaluate(text: &str) -> Result<Answer, CliError> {
     let root: Value = serde_json::from_str(text)?;
     let root = as_object(&root, "input")?;
     let mut nodes = read_nodes(root)?;
@@ -107,13 +171,13 @@ pub fn evaluate(text: &str) -> Result<Value, CliError> {
         let reasons: BTreeMap<&str, String> = decision.failures(&nodes).collect();
         return Ok(match decision.placement {
             Some(p) => success(&p.node_name, &p.containers, &reasons),
-            None if !decision.needs_gpus => json!({
-                "fits": true,
-                "node": null,
-                "containers": [],
-                "note": "the pod requests no GPU; every node fits",
-            }),
-            None => json!({"fits": false, "reasons": reasons}),
+            None if !decision.needs_gpus => Answer {
+                fits: true,
+                containers: Some(Vec::new()),
+                note: Some("the pod requests no GPU; every node fits"),
+                ..Answer::default()
+            },
+            None => Answer::refused(reasons),
         });
     };
 
@@ -135,7 +199,7 @@ pub fn evaluate(text: &str) -> Result<Value, CliError> {
         None => Ok(
             match fit_pod_restricted(node, position, &pod, &policy, &allowed) {
                 Ok(Placement { containers, .. }) => success(node_name, &containers, &no_reasons),
-                Err(f) => json!({"fits": false, "reasons": {node_name: f.to_string()}}),
+                Err(f) => Answer::refused(BTreeMap::from([(node_name, f.to_string())])),
             },
         ),
         Some(current) => {
@@ -154,25 +218,33 @@ pub fn evaluate(text: &str) -> Result<Value, CliError> {
             Ok(match refit(node, &pod, &policy, &current, &allowed) {
                 Ok(outcome) => {
                     let (moved, devices) = match outcome {
-                        RefitOutcome::Unchanged => (false, shares_json(&current)),
+                        RefitOutcome::Unchanged => (
+                            false,
+                            current
+                                .iter()
+                                .map(|s| DeviceAnswer::new(&s.uuid, s.memory_mib, s.cores))
+                                .collect(),
+                        ),
                         RefitOutcome::Moved(picks) => (
                             true,
                             picks
                                 .iter()
-                                .map(|p| device_json(&p.uuid, p.memory_mib, p.cores))
+                                .map(|p| DeviceAnswer::new(&p.uuid, p.memory_mib, p.cores))
                                 .collect(),
                         ),
                     };
-                    json!({
-                        "fits": true,
-                        "node": node_name,
-                        "moved": moved,
-                        "containers": [{"name": container.name, "devices": devices}],
-                    })
+                    Answer {
+                        fits: true,
+                        node: Some(node_name.to_string()),
+                        moved: Some(moved),
+                        containers: Some(vec![ContainerAnswer {
+                            name: container.name.clone(),
+                            devices,
+                        }]),
+                        ..Answer::default()
+                    }
                 }
-                Err(refusal) => {
-                    json!({"fits": false, "reasons": {node_name: refusal.to_string()}})
-                }
+                Err(refusal) => Answer::refused(BTreeMap::from([(node_name, refusal.to_string())])),
             })
         }
     }
@@ -182,35 +254,31 @@ fn success(
     node: &str,
     containers: &[ContainerPlacement],
     reasons: &BTreeMap<&str, String>,
-) -> Value {
-    let containers: Vec<Value> = containers
+) -> Answer {
+    let containers = containers
         .iter()
-        .map(|c| {
-            let devices: Vec<Value> = c
+        .map(|c| ContainerAnswer {
+            name: c.name.clone(),
+            devices: c
                 .devices
                 .iter()
-                .map(|p| device_json(&p.uuid, p.memory_mib, p.cores))
-                .collect();
-            json!({"name": c.name, "devices": devices})
+                .map(|p| DeviceAnswer::new(&p.uuid, p.memory_mib, p.cores))
+                .collect(),
         })
         .collect();
-    let mut out = json!({"fits": true, "node": node, "containers": containers});
-    if !reasons.is_empty()
-        && let Some(map) = out.as_object_mut()
-    {
-        map.insert("reasons".into(), json!(reasons));
+    Answer {
+        fits: true,
+        node: Some(node.to_string()),
+        containers: Some(containers),
+        reasons: (!reasons.is_empty()).then(|| owned(reasons.clone())),
+        ..Answer::default()
     }
-    out
 }
 
-fn device_json(uuid: &str, memory_mib: u64, cores: u32) -> Value {
-    json!({"uuid": uuid, "memoryMiB": memory_mib, "cores": cores})
-}
-
-fn shares_json(shares: &[ReservedDevice]) -> Vec<Value> {
-    shares
-        .iter()
-        .map(|s| device_json(&s.uuid, s.memory_mib, s.cores))
+fn owned(reasons: BTreeMap<&str, String>) -> BTreeMap<String, String> {
+    reasons
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
         .collect()
 }
 

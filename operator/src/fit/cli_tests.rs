@@ -29,7 +29,7 @@ fn scenario() -> Value {
 }
 
 fn run(v: &Value) -> Result<Value, CliError> {
-    evaluate(&v.to_string())
+    Ok(serde_json::to_value(evaluate(&v.to_string())?)?)
 }
 
 #[test]

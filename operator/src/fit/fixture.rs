@@ -168,6 +168,7 @@ mod tests {
             let lib = fit_pod(&nodes, &benchmark_pod(2), &policy);
             let placed = lib.placement.unwrap();
             let out = cli::evaluate(&scenario_json(&nodes, 2, np, gp).to_string()).unwrap();
+            let out = serde_json::to_value(out).unwrap();
             assert_eq!(out["node"], placed.node_name.as_str());
             let uuids: Vec<&str> = out["containers"][0]["devices"]
                 .as_array()
