@@ -148,6 +148,14 @@ pub enum ClusterError {
         /// The pod's name.
         name: String,
     },
+    /// The TokenRequest API answered without a token.
+    #[error("the API server minted no token for service account {namespace}/{name}")]
+    NoToken {
+        /// The ServiceAccount's namespace.
+        namespace: String,
+        /// Its name.
+        name: String,
+    },
     /// Sending a signal failed.
     #[error("cannot signal process {pid}: {source}")]
     Signal {

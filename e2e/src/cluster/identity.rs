@@ -77,7 +77,14 @@ impl ControlPlane {
             .map_err(|e| {
                 ClusterError::kube(format!("request a token for {namespace}/{name}"), e)
             })?;
-        Ok(minted.status.map(|s| s.token).unwrap_or_default())
+        minted
+            .status
+            .map(|s| s.token)
+            .filter(|t| !t.is_empty())
+            .ok_or_else(|| ClusterError::NoToken {
+                namespace: namespace.to_string(),
+                name: name.to_string(),
+            })
     }
 
     /// Writes a kubeconfig authenticating as ServiceAccount `namespace/name` (created if
