@@ -344,13 +344,30 @@ fn scheduler_policies_are_read_and_checked() {
 
 #[test]
 fn alignment_annotation_is_read_through_the_alignment_module() {
-    let p = pod(&[(NUMA_ALIGNMENT, " Strict ")], vec![]);
-    let r = parse(&p, &PodApiConfig::default()).unwrap();
-    assert_eq!(r.alignment, Some(Alignment::Strict));
-    let p = pod(&[(NUMA_ALIGNMENT, "required")], vec![]);
-    let err = parse(&p, &PodApiConfig::default()).unwrap_err();
-    assert!(matches!(err, PodApiError::Alignment(_)));
-    assert!(err.to_string().contains("\"required\""));
+    for (raw, want) in [
+        ("best-effort", Alignment::BestEffort),
+        (" Best-Effort ", Alignment::BestEffort),
+        ("STRICT", Alignment::Strict),
+        ("none", Alignment::None),
+    ] {
+        let p = pod(&[(NUMA_ALIGNMENT, raw)], vec![]);
+        let r = parse(&p, &PodApiConfig::default()).unwrap();
+        assert_eq!(r.alignment, Some(want), "{raw:?}");
+    }
+    assert_eq!(
+        parse(&pod(&[], vec![]), &PodApiConfig::default())
+            .unwrap()
+            .alignment,
+        None
+    );
+    for raw in ["", "true", "required"] {
+        let p = pod(&[(NUMA_ALIGNMENT, raw)], vec![]);
+        let err = parse(&p, &PodApiConfig::default()).unwrap_err();
+        assert!(matches!(err, PodApiError::Alignment(_)));
+        let msg = err.to_string();
+        assert!(msg.contains(NUMA_ALIGNMENT), "{msg}");
+        assert!(msg.contains(&format!("{raw:?}")), "{msg}");
+    }
 }
 
 #[test]
