@@ -1,0 +1,351 @@
+//! The shipped manifests are valid against a real API server: `kubectl kustomize config/default`
+//! and the Helm chart rendered with `helm template` (default values, and with simulated
+//! devices) each pass `kubectl apply --dry-run=server`, which runs the API server's full
+//! validation and admission (schemas, CRD structural checks, RBAC escalation checks, Pod
+//! Security). The chart duplicates config/rbac and config/admission, so their rules must be
+//! equal; and the operator and device-plugin arguments in both must parse with the real
+//! binaries.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use gpuledger_crds::names::DEFAULT_NAMESPACE;
+use gpuledger_e2e::cluster::apply::parse_manifests;
+use gpuledger_e2e::cluster::{
+    Binaries, ControlPlane, ControlPlaneOptions, apply_path, ensure_namespace, k8s_version,
+};
+use gpuledger_e2e::sim::binaries::{
+    DEVICE_PLUGIN, OPERATOR, build_gpuledger_binaries, locate, repo_root,
+};
+use serde_json::Value;
+
+fn kubectl() -> PathBuf {
+    gpuledger_e2e::demo::kubectl_binary()
+}
+
+fn helm() -> PathBuf {
+    let bins = Binaries::locate().unwrap();
+    bins.kube_apiserver.parent().unwrap().join("helm")
+}
+
+fn run(program: &Path, args: &[&str], stdin: Option<&str>) -> Output {
+    use std::io::Write;
+    let mut child = Command::new(program)
+        .args(args)
+        .current_dir(repo_root())
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", program.display()));
+    if let Some(text) = stdin {
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(text.as_bytes())
+            .unwrap();
+    }
+    child.wait_with_output().unwrap()
+}
+
+fn ok_stdout(program: &Path, args: &[&str], stdin: Option<&str>) -> String {
+    let out = run(program, args, stdin);
+    assert!(
+        out.status.success(),
+        "{} {}: {}\n{}",
+        program.display(),
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&out.stdout)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn kustomize_default() -> String {
+    ok_stdout(&kubectl(), &["kustomize", "config/default"], None)
+}
+
+fn helm_template(extra: &[&str]) -> String {
+    let version = k8s_version();
+    let mut args = vec![
+        "template",
+        "gpuledger",
+        "charts/gpuledger",
+        "--namespace",
+        DEFAULT_NAMESPACE,
+        "--kube-version",
+        version,
+        "--include-crds",
+    ];
+    args.extend_from_slice(extra);
+    ok_stdout(&helm(), &args, None)
+}
+
+/// Every object of a rendered YAML stream as JSON, keyed by `Kind/name`.
+fn objects(yaml: &str) -> BTreeMap<String, Value> {
+    parse_manifests(Path::new("<rendered>"), yaml)
+        .unwrap()
+        .into_iter()
+        .map(|m| {
+            let v = serde_json::to_value(&m.object).unwrap();
+            let name = v["metadata"]["name"].as_str().unwrap().to_string();
+            (format!("{}/{name}", m.gvk.kind), v)
+        })
+        .collect()
+}
+
+/// `kubectl apply --dry-run=server` of `yaml`; returns kubectl's report.
+fn dry_run(kubeconfig: &Path, yaml: &str) -> String {
+    let k = kubeconfig.to_str().unwrap();
+    ok_stdout(
+        &kubectl(),
+        &["--kubeconfig", k, "apply", "--dry-run=server", "-f", "-"],
+        Some(yaml),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn manifests_apply_with_server_side_dry_run_and_agree() {
+    build_gpuledger_binaries().unwrap();
+    let mut opts = ControlPlaneOptions::default().without_scheduler();
+    opts.controller_manager = false;
+    let cp = ControlPlane::start(opts).await.unwrap();
+    // Dry-run cannot create what later objects need: the namespace and the CRDs go in for real.
+    let admin = cp.client();
+    ensure_namespace(&admin, DEFAULT_NAMESPACE).await.unwrap();
+    apply_path(&admin, &repo_root().join("crds/yaml"))
+        .await
+        .unwrap();
+
+    let kustomized = kustomize_default();
+    let report = dry_run(cp.kubeconfig(), &kustomized);
+    eprintln!("config/default:\n{report}");
+    assert_every_object_reported(&kustomized, &report);
+
+    let chart = helm_template(&[]);
+    let report = dry_run(cp.kubeconfig(), &chart);
+    eprintln!("chart (defaults):\n{report}");
+    assert_every_object_reported(&chart, &report);
+
+    let simulated = helm_template(&[
+        "--set-file",
+        "devicePlugin.simulatedDevices=config/samples/devices-8gpu-2numa.yaml",
+    ]);
+    let report = dry_run(cp.kubeconfig(), &simulated);
+    assert_every_object_reported(&simulated, &report);
+    let sim_objects = objects(&simulated);
+    let cm = &sim_objects["ConfigMap/gpuledger-simulated-devices"];
+    assert!(
+        cm["data"]["devices.yaml"]
+            .as_str()
+            .unwrap()
+            .contains("GPU-00000007"),
+        "{cm}"
+    );
+    let ds = &sim_objects["DaemonSet/gpuledger-device-plugin"];
+    let args = container_args(ds);
+    assert!(
+        args.contains(&"--devices-from=/etc/gpuledger/devices.yaml".to_string()),
+        "{args:?}"
+    );
+
+    // Nothing was created by the dry runs.
+    let out = ok_stdout(
+        &kubectl(),
+        &[
+            "--kubeconfig",
+            cp.kubeconfig().to_str().unwrap(),
+            "get",
+            "deployments,daemonsets,clusterroles",
+            "-A",
+            "-o",
+            "name",
+        ],
+        None,
+    );
+    assert!(!out.contains("gpuledger"), "{out}");
+
+    chart_rbac_and_admission_equal_kustomize(&kustomized, &chart);
+    container_arguments_parse_with_the_real_binaries(&kustomized, "config/default");
+    container_arguments_parse_with_the_real_binaries(&chart, "chart");
+    container_arguments_parse_with_the_real_binaries(&simulated, "chart with simulated devices");
+}
+
+/// kubectl prints one `<kind>/<name> <verb> (server dry run)` line per object.
+fn assert_every_object_reported(yaml: &str, report: &str) {
+    let objs = objects(yaml);
+    assert!(objs.len() >= 10, "only {} objects rendered", objs.len());
+    for (key, v) in &objs {
+        let name = v["metadata"]["name"].as_str().unwrap();
+        let line = report
+            .lines()
+            .find(|l| l.contains(&format!("/{name} ")) && l.ends_with("(server dry run)"));
+        assert!(
+            line.is_some(),
+            "{key} missing from the dry-run report:\n{report}"
+        );
+    }
+}
+
+fn rules_of(objs: &BTreeMap<String, Value>, key: &str) -> Value {
+    objs.get(key)
+        .unwrap_or_else(|| panic!("{key} not rendered; have {:?}", objs.keys()))["rules"]
+        .clone()
+}
+
+fn chart_rbac_and_admission_equal_kustomize(kustomized: &str, chart: &str) {
+    let k = objects(kustomized);
+    let c = objects(chart);
+    let roles: Vec<&String> = k
+        .keys()
+        .filter(|key| key.starts_with("ClusterRole/") || key.starts_with("Role/"))
+        .collect();
+    assert_eq!(roles.len(), 4, "{roles:?}");
+    for key in roles {
+        assert_eq!(rules_of(&k, key), rules_of(&c, key), "{key}");
+    }
+    for key in k.keys().filter(|key| key.contains("Binding/")) {
+        let kb = &k[key];
+        let cb = c.get(key).unwrap_or_else(|| panic!("chart lacks {key}"));
+        assert_eq!(kb["roleRef"], cb["roleRef"], "{key}");
+        assert_eq!(kb["subjects"], cb["subjects"], "{key}");
+    }
+    for key in k.keys().filter(|key| key.starts_with("ServiceAccount/")) {
+        assert!(c.contains_key(key), "chart lacks {key}");
+    }
+    for key in [
+        "ValidatingAdmissionPolicy/gpuledger-device-plugin-node-scope",
+        "ValidatingAdmissionPolicyBinding/gpuledger-device-plugin-node-scope",
+    ] {
+        assert_eq!(k[key]["spec"], c[key]["spec"], "{key}");
+    }
+    // The workloads run as those accounts.
+    for (objs, what) in [(&k, "kustomize"), (&c, "chart")] {
+        let sa = |kind_name: &str| {
+            objs[kind_name]["spec"]["template"]["spec"]["serviceAccountName"].clone()
+        };
+        assert_eq!(
+            sa("Deployment/gpuledger-operator"),
+            "gpuledger-operator",
+            "{what}"
+        );
+        assert_eq!(
+            sa("DaemonSet/gpuledger-device-plugin"),
+            "gpuledger-device-plugin",
+            "{what}"
+        );
+    }
+}
+
+fn container_args(workload: &Value) -> Vec<String> {
+    let c = &workload["spec"]["template"]["spec"]["containers"][0];
+    c["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| {
+            a.as_str()
+                .unwrap()
+                .replace("$(POD_NAMESPACE)", DEFAULT_NAMESPACE)
+        })
+        .collect()
+}
+
+fn container_command(workload: &Value) -> Vec<String> {
+    workload["spec"]["template"]["spec"]["containers"][0]["command"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap().to_string())
+        .collect()
+}
+
+/// Flag names (`--x`) of a `--help` text.
+fn help_flags(help: &str) -> Vec<String> {
+    help.split_whitespace()
+        .filter(|w| w.starts_with("--"))
+        .map(|w| {
+            w.trim_end_matches([',', '.'])
+                .split('=')
+                .next()
+                .unwrap()
+                .to_string()
+        })
+        .collect()
+}
+
+/// Runs `binary <prefix> <args>` with an unreadable kubeconfig, so the program stops soon after
+/// parsing. clap's usage errors exit with 2 and print the usage; any other outcome (the missing
+/// kubeconfig, or a later refusal such as the operator's of `--tls-cert`, which it does not serve
+/// yet) means the arguments parsed.
+fn parses(binary: &Path, prefix: &[&str], args: &[String], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new("timeout");
+    cmd.arg("60").arg(binary).args(prefix).args(args);
+    cmd.arg("--kubeconfig=/nonexistent/gpuledger-manifests-test/kubeconfig");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.stdin(Stdio::null()).output().unwrap()
+}
+
+fn container_arguments_parse_with_the_real_binaries(yaml: &str, what: &str) {
+    let objs = objects(yaml);
+    let cases = [
+        ("Deployment/gpuledger-operator", OPERATOR, vec!["run"]),
+        ("DaemonSet/gpuledger-device-plugin", DEVICE_PLUGIN, vec![]),
+    ];
+    for (key, bin, prefix) in cases {
+        let workload = &objs[key];
+        let command = container_command(workload);
+        assert_eq!(command[0], bin, "{what} {key}");
+        assert_eq!(&command[1..], prefix.as_slice(), "{what} {key}");
+        let binary = locate(bin).unwrap();
+        let mut help_args: Vec<&str> = prefix.clone();
+        help_args.push("--help");
+        let help = ok_stdout(&binary, &help_args, None);
+        let known = help_flags(&help);
+        let args = container_args(workload);
+        for arg in &args {
+            let flag = arg.split('=').next().unwrap();
+            assert!(
+                known.iter().any(|k| k == flag),
+                "{what} {key}: {flag} is not a flag of {bin} {}: {known:?}",
+                prefix.join(" ")
+            );
+        }
+        // The environment the manifests set from the downward API.
+        let env = [
+            ("NODE_NAME", "gpu-node-1"),
+            ("POD_NAMESPACE", DEFAULT_NAMESPACE),
+        ];
+        let out = parses(&binary, &prefix, &args, &env);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_ne!(
+            out.status.code(),
+            Some(2),
+            "{what} {key}: {args:?}\n{stderr}"
+        );
+        assert!(
+            !stderr.contains("error: unexpected argument")
+                && !stderr.contains("error: invalid value"),
+            "{what} {key}: {stderr}"
+        );
+        assert!(!stderr.contains("Usage:"), "{what} {key}: {stderr}");
+    }
+}
+
+#[test]
+fn help_flags_are_extracted() {
+    let help = "Usage: x [OPTIONS]\n  --node-name <NODE_NAME>  Name [env: NODE_NAME=]\n  --refit <REFIT>  [default: true]\n  -h, --help  Print help\n";
+    assert_eq!(help_flags(help), ["--node-name", "--refit", "--help"]);
+    let _ = Duration::ZERO;
+}
