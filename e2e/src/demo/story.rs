@@ -16,12 +16,12 @@ use std::time::Duration;
 
 use gpuledger_crds::conditions::types::MISALIGNED;
 use gpuledger_crds::{
-    Alignment, GpuReservation, NumaPolicy, NumaPolicySpec, RefitPhase, ReservationPhase,
+    Alignment, GpuNode, GpuReservation, NumaPolicy, NumaPolicySpec, RefitPhase, ReservationPhase,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
-use kube::api::{Api, PostParams};
+use kube::api::{Api, ListParams, PostParams};
 
-use crate::cluster::ensure_namespace;
+use crate::cluster::{ensure_namespace, wait_for};
 use crate::demo::{DemoError, Progress, kubectl, step};
 use crate::sim::pods::{
     GpuPod, pod_events, refit_requests, reserved_uuids, wait_bound, wait_pod_phase,
@@ -106,6 +106,7 @@ pub async fn tell(cluster: &mut SimCluster, progress: &mut Progress) -> Result<(
     progress.say(&strict);
 
     let after = step(progress, "the ledger after", async {
+        wait_usage_published(cluster, 2).await?;
         let ledger = kubectl(&kubeconfig, &["get", LEDGER, "-A"]).await?;
         let events = kubectl(
             &kubeconfig,
@@ -216,8 +217,13 @@ async fn run_pod(cluster: &SimCluster, pod: GpuPod) -> Result<Ran, DemoError> {
         .and_then(|c| c.first())
         .and_then(|c| c.response.envs.get("NVIDIA_VISIBLE_DEVICES").cloned())
         .unwrap_or_default();
+    let bound = pod_events(&client, NS, &name)
+        .await?
+        .into_iter()
+        .find(|(reason, _)| reason == "Bound")
+        .map_or_else(String::new, |(_, message)| message);
     let summary = format!(
-        "scheduled to {node_name}; CPUs on NUMA {}; reservation: {} [{}]\ncontainer sees NVIDIA_VISIBLE_DEVICES={visible}",
+        "extender: {bound}\nkubelet: CPUs on NUMA {}; admitted\nledger now: {} [{}]\ncontainer sees NVIDIA_VISIBLE_DEVICES={visible}",
         admission
             .cpu_numa()
             .map_or_else(|| "-".to_string(), |n| n.to_string()),
@@ -230,6 +236,27 @@ async fn run_pod(cluster: &SimCluster, pod: GpuPod) -> Result<Ran, DemoError> {
         admission,
         summary,
     })
+}
+
+/// Waits until the GpuNodes' usage summaries (published by the operator, rate-limited) count
+/// `pods` reservations in all, so the ledger printed next is current.
+async fn wait_usage_published(cluster: &SimCluster, pods: u32) -> Result<(), DemoError> {
+    let api: Api<GpuNode> = Api::all(cluster.cp.client());
+    wait_for(format!("GpuNode usage to count {pods} pods"), WAIT, || {
+        let api = api.clone();
+        async move {
+            let nodes = api.list(&ListParams::default()).await?;
+            let counted: u32 = nodes
+                .items
+                .iter()
+                .filter_map(|n| n.status.as_ref()?.usage.as_ref())
+                .map(|u| u.reservations)
+                .sum();
+            Ok::<_, kube::Error>((counted >= pods).then_some(()))
+        }
+    })
+    .await?;
+    Ok(())
 }
 
 fn phase(r: &GpuReservation) -> ReservationPhase {
@@ -268,9 +295,9 @@ async fn check_refit(cluster: &SimCluster, trainer: &Ran) -> Result<String, Demo
         .map(|(reason, message)| format!("event {reason}: {message}"))
         .collect();
     Ok(format!(
-        "RefitRequest allowed [{}] → {:?}: {}\n{}",
+        "RefitRequest {}: allowed [{}] → Succeeded: {}\n{}",
+        refit.metadata.name.clone().unwrap_or_default(),
         gpu_text(node, &refit.spec.allowed_devices),
-        status.phase,
         gpu_text(node, &status.devices),
         said.join("\n")
     ))
@@ -303,7 +330,12 @@ async fn check_strict_refusal(cluster: &SimCluster, pod: GpuPod) -> Result<Strin
     let refused = refits
         .iter()
         .filter_map(|r| r.status.as_ref())
-        .map(|s| format!("{:?}: {}", s.phase, s.reason.clone().unwrap_or_default()))
+        .map(|s| {
+            let phase = s
+                .phase
+                .map_or_else(|| "Pending".to_string(), |p| format!("{p:?}"));
+            format!("{phase}: {}", s.reason.clone().unwrap_or_default())
+        })
         .collect::<Vec<_>>()
         .join("; ");
     Ok(format!(
