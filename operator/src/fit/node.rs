@@ -13,9 +13,9 @@
 
 use std::cmp::Ordering;
 
-use gpuledger_crds::podapi::{PodRequest, SchedulerPolicy};
+use gpuledger_crds::podapi::{ContainerRequest, PodRequest, SchedulerPolicy};
 
-use super::device_fit::{Ask, DeviceScratch, fit_container};
+use super::device_fit::{Ask, DeviceScratch, RawPick, fit_container};
 use super::model::{NodeView, Pick, Policy, Usage};
 use super::reason::FitFailure;
 
@@ -126,8 +126,7 @@ pub(crate) fn fit_node(
     scratch: &mut NodeScratch,
     mut record: Option<&mut Vec<ContainerPlacement>>,
 ) -> Result<f32, FitFailure> {
-    let mut keep = |c: &gpuledger_crds::podapi::ContainerRequest,
-                    picks: &[super::device_fit::RawPick]| {
+    let mut keep = |c: &ContainerRequest, picks: &[RawPick]| {
         if let Some(out) = record.as_deref_mut() {
             out.push(ContainerPlacement {
                 index: c.index,
