@@ -5,14 +5,15 @@ CARGO ?= cargo
 JOBS ?= 2
 export CARGO_BUILD_JOBS ?= $(JOBS)
 
-.PHONY: help demo demo-down test unit e2e crds crds-check bench lint fmt k8s-binaries cluster-up cluster-down
+.PHONY: help demo demo-down test unit e2e crds crds-check bench soak lint fmt k8s-binaries cluster-up cluster-down
 
 help:
 	@echo "make demo        run the main job on a local control plane with simulated GPUs"
 	@echo "make demo-down   stop whatever a killed demo left behind"
 	@echo "make test        run every test (unit, integration, end-to-end)"
 	@echo "make crds        regenerate crds/yaml from the Rust types"
-	@echo "make bench       run the benchmarks"
+	@echo "make bench       run the benchmarks and print one table (several minutes)"
+	@echo "make soak        run the long fault tests (300-pod burst, 20 operator kills)"
 	@echo "make lint        cargo fmt --check and clippy -D warnings"
 	@echo "make cluster-up  start a local control plane; make cluster-down stops it"
 
@@ -50,8 +51,27 @@ CRD_DIRS := crds/yaml config/crd/bases charts/gpuledger/crds
 crds:
 	@for d in $(CRD_DIRS); do $(CARGO) run -q -p gpuledger-operator -- crds --out-dir $$d; done
 
-bench:
-	$(CARGO) bench --workspace -j $(JOBS)
+## One table (e2e/benches/table): fit decision, extender filter at 1000 nodes through the real
+## kube-scheduler, refit round trip (run first by e2e/benches/refit, its output read back),
+## 1000-pod scheduling throughput, operator cold start with 20 000 reservations. The benches run
+## the release binaries of the operator and device plugin; progress and logs go to target/bench.
+BENCH_OUT := target/bench
+bench: k8s-binaries
+	@mkdir -p $(BENCH_OUT)
+	@echo "make bench: several minutes; progress in $(BENCH_OUT)/refit.log and $(BENCH_OUT)/table.log" >&2
+	$(CARGO) build --release -q -j $(JOBS) -p gpuledger-operator -p gpuledger-device-plugin --bins
+	@bin="$$(e2e/k8s/build.sh 2>/dev/null | tail -n1)"; \
+	export GPULEDGER_K8S_BIN="$$bin" GPULEDGER_BIN_DIR="$(CURDIR)/target/release"; \
+	$(CARGO) bench -q -j $(JOBS) -p gpuledger-e2e --bench refit >$(BENCH_OUT)/refit.txt 2>$(BENCH_OUT)/refit.log \
+	  || echo "refit bench failed; see $(BENCH_OUT)/refit.log" >&2; \
+	GPULEDGER_REFIT_BENCH_OUT="$(BENCH_OUT)/refit.txt" \
+	  $(CARGO) bench -q -j $(JOBS) -p gpuledger-e2e --bench table 2>$(BENCH_OUT)/table.log
+
+## The long fault tests (e2e/tests/soak.rs, cargo feature `soak`; never part of `make test`).
+soak: k8s-binaries
+	$(CARGO) build -j $(JOBS) -p gpuledger-operator --bins
+	GPULEDGER_K8S_BIN="$$(e2e/k8s/build.sh 2>/dev/null | tail -n1)" \
+	  $(CARGO) test -j $(JOBS) -p gpuledger-e2e --features soak --test soak -- --test-threads 1 --nocapture
 
 lint:
 	$(CARGO) fmt --all -- --check

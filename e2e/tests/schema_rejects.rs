@@ -354,7 +354,6 @@ async fn schema_and_cel_refuse_invalid_objects() {
         .patch_status("gpu-0", &PatchParams::default(), &status(gpunode_status()))
         .await
         .expect("a valid GpuNode status is accepted");
-    let gpu = |i: usize| json!({"uuid": format!("GPU-{i}"), "index": i, "model": "A100", "memoryMiB": 1, "cores": 100, "healthy": true});
     for (what, body, needles) in [
         (
             "negative memory",

@@ -1,0 +1,266 @@
+//! The 1000-node cluster: kube-scheduler (with the extender) → timing proxy → the operator as a
+//! child process; 1000 fake GPU nodes written once (no heartbeats, no controller manager, so
+//! nothing but scheduling loads the API server); the allocation step played by
+//! [`spawn_allocator`]. Then 1000 one-GPU pods, all created at once.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use gpuledger_crds::names::DEFAULT_NAMESPACE;
+use gpuledger_e2e::bench::fleet::run_parallel;
+use gpuledger_e2e::bench::{
+    ChildOperator, Fleet, GpuShape, OperatorOptions, Row, TimingProxy, gpu_pod, spawn_allocator,
+};
+use gpuledger_e2e::cluster::{ControlPlane, ControlPlaneOptions, apply_path, ensure_namespace};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, PostParams};
+use kube::runtime::watcher;
+use kube::{Client, ResourceExt};
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const NS: &str = "default";
+/// How long the 1000 pods may take to be bound before the run is cut short.
+const SCHEDULING_LIMIT: Duration = Duration::from_secs(900);
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+pub async fn filter_and_throughput() -> Vec<Row> {
+    match run().await {
+        Ok(rows) => rows,
+        Err(e) => vec![Row::missing(
+            "extender filter / scheduling",
+            "1000 nodes, 1000 pods, real kube-scheduler",
+            format!("failed: {e}"),
+        )],
+    }
+}
+
+async fn run() -> Result<Vec<Row>, String> {
+    let nodes = crate::scaled(1000);
+    let pods = crate::scaled(1000);
+    let operator_port = free_port();
+    let proxy = TimingProxy::start(0, operator_port)
+        .await
+        .map_err(|e| format!("proxy: {e}"))?;
+    let opts = ControlPlaneOptions {
+        controller_manager: false,
+        ..ControlPlaneOptions::default().extender_url(format!("http://127.0.0.1:{}", proxy.port()))
+    };
+    let cp = ControlPlane::start(opts).await.map_err(|e| e.to_string())?;
+    let client = cp.client();
+    let crds = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../crds/yaml");
+    apply_path(&client, &crds)
+        .await
+        .map_err(|e| e.to_string())?;
+    ensure_namespace(&client, DEFAULT_NAMESPACE)
+        .await
+        .map_err(|e| e.to_string())?;
+    let shape = GpuShape::default();
+    let fleet = Fleet::create(&client, "gpu", nodes, shape, false, 32)
+        .await
+        .map_err(|e| e.to_string())?;
+    let allocator = spawn_allocator(client.clone(), DEFAULT_NAMESPACE);
+    let logs = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let mut op = ChildOperator::spawn(OperatorOptions {
+        kubeconfig: cp.kubeconfig().to_path_buf(),
+        extender_port: operator_port,
+        metrics_port: free_port(),
+        namespace: DEFAULT_NAMESPACE.into(),
+        identity: "bench".into(),
+        leader_elect: false,
+        extra_args: vec![],
+        log_dir: logs.path().to_path_buf(),
+    })
+    .map_err(|e| e.to_string())?;
+    op.wait_ready(Duration::from_secs(300))
+        .await
+        .map_err(|e| e.to_string())?;
+    eprintln!("[bench] {nodes} nodes ready; creating {pods} GPU pods");
+
+    let (created, bound, wall) = schedule(&client, pods).await?;
+    let mut latencies = Vec::new();
+    for (name, at) in &bound {
+        if let Some(c) = created.get(name) {
+            latencies.push(at.saturating_duration_since(*c).as_secs_f64() * 1000.0);
+        }
+    }
+    let throughput = bound.len() as f64 / wall.as_secs_f64();
+    let filter = proxy.take_ms("/filter");
+    let bind = proxy.take_ms("/bind");
+    let names = proxy.take_filter_sizes();
+    let names_note = match (names.iter().min(), names.iter().max()) {
+        (Some(lo), Some(hi)) => format!("{lo}-{hi} names/call"),
+        _ => "no calls".into(),
+    };
+    let direct = direct_filter(operator_port, &fleet.names, 200).await?;
+    allocator.abort();
+    drop(op);
+
+    Ok(vec![
+        Row::measured(
+            "extender filter (via scheduler)",
+            format!(
+                "{nodes} nodes, {} GPU pods, {names_note} (scheduler's percentageOfNodesToScore)",
+                pods
+            ),
+            "ms",
+            &filter,
+            "at a proxy before the operator; target p99 < 5 ms",
+        ),
+        Row::measured(
+            "extender filter (all nodes)",
+            format!(
+                "{} candidate names per call, direct HTTP",
+                fleet.names.len()
+            ),
+            "ms",
+            &direct,
+            "target p99 < 5 ms",
+        ),
+        Row::measured(
+            "extender bind (via scheduler)",
+            "reservation + Lease + Binding per pod",
+            "ms",
+            &bind,
+            "at the proxy",
+        ),
+        Row::measured(
+            "scheduling throughput",
+            format!(
+                "{} of {pods} GPU pods created at once -> Bound, {nodes} nodes",
+                bound.len()
+            ),
+            "pods/s",
+            &[throughput],
+            format!(
+                "one run, {:.1} s first create to last Bound",
+                wall.as_secs_f64()
+            ),
+        ),
+        Row::measured(
+            "pod create -> Bound",
+            format!("each of the {} pods above", bound.len()),
+            "ms",
+            &latencies,
+            "includes queueing behind the other pods",
+        ),
+    ])
+}
+
+type Times = BTreeMap<String, Instant>;
+
+/// Creates `n` pods at once and waits until all are bound: (create times, bind times, wall).
+async fn schedule(client: &Client, n: usize) -> Result<(Times, Times, Duration), String> {
+    let bound: Arc<Mutex<Times>> = Arc::default();
+    let pods_api: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let watch = tokio::spawn({
+        let bound = bound.clone();
+        let api = pods_api.clone();
+        async move {
+            let mut events = std::pin::pin!(watcher(api, watcher::Config::default()));
+            while let Some(ev) = events.next().await {
+                if let Ok(watcher::Event::Apply(p) | watcher::Event::InitApply(p)) = ev
+                    && p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some()
+                {
+                    let mut b = bound.lock().unwrap_or_else(|e| e.into_inner());
+                    b.entry(p.name_any()).or_insert_with(Instant::now);
+                }
+            }
+        }
+    });
+    let started = Instant::now();
+    let names: Vec<String> = (0..n).map(|i| format!("tp-{i}")).collect();
+    let created = run_parallel(32, names, |name| {
+        let api = pods_api.clone();
+        async move {
+            let pod = gpu_pod(&name, 1, 8192, 20);
+            api.create(&PostParams::default(), &pod).await?;
+            Ok::<_, kube::Error>((name, Instant::now()))
+        }
+    })
+    .await
+    .map_err(|e| format!("create pods: {e}"))?;
+    let created: Times = created.into_iter().collect();
+    loop {
+        let done = bound.lock().unwrap_or_else(|e| e.into_inner()).len();
+        if done >= n || started.elapsed() > SCHEDULING_LIMIT {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    watch.abort();
+    let bound = bound.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let last = bound.values().max().copied().unwrap_or(started);
+    Ok((created, bound, last.saturating_duration_since(started)))
+}
+
+/// `calls` filter requests naming every node, straight to the operator on one kept-alive
+/// connection, each timed from the first byte sent to the last byte received.
+async fn direct_filter(port: u16, nodes: &[String], calls: usize) -> Result<Vec<f64>, String> {
+    let body = json!({
+        "Pod": {
+            "metadata": {"name": "probe", "namespace": NS, "uid": "probe-uid"},
+            "spec": {"containers": [{"name": "main", "resources": {"limits": {
+                "nvidia.com/gpu": "1", "nvidia.com/gpumem": "8192", "nvidia.com/gpucores": "20"}}}]},
+        },
+        "Nodes": null,
+        "NodeNames": nodes,
+    })
+    .to_string();
+    let request = format!(
+        "POST /filter HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut conn = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut samples = Vec::with_capacity(calls);
+    for i in 0..calls + 10 {
+        let t = Instant::now();
+        conn.write_all(request.as_bytes())
+            .await
+            .map_err(|e| e.to_string())?;
+        let answer = read_answer(&mut conn).await?;
+        if i >= 10 {
+            samples.push(t.elapsed().as_secs_f64() * 1000.0);
+        }
+        if i == 0 && !answer.contains("\"NodeNames\"") {
+            return Err(format!("unexpected filter answer: {answer:.200}"));
+        }
+    }
+    Ok(samples)
+}
+
+/// Reads one HTTP answer with a Content-Length body; returns the body.
+async fn read_answer(conn: &mut tokio::net::TcpStream) -> Result<String, String> {
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        let n = conn.read(&mut byte).await.map_err(|e| e.to_string())?;
+        if n == 0 {
+            return Err("connection closed".into());
+        }
+        head.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&head).to_string();
+    let len: usize = head
+        .lines()
+        .filter_map(|l| l.split_once(':'))
+        .find(|(k, _)| k.eq_ignore_ascii_case("content-length"))
+        .and_then(|(_, v)| v.trim().parse().ok())
+        .ok_or("answer without Content-Length")?;
+    let mut body = vec![0u8; len];
+    conn.read_exact(&mut body)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(String::from_utf8_lossy(&body).to_string())
+}

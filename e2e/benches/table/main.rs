@@ -1,0 +1,56 @@
+//! `make bench`: every gpuledger figure in one table — each row its workload, runs, median and
+//! p99. Timings are measured here and printed, never asserted.
+//!
+//! Rows:
+//! - fit decision: the fit engine's `fit_pod` on a seeded 1000 nodes × 8 GPUs cluster (the
+//!   fit bench's fixture), own loop, in-process;
+//! - extender filter through the real kube-scheduler: 1000 fake GPU nodes, 1000 GPU pods;
+//!   each filter call timed at a proxy between the scheduler and the operator (request out to
+//!   answer in), the operator a real child process;
+//! - extender filter with all 1000 nodes as candidates: the same operator called directly (the
+//!   scheduler itself only sends the nodes its adaptive `percentageOfNodesToScore` keeps);
+//! - scheduling throughput: the same 1000 pods, pods/s from the first create to the last Bound,
+//!   and each pod's create-to-Bound latency;
+//! - refit round trip: read from the refit bench's output (`GPULEDGER_REFIT_BENCH_OUT`, written
+//!   by `make bench`), which runs the device plugin's refit client against the real operator;
+//! - operator cold start with 20 000 reservations: spawn to `/readyz` 200 and peak RSS (VmHWM
+//!   of the child process), three starts.
+//!
+//! `GPULEDGER_BENCH_QUICK=1` shrinks every workload tenfold (to try the harness quickly).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod cold_start;
+mod extender;
+mod fit;
+mod refit;
+
+use gpuledger_e2e::bench::{Row, print_table};
+
+/// Workload scale: 1, or 0.1 under `GPULEDGER_BENCH_QUICK`.
+pub fn scaled(n: usize) -> usize {
+    if std::env::var_os("GPULEDGER_BENCH_QUICK").is_some_and(|v| !v.is_empty()) {
+        (n / 10).max(1)
+    } else {
+        n
+    }
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; there is nothing to filter.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let mut rows: Vec<Row> = Vec::new();
+    eprintln!("[bench] fit decision ...");
+    rows.push(fit::fit_decision());
+    eprintln!("[bench] 1000-node cluster: extender filter and scheduling throughput ...");
+    rows.extend(rt.block_on(extender::filter_and_throughput()));
+    rows.push(refit::round_trip());
+    eprintln!("[bench] operator cold start with 20 000 reservations ...");
+    rows.extend(rt.block_on(cold_start::cold_start()));
+    println!();
+    print_table(&rows);
+}

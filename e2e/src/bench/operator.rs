@@ -1,0 +1,281 @@
+//! The real `gpuledger-operator run` as a child process that a test can SIGKILL at any moment
+//! and a benchmark can time (spawn to `/readyz` 200) and weigh (peak RSS, `VmHWM`).
+//!
+//! A child process rather than an in-process task: a SIGKILL is what a node failure or an OOM
+//! kill does, and only a separate process gives an honest cold start and memory figure.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use rustix::process::{Pid, Signal};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::cluster::ClusterError;
+use crate::cluster::process::{ProcessGroup, TAIL_LINES, is_alive, tail};
+
+/// Overrides the directory holding `gpuledger-operator`.
+pub const BIN_DIR_ENV: &str = "GPULEDGER_BIN_DIR";
+
+/// Where `gpuledger-operator` is: `$GPULEDGER_BIN_DIR`, else the cargo profile directory this
+/// executable runs from (`target/<profile>`; tests and benches live in its `deps/`). `make test`
+/// and `make bench` build it first.
+pub fn operator_binary() -> Result<PathBuf, ClusterError> {
+    let dir = match std::env::var_os(BIN_DIR_ENV).filter(|v| !v.is_empty()) {
+        Some(d) => PathBuf::from(d),
+        None => {
+            let exe = std::env::current_exe().map_err(|e| ClusterError::io("locate", "self", e))?;
+            let mut dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
+            if dir.file_name().is_some_and(|n| n == "deps") {
+                dir.pop();
+            }
+            dir
+        }
+    };
+    let path = dir.join("gpuledger-operator");
+    if path.is_file() {
+        return Ok(path);
+    }
+    // A release-profile bench finds a debug build too, and the other way round.
+    let other = dir
+        .parent()
+        .map(|t| {
+            t.join(if dir.ends_with("release") {
+                "debug"
+            } else {
+                "release"
+            })
+        })
+        .map(|d| d.join("gpuledger-operator"));
+    match other {
+        Some(p) if p.is_file() => Ok(p),
+        _ => Err(ClusterError::MissingBinary {
+            what: "gpuledger-operator",
+            path,
+            hint: "build it with `cargo build -p gpuledger-operator` (make test and make bench do)"
+                .into(),
+        }),
+    }
+}
+
+/// How to run one operator replica.
+#[derive(Clone, Debug)]
+pub struct OperatorOptions {
+    /// Kubeconfig it talks to the API server with.
+    pub kubeconfig: PathBuf,
+    /// Port of the extender on 127.0.0.1.
+    pub extender_port: u16,
+    /// Port of /metrics, /healthz, /readyz on 127.0.0.1.
+    pub metrics_port: u16,
+    /// Namespace of its Leases.
+    pub namespace: String,
+    /// Leader-election identity.
+    pub identity: String,
+    /// Whether it takes part in leader election.
+    pub leader_elect: bool,
+    /// More flags.
+    pub extra_args: Vec<String>,
+    /// Directory of its log (`<identity>.log`, appended across restarts).
+    pub log_dir: PathBuf,
+}
+
+impl OperatorOptions {
+    fn args(&self) -> Vec<String> {
+        let mut args = vec![
+            "run".to_string(),
+            format!("--kubeconfig={}", self.kubeconfig.display()),
+            format!("--namespace={}", self.namespace),
+            format!("--extender-addr=127.0.0.1:{}", self.extender_port),
+            format!("--metrics-addr=127.0.0.1:{}", self.metrics_port),
+            format!("--identity={}", self.identity),
+        ];
+        if self.leader_elect {
+            args.push("--leader-elect".into());
+        }
+        args.extend(self.extra_args.iter().cloned());
+        args
+    }
+}
+
+/// One running operator process. Dropping it kills the process.
+#[derive(Debug)]
+pub struct ChildOperator {
+    group: ProcessGroup,
+    pid: u32,
+    log: PathBuf,
+    options: OperatorOptions,
+    started: Instant,
+}
+
+impl ChildOperator {
+    /// Starts the process (does not wait for it to be ready).
+    pub fn spawn(options: OperatorOptions) -> Result<ChildOperator, ClusterError> {
+        let binary = operator_binary()?;
+        std::fs::create_dir_all(&options.log_dir)
+            .map_err(|e| ClusterError::io("create", &options.log_dir, e))?;
+        let log = options.log_dir.join(format!("{}.log", options.identity));
+        let mut group = ProcessGroup::new()?;
+        let started = Instant::now();
+        let pid = group.spawn(&options.identity, &binary, &options.args(), &log)?;
+        Ok(ChildOperator {
+            group,
+            pid,
+            log,
+            options,
+            started,
+        })
+    }
+
+    /// Starts a fresh process with the same options (after a kill).
+    pub fn respawn(&self) -> Result<ChildOperator, ClusterError> {
+        ChildOperator::spawn(self.options.clone())
+    }
+
+    /// Waits until `/readyz` answers 200 (leader with a synced ledger) and returns the time
+    /// since the process was started. Fails with the log tail if it exits or takes too long.
+    pub async fn wait_ready(&mut self, timeout: Duration) -> Result<Duration, ClusterError> {
+        let mut last = String::from("no answer yet");
+        while self.started.elapsed() < timeout {
+            self.group.check_running()?;
+            match self.readyz().await {
+                Some(200) => return Ok(self.started.elapsed()),
+                Some(code) => last = format!("HTTP {code}"),
+                None => {}
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        Err(ClusterError::NotReady {
+            name: self.options.identity.clone(),
+            timeout,
+            last,
+            log: self.log.clone(),
+            tail: tail(&self.log, TAIL_LINES),
+        })
+    }
+
+    /// The status code of `/readyz`, `None` when it does not answer.
+    pub async fn readyz(&self) -> Option<u16> {
+        http_get(self.options.metrics_port, "/readyz")
+            .await
+            .ok()
+            .map(|(code, _)| code)
+    }
+
+    /// The `/metrics` text (empty when unreachable).
+    pub async fn metrics(&self) -> String {
+        http_get(self.options.metrics_port, "/metrics")
+            .await
+            .map(|(_, body)| body)
+            .unwrap_or_default()
+    }
+
+    /// The operator's pid.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Its log file.
+    pub fn log(&self) -> &Path {
+        &self.log
+    }
+
+    /// Its options.
+    pub fn options(&self) -> &OperatorOptions {
+        &self.options
+    }
+
+    /// Peak resident set size so far in KiB (`VmHWM` in `/proc/<pid>/status`).
+    pub fn peak_rss_kib(&self) -> Option<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid)).ok()?;
+        parse_status_kib(&status, "VmHWM:")
+    }
+
+    /// SIGKILLs the operator (no cleanup, no lease release) and waits until it is gone.
+    pub async fn kill(mut self) -> Result<(), ClusterError> {
+        signal(self.pid, Signal::KILL)?;
+        while is_alive(self.pid) {
+            // Reaping happens in stop(); a killed process is a zombie until then.
+            if self.group.check_running().is_err() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        self.group.stop();
+        Ok(())
+    }
+}
+
+/// Sends `signal` to process `pid` (SIGSTOP/SIGCONT an API server, SIGKILL an operator).
+pub fn signal(pid: u32, signal: Signal) -> Result<(), ClusterError> {
+    let target = Pid::from_raw(pid as i32).ok_or_else(|| ClusterError::Signal {
+        pid: pid as i32,
+        source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
+    })?;
+    rustix::process::kill_process(target, signal).map_err(|e| ClusterError::Signal {
+        pid: pid as i32,
+        source: e.into(),
+    })
+}
+
+fn parse_status_kib(status: &str, key: &str) -> Option<u64> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|kib| kib.parse().ok())
+}
+
+/// A minimal HTTP/1.1 GET on loopback: `(status, body)`, giving up after 5 s.
+pub async fn http_get(port: u16, path: &str) -> std::io::Result<(u16, String)> {
+    let exchange = async {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+        let req = format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+        s.write_all(req.as_bytes()).await?;
+        let mut out = String::new();
+        s.read_to_string(&mut out).await?;
+        Ok::<_, std::io::Error>(out)
+    };
+    let out = tokio::time::timeout(Duration::from_secs(5), exchange)
+        .await
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer in 5 s"))??;
+    let code = out
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = out
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    Ok((code, body))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_peak_rss() {
+        let status = "VmPeak:\t 9000 kB\nVmHWM:\t  51234 kB\nVmRSS:\t 40000 kB\n";
+        assert_eq!(parse_status_kib(status, "VmHWM:"), Some(51234));
+        assert_eq!(parse_status_kib("Name: x", "VmHWM:"), None);
+    }
+
+    #[test]
+    fn flags_follow_the_run_subcommand() {
+        let o = OperatorOptions {
+            kubeconfig: "/k".into(),
+            extender_port: 1,
+            metrics_port: 2,
+            namespace: "ns".into(),
+            identity: "a".into(),
+            leader_elect: true,
+            extra_args: vec!["--lease-wait=1s".into()],
+            log_dir: "/tmp".into(),
+        };
+        let args = o.args();
+        assert_eq!(args[0], "run");
+        assert!(args.contains(&"--extender-addr=127.0.0.1:1".to_string()));
+        assert!(args.contains(&"--leader-elect".to_string()));
+        assert_eq!(args.last().unwrap(), "--lease-wait=1s");
+    }
+}

@@ -1,0 +1,288 @@
+//! The rig shared by the fault tests (`faults.rs`, in `make test`) and the soak tests
+//! (`soak.rs`, `make soak`): a real control plane whose kube-scheduler calls the operator's
+//! extender, a fleet of fake GPU nodes with GpuNode inventories, a stand-in for the device
+//! plugin's allocation step, the real operator binary as a child process, GPU pods with mixed
+//! shares, and the checks every fault scenario ends with (every pod placed or Pending with a
+//! reason; the ledger audit clean).
+
+#![allow(dead_code)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use gpuledger_crds::names::DEFAULT_NAMESPACE;
+use gpuledger_e2e::bench::fleet::run_parallel;
+use gpuledger_e2e::bench::{
+    ChildOperator, Fleet, GpuShape, OperatorOptions, gpu_pod, spawn_allocator,
+};
+use gpuledger_e2e::cluster::{
+    ControlPlane, ControlPlaneOptions, apply_path, ensure_namespace, wait_for,
+};
+use gpuledger_operator::audit::cli::audit_cluster;
+use gpuledger_operator::audit::{Finding, Options};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::events::v1::Event;
+use kube::api::{Api, ListParams, PostParams};
+use kube::{Client, ResourceExt};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use tokio::task::JoinHandle;
+
+/// Namespace of the test pods.
+pub const NS: &str = "default";
+/// Generous bound for anything the cluster has to do on two shared cores.
+pub const WAIT: Duration = Duration::from_secs(240);
+
+/// A free loopback port.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+/// A seeded RNG; the seed is printed so a failing run can be replayed with
+/// `GPULEDGER_FAULT_SEED=<seed>`.
+pub fn rng(test: &str) -> StdRng {
+    let seed = std::env::var("GPULEDGER_FAULT_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| rand::rng().random());
+    eprintln!("{test}: seed {seed} (GPULEDGER_FAULT_SEED={seed} replays it)");
+    StdRng::seed_from_u64(seed)
+}
+
+/// Control plane + fleet + allocator, with the extender expected on `extender_port`.
+pub struct Rig {
+    pub cp: ControlPlane,
+    pub fleet: Fleet,
+    pub extender_port: u16,
+    allocator: JoinHandle<()>,
+    logs: tempfile::TempDir,
+}
+
+impl Drop for Rig {
+    fn drop(&mut self) {
+        self.allocator.abort();
+    }
+}
+
+impl Rig {
+    /// Starts everything but the operator.
+    pub async fn start(nodes: usize, shape: GpuShape) -> Rig {
+        let extender_port = free_port();
+        let opts = ControlPlaneOptions::default()
+            .extender_url(format!("http://127.0.0.1:{extender_port}"));
+        let cp = ControlPlane::start(opts)
+            .await
+            .expect("control plane starts");
+        let client = cp.client();
+        let crds = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../crds/yaml");
+        apply_path(&client, &crds).await.expect("CRDs applied");
+        ensure_namespace(&client, DEFAULT_NAMESPACE)
+            .await
+            .expect("operator namespace");
+        let fleet = Fleet::create(&client, "gpu", nodes, shape, true, 8)
+            .await
+            .expect("fleet created");
+        let allocator = spawn_allocator(client, DEFAULT_NAMESPACE);
+        Rig {
+            cp,
+            fleet,
+            extender_port,
+            allocator,
+            logs: tempfile::tempdir().expect("log dir"),
+        }
+    }
+
+    pub fn client(&self) -> Client {
+        self.cp.client()
+    }
+
+    /// Options of an operator replica serving the scheduler's extender port.
+    pub fn operator_options(&self, identity: &str, leader_elect: bool) -> OperatorOptions {
+        OperatorOptions {
+            kubeconfig: self.cp.kubeconfig().to_path_buf(),
+            extender_port: self.extender_port,
+            metrics_port: free_port(),
+            namespace: DEFAULT_NAMESPACE.into(),
+            identity: identity.into(),
+            leader_elect,
+            // Short Lease patience so bind retries quickly after a restart.
+            extra_args: vec!["--lease-wait=2s".into(), "--usage-interval=1s".into()],
+            log_dir: self.logs.path().to_path_buf(),
+        }
+    }
+
+    /// Starts an operator replica and waits until it is ready.
+    pub async fn operator(&self, identity: &str) -> ChildOperator {
+        let mut op =
+            ChildOperator::spawn(self.operator_options(identity, false)).expect("operator starts");
+        op.wait_ready(WAIT).await.expect("operator ready");
+        op
+    }
+
+    /// Keeps the operator's log when a test fails (the temp dir would vanish).
+    pub fn keep_logs(&self) -> PathBuf {
+        self.logs.path().to_path_buf()
+    }
+}
+
+/// `n` pods `<prefix>-<i>` with mixed shares: 1 or 2 GPUs, 10–50 % of the memory, 10–60 % of
+/// the cores, a few whole GPUs.
+pub fn mixed_pods(prefix: &str, n: usize, shape: GpuShape, rng: &mut StdRng) -> Vec<Pod> {
+    (0..n)
+        .map(|i| {
+            let name = format!("{prefix}-{i}");
+            if rng.random_ratio(1, 10) {
+                return gpu_pod(&name, 1, shape.memory_mib, 100);
+            }
+            let count = if rng.random_ratio(1, 4) { 2 } else { 1 };
+            let mem = shape.memory_mib * rng.random_range(10..=50) / 100;
+            let cores = rng.random_range(1..=6) * 10;
+            gpu_pod(&name, count, mem, cores)
+        })
+        .collect()
+}
+
+/// Creates the pods, 16 API calls at a time.
+pub async fn create_pods(client: &Client, pods: Vec<Pod>) {
+    let api: Api<Pod> = Api::namespaced(client.clone(), NS);
+    run_parallel(16, pods, |pod| {
+        let api = api.clone();
+        async move { api.create(&PostParams::default(), &pod).await }
+    })
+    .await
+    .expect("pods created");
+}
+
+/// Where the pods ended up.
+#[derive(Debug, Default)]
+pub struct Outcome {
+    /// Pod name → node.
+    pub bound: BTreeMap<String, String>,
+    /// Pod name → the reasons it is Pending (scheduler or extender events).
+    pub pending: BTreeMap<String, Vec<String>>,
+}
+
+/// Reasons of the events about each pod in [`NS`] that explain a pod not being placed.
+async fn pending_reasons(client: &Client) -> BTreeMap<String, Vec<String>> {
+    let events: Api<Event> = Api::namespaced(client.clone(), NS);
+    let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for e in events
+        .list(&ListParams::default())
+        .await
+        .map(|l| l.items)
+        .unwrap_or_default()
+    {
+        let reason = e.reason.clone().unwrap_or_default();
+        if !matches!(reason.as_str(), "FailedScheduling" | "FilteringFailed") {
+            continue;
+        }
+        if let Some(pod) = e.regarding.and_then(|r| r.name) {
+            out.entry(pod)
+                .or_default()
+                .push(format!("{reason}: {}", e.note.unwrap_or_default()));
+        }
+    }
+    out
+}
+
+/// Waits until every pod named `names` is bound to a node or has a reason for being Pending,
+/// and (once that holds) no bound pod's reservation is still in flight.
+pub async fn settle(client: &Client, names: &BTreeSet<String>) -> Outcome {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let names = names.clone();
+    wait_for("every pod placed or Pending with a reason", WAIT, || {
+        let pods = pods.clone();
+        let names = names.clone();
+        async move {
+            let list = pods.list(&ListParams::default()).await?.items;
+            let reasons = pending_reasons(client).await;
+            let mut outcome = Outcome::default();
+            let mut undecided = Vec::new();
+            for p in list.iter().filter(|p| names.contains(&p.name_any())) {
+                let name = p.name_any();
+                match p.spec.as_ref().and_then(|s| s.node_name.clone()) {
+                    Some(node) => {
+                        outcome.bound.insert(name, node);
+                    }
+                    None => match reasons.get(&name) {
+                        Some(r) => {
+                            outcome.pending.insert(name, r.clone());
+                        }
+                        None => undecided.push(name),
+                    },
+                }
+            }
+            let all_seen =
+                outcome.bound.len() + outcome.pending.len() + undecided.len() == names.len();
+            Ok::<_, kube::Error>((undecided.is_empty() && all_seen).then_some(outcome))
+        }
+    })
+    .await
+    .expect("pods settle")
+}
+
+/// Waits until the ledger audit of the whole cluster is clean; panics with the last findings.
+pub async fn audit_clean(client: &Client) {
+    let started = Instant::now();
+    let mut last: Vec<Finding> = Vec::new();
+    while started.elapsed() < WAIT {
+        match audit_cluster(client, Options::default()).await {
+            Ok(findings) if findings.is_empty() => return,
+            Ok(findings) => last = findings,
+            Err(e) => eprintln!("audit could not run: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    panic!(
+        "ledger audit not clean after {WAIT:?}:\n{}",
+        last.iter()
+            .map(|f| format!("  {f}"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
+/// The audit, once, as strings (for assertions right after a fault, when no settling is
+/// allowed: over-commit must never show, not even transiently).
+pub async fn over_commits_now(client: &Client) -> Vec<String> {
+    audit_cluster(client, Options::default())
+        .await
+        .expect("audit runs")
+        .into_iter()
+        .filter(|f| {
+            matches!(
+                f,
+                Finding::OverCommitted { .. } | Finding::UnknownDevice { .. }
+            )
+        })
+        .map(|f| f.to_string())
+        .collect()
+}
+
+/// SIGKILLs the operator `kills` times at random moments (0.3–2.5 s after it became ready),
+/// restarting it each time after a random pause; checks after every kill that no GPU is
+/// over-committed. Returns the running replica and the restart-to-ready times in seconds.
+pub async fn kill_storm(
+    mut op: ChildOperator,
+    kills: usize,
+    client: &Client,
+    rng: &mut StdRng,
+) -> (ChildOperator, Vec<f64>) {
+    let mut ready_times = Vec::new();
+    for i in 0..kills {
+        tokio::time::sleep(Duration::from_millis(rng.random_range(300..2500))).await;
+        let next = op.options().clone();
+        op.kill().await.expect("SIGKILL the operator");
+        let over = over_commits_now(client).await;
+        assert!(over.is_empty(), "after kill {i}: {over:?}");
+        tokio::time::sleep(Duration::from_millis(rng.random_range(0..1000))).await;
+        op = ChildOperator::spawn(next).expect("operator restarts");
+        let took = op.wait_ready(WAIT).await.expect("restarted operator ready");
+        ready_times.push(took.as_secs_f64());
+    }
+    (op, ready_times)
+}

@@ -1,0 +1,239 @@
+//! Short fault tests (run by `make test`; the long versions are in `soak.rs`, `make soak`).
+//!
+//! Each scenario runs the real operator binary as a child process against a real control plane
+//! whose kube-scheduler calls its extender, injects a fault — SIGKILL of the operator, SIGKILL
+//! of the leader of two replicas, SIGSTOP of kube-apiserver — and then checks the invariants of
+//! DESIGN.md with the ledger audit: no GPU over-committed (also checked right after every kill,
+//! without settling), no reservation without a live pod, no GPU pod without a reservation, and
+//! every pod either placed or Pending with a reason. Figures (restart-to-ready, takeover time)
+//! are printed, not asserted: speed is for `make bench`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod fault_support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use fault_support::*;
+use gpuledger_crds::GpuReservation;
+use gpuledger_crds::names::DEFAULT_NAMESPACE;
+use gpuledger_e2e::bench::operator::{http_get, signal};
+use gpuledger_e2e::bench::{ChildOperator, GpuShape};
+use gpuledger_e2e::cluster::process::is_alive;
+use gpuledger_e2e::cluster::wait_for;
+use gpuledger_operator::leader::{LEADER_LEASE, LEASE_SECONDS};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+use kube::api::{Api, ListParams};
+use rand::Rng;
+use rustix::process::Signal;
+
+/// Four GPUs of 40 GiB per node, four sharers each: small enough that a few dozen pods fill
+/// the fleet and some must wait.
+const SHAPE: GpuShape = GpuShape {
+    gpus: 4,
+    memory_mib: 40960,
+    split: 4,
+};
+
+/// Every bound GPU pod (as the API server has it now) has exactly one reservation, on its own
+/// node, and every reservation still holding capacity belongs to a pod bound to that node: the
+/// operator never booked a pod twice or on another node than the one it was bound to.
+async fn reservations_match_bindings(rig: &Rig) {
+    let all: Vec<GpuReservation> = Api::<GpuReservation>::namespaced(rig.client(), NS)
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items;
+    let bound: BTreeMap<String, String> = Api::<Pod>::namespaced(rig.client(), NS)
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter_map(|p| Some((p.name_any(), p.spec?.node_name?)))
+        .collect();
+    for (pod, node) in &bound {
+        let mine: Vec<&GpuReservation> = all.iter().filter(|r| &r.spec.pod_name == pod).collect();
+        assert_eq!(mine.len(), 1, "pod {pod}: reservations {mine:?}");
+        assert_eq!(
+            &mine[0].spec.node_name, node,
+            "pod {pod} bound elsewhere than reserved"
+        );
+    }
+    for r in &all {
+        let phase = r.status.as_ref().and_then(|s| s.phase).unwrap_or_default();
+        if phase.holds_capacity() {
+            assert_eq!(
+                bound.get(&r.spec.pod_name),
+                Some(&r.spec.node_name),
+                "reservation {} ({phase:?}) holds capacity for a pod not bound to its node",
+                r.name_any()
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_sigkilled_during_a_scheduling_storm_keeps_the_ledger() {
+    let mut rng = rng("operator_sigkilled_during_a_scheduling_storm");
+    let rig = Rig::start(3, SHAPE).await;
+    let client = rig.client();
+    let op = rig.operator("storm").await;
+
+    // The storm: pods arrive while the operator is killed and restarted three times.
+    let pods = mixed_pods("storm", 40, SHAPE, &mut rng);
+    let names: BTreeSet<String> = pods.iter().map(|p| p.name_any()).collect();
+    let creator = tokio::spawn({
+        let client = client.clone();
+        async move { create_pods(&client, pods).await }
+    });
+    let (op, ready) = kill_storm(op, 3, &client, &mut rng).await;
+    creator.await.unwrap();
+
+    let outcome = settle(&client, &names).await;
+    eprintln!(
+        "storm: {} bound, {} pending with a reason; restart-to-ready {ready:.2?} s; logs in {}",
+        outcome.bound.len(),
+        outcome.pending.len(),
+        rig.keep_logs().display()
+    );
+    assert_eq!(outcome.bound.len() + outcome.pending.len(), names.len());
+    assert!(!outcome.bound.is_empty(), "nothing was scheduled");
+    audit_clean(&client).await;
+    reservations_match_bindings(&rig).await;
+    drop(op);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_replica_takes_over_when_the_leader_is_killed() {
+    let rig = Rig::start(1, SHAPE).await;
+    let client = rig.client();
+    let mut leader = ChildOperator::spawn(rig.operator_options("replica-a", true)).unwrap();
+    leader.wait_ready(WAIT).await.expect("first replica leads");
+    // The standby serves its extender on another port; only the leader is ready.
+    let mut standby_opts = rig.operator_options("replica-b", true);
+    standby_opts.extender_port = free_port();
+    let standby_extender = standby_opts.extender_port;
+    let standby = ChildOperator::spawn(standby_opts).unwrap();
+    let leases: Api<Lease> = Api::namespaced(client.clone(), DEFAULT_NAMESPACE);
+    wait_for("standby up and following", WAIT, || async {
+        let up = http_get(standby.options().metrics_port, "/healthz").await;
+        Ok::<_, std::io::Error>(up.ok().filter(|(code, _)| *code == 200))
+    })
+    .await
+    .unwrap();
+    assert_ne!(
+        standby.readyz().await,
+        Some(200),
+        "two replicas ready at once"
+    );
+
+    // Freeze the leader so its last renewal is the one we read, then kill it.
+    signal(leader.pid(), Signal::STOP).unwrap();
+    let before = leases.get(LEADER_LEASE).await.unwrap().spec.unwrap();
+    assert_eq!(before.holder_identity.as_deref(), Some("replica-a"));
+    let last_renewal = before.renew_time.unwrap().0;
+    let killed_at = Instant::now();
+    leader.kill().await.unwrap();
+
+    wait_for("standby becomes ready", WAIT, || async {
+        Ok::<_, std::io::Error>((standby.readyz().await == Some(200)).then_some(()))
+    })
+    .await
+    .unwrap();
+    let takeover = killed_at.elapsed();
+    let after = leases.get(LEADER_LEASE).await.unwrap().spec.unwrap();
+    assert_eq!(after.holder_identity.as_deref(), Some("replica-b"));
+    assert_eq!(
+        after.lease_transitions.unwrap_or(0),
+        before.lease_transitions.unwrap_or(0) + 1
+    );
+    // Safety: the standby waited for the Lease to expire; there were never two leaders.
+    let acquired = after.acquire_time.unwrap().0;
+    let waited = acquired.duration_since(last_renewal);
+    let lease = k8s_openapi::jiff::SignedDuration::from_secs(i64::from(LEASE_SECONDS));
+    assert!(
+        waited >= lease,
+        "took over {waited:?} after the last renewal, before expiry"
+    );
+    eprintln!(
+        "takeover: standby ready {:.2} s after the SIGKILL; Lease acquired {:.2} s after the \
+         leader's last renewal (lease {LEASE_SECONDS} s, i.e. {:.2} s after expiry)",
+        takeover.as_secs_f64(),
+        waited.as_secs_f64(),
+        (waited - lease).as_secs_f64(),
+    );
+    // The new leader decides: its extender answers a filter without "not the leader".
+    let body = r#"{"Pod": {"metadata": {"name": "p", "namespace": "default", "uid": "u"},
+        "spec": {"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}},
+        "NodeNames": ["gpu-0"]}"#;
+    let answer = post_json(standby_extender, "/filter", body).await;
+    assert!(answer.contains("\"NodeNames\":[\"gpu-0\"]"), "{answer}");
+}
+
+/// A minimal HTTP POST on loopback; the body of the answer.
+async fn post_json(port: u16, path: &str, body: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let req = format!(
+        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    out.split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_server_paused_for_five_seconds_during_scheduling() {
+    let mut rng = rng("api_server_paused_for_five_seconds");
+    let rig = Rig::start(2, SHAPE).await;
+    let client = rig.client();
+    let op = rig.operator("paused").await;
+    let apiserver = rig
+        .cp
+        .process_stats()
+        .into_iter()
+        .find(|p| p.name == "kube-apiserver")
+        .unwrap()
+        .pid;
+
+    let pods = mixed_pods("paused", 24, SHAPE, &mut rng);
+    let names: BTreeSet<String> = pods.iter().map(|p| p.name_any()).collect();
+    let (first, rest) = pods.split_at(8);
+    create_pods(&client, first.to_vec()).await;
+    // Let scheduling get under way, then freeze the API server mid-flight for 5 s.
+    tokio::time::sleep(Duration::from_millis(rng.random_range(200..1500))).await;
+    signal(apiserver, Signal::STOP).unwrap();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    signal(apiserver, Signal::CONT).unwrap();
+    create_pods(&client, rest.to_vec()).await;
+
+    let outcome = settle(&client, &names).await;
+    eprintln!(
+        "pause: {} bound, {} pending with a reason",
+        outcome.bound.len(),
+        outcome.pending.len()
+    );
+    assert!(
+        !outcome.bound.is_empty(),
+        "nothing was scheduled after the pause"
+    );
+    audit_clean(&client).await;
+    reservations_match_bindings(&rig).await;
+    // The operator rode out the stall: same process, ready again.
+    assert!(is_alive(op.pid()), "operator died during the stall");
+    wait_for("operator ready after the stall", WAIT, || async {
+        Ok::<_, std::io::Error>((op.readyz().await == Some(200)).then_some(()))
+    })
+    .await
+    .unwrap();
+}
