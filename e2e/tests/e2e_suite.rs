@@ -38,6 +38,18 @@ async fn gpuledger_end_to_end() {
         ("init container and two GPU containers", |c| {
             Box::pin(scenarios::init_and_two_containers(c))
         }),
+        ("best-effort refit", |c| {
+            Box::pin(refit_scenarios::best_effort_refit(c))
+        }),
+        ("strict refusal", |c| {
+            Box::pin(refit_scenarios::strict_refusal(c))
+        }),
+        ("pinned UUID outside the allowed set", |c| {
+            Box::pin(refit_scenarios::pinned_outside_the_allowed_set(c))
+        }),
+        ("NumaPolicy decides the alignment", |c| {
+            Box::pin(refit_scenarios::numapolicy_decides(c))
+        }),
         ("pod deletion cleans the ledger", |c| {
             Box::pin(scenarios::deletion_cleans_the_ledger(c))
         }),

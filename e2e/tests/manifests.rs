@@ -11,7 +11,6 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::time::Duration;
 
 use gpuledger_crds::names::DEFAULT_NAMESPACE;
 use gpuledger_e2e::cluster::apply::parse_manifests;
@@ -347,5 +346,4 @@ fn container_arguments_parse_with_the_real_binaries(yaml: &str, what: &str) {
 fn help_flags_are_extracted() {
     let help = "Usage: x [OPTIONS]\n  --node-name <NODE_NAME>  Name [env: NODE_NAME=]\n  --refit <REFIT>  [default: true]\n  -h, --help  Print help\n";
     assert_eq!(help_flags(help), ["--node-name", "--refit", "--help"]);
-    let _ = Duration::ZERO;
 }

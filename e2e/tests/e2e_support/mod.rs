@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod refit_scenarios;
 pub mod scenarios;
 
 use std::collections::HashMap;
@@ -14,7 +15,7 @@ use gpuledger_crds::conditions::{self, types::MISALIGNED};
 use gpuledger_crds::{GpuReservation, ReservationPhase};
 use gpuledger_e2e::cluster::{delete_bound_pod, ensure_namespace, wait_for};
 use gpuledger_e2e::kubelet::AdmittedContainer;
-use gpuledger_e2e::sim::pods::{GpuPod, reserved_uuids, wait_bound, wait_reservation};
+use gpuledger_e2e::sim::pods::{GpuPod, reserved_uuids, wait_bound, wait_event, wait_reservation};
 use gpuledger_e2e::sim::{Admission, SimCluster, SimNode};
 use kube::api::{Api, ListParams};
 
@@ -54,6 +55,21 @@ pub async fn run_pod<'a>(cluster: &'a SimCluster, pod: GpuPod) -> Observed<'a> {
         .await
         .unwrap();
     Observed { node, admission }
+}
+
+/// Waits for the extender's `Bound` event on the pod and checks it names the node and the
+/// reserved GPUs' indexes (`<index>:<MiB>/<cores>`).
+pub async fn assert_bound_event(cluster: &SimCluster, pod: &str, r: &GpuReservation) {
+    let message = wait_event(&cluster.cp.client(), NS, pod, "Bound", WAIT)
+        .await
+        .unwrap();
+    assert!(message.contains(&r.spec.node_name), "{message}");
+    let devices = r.status.as_ref().and_then(|s| s.devices.clone());
+    let first = r.spec.containers[0].devices[0].memory_mib;
+    assert!(
+        message.contains(&format!(":{first}/")),
+        "{message} vs {devices:?}"
+    );
 }
 
 /// Waits until the pod's reservation is `Allocated` (every GPU container allocated).

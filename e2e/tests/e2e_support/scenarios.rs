@@ -5,7 +5,7 @@ use gpuledger_crds::conditions::types::REFITTED;
 use gpuledger_crds::{Alignment, GpuNode, ReservationPhase};
 use gpuledger_e2e::cluster::{delete_bound_pod, wait_for};
 use gpuledger_e2e::sim::AdmissionOutcome;
-use gpuledger_e2e::sim::pods::{GpuPod, pod_events, refit_requests, reserved_uuids, wait_event};
+use gpuledger_e2e::sim::pods::{GpuPod, pod_events, refit_requests, reserved_uuids};
 use kube::api::Api;
 
 use super::*;
@@ -19,6 +19,7 @@ pub async fn aligned(cluster: &SimCluster) {
     let seen = run_pod(cluster, pod).await;
     let admitted = seen.admission.admitted().expect("admitted").to_vec();
     let r = allocated(cluster, "aligned").await;
+    assert_bound_event(cluster, "aligned", &r).await;
     assert_eq!(r.spec.alignment, Alignment::BestEffort);
     assert_eq!(r.spec.alignment_source.as_deref(), Some("annotation"));
     let uuids = reserved_uuids(&r);
@@ -107,6 +108,7 @@ pub async fn init_and_two_containers(cluster: &SimCluster) {
     let names: Vec<&str> = admitted.iter().map(|c| c.name.as_str()).collect();
     assert_eq!(names, ["warmup", "trainer", "evaluator"], "init first");
     let r = allocated(cluster, "multi").await;
+    assert_bound_event(cluster, "multi", &r).await;
     assert_eq!(r.spec.alignment, Alignment::None);
     assert_eq!(r.spec.alignment_source.as_deref(), Some("default"));
     let shape: Vec<(&str, bool, usize)> = r
@@ -155,7 +157,8 @@ pub async fn deletion_cleans_the_ledger(cluster: &SimCluster) {
             seen.admission.outcome,
             AdmissionOutcome::Admitted(_)
         ));
-        allocated(cluster, name).await;
+        let r = allocated(cluster, name).await;
+        assert_bound_event(cluster, name, &r).await;
         nodes.push(seen.node.name().to_string());
     }
     let gpunodes: Api<GpuNode> = Api::all(client.clone());
