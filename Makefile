@@ -24,7 +24,7 @@ demo:
 	@t=$$(date +%s); echo "==> [build] Kubernetes v$$(cat e2e/k8s/VERSION) binaries (e2e/k8s/build.sh: cached after the first build, ~6 min cold)"; \
 	bin="$$(e2e/k8s/build.sh | tail -n1)"; echo "    ✓ done in $$(( $$(date +%s) - t ))s ($$bin)"; \
 	t=$$(date +%s); echo "==> [build] gpuledger-operator, gpuledger-device-plugin, gpuledger-demo (cargo build)"; \
-	$(CARGO) build -q -j $(JOBS) --bins -p gpuledger-operator -p gpuledger-device-plugin -p gpuledger-e2e; \
+	$(CARGO) build -j $(JOBS) --bins -p gpuledger-operator -p gpuledger-device-plugin -p gpuledger-e2e; \
 	echo "    ✓ done in $$(( $$(date +%s) - t ))s"; \
 	GPULEDGER_K8S_BIN="$$bin" "$$($(CARGO) metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')/debug/gpuledger-demo" run --state-dir target/demo
 
