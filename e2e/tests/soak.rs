@@ -4,8 +4,8 @@
 //! - 300 GPU pods with mixed shares submitted at once onto 10 nodes × 8 GPUs: every pod placed
 //!   or Pending with a reason, the ledger audit clean.
 //! - The operator SIGKILLed 20 times at random moments while 200 pods are being scheduled and
-//!   100 already placed are deleted: no GPU over-committed right after any kill, the audit clean
-//!   at the end, no pod booked twice.
+//!   50 already placed are deleted and 60 RefitRequests arrive: no GPU over-committed right after any kill, the audit clean
+//!   at the end, every RefitRequest terminal, no pod booked twice.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -81,12 +81,13 @@ async fn operator_sigkilled_twenty_times_during_a_storm() {
             .await
         }
     });
+    let refitter = spawn_refit_storm(client.clone(), 60, shape);
     let (op, ready) = kill_storm(op, 20, &client, &mut rng).await;
     creator.await.unwrap();
     deleter.await.unwrap().expect("pods deleted");
+    let asked = refitter.await.unwrap();
 
     let outcome = settle(&client, &second_names).await;
-    ready.iter().for_each(|_| ());
     let mut sorted = ready.clone();
     sorted.sort_by(f64::total_cmp);
     eprintln!(
@@ -97,6 +98,9 @@ async fn operator_sigkilled_twenty_times_during_a_storm() {
         sorted[sorted.len() - 1]
     );
     assert_eq!(outcome.bound.len() + outcome.pending.len(), 200);
+    let (moved, refused) = refits_terminal(&client).await;
+    eprintln!("20 kills: {asked} refits asked: {moved} succeeded, {refused} failed with a reason");
+    assert_eq!(moved + refused, asked);
     audit_clean(&client).await;
     drop(op);
 }

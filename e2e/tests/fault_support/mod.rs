@@ -11,7 +11,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use gpuledger_crds::names::DEFAULT_NAMESPACE;
+use gpuledger_crds::names::{DEFAULT_NAMESPACE, reservation_name};
+use gpuledger_crds::{RefitPhase, RefitRequest, RefitRequestSpec};
+use gpuledger_e2e::bench::fleet::devices;
 use gpuledger_e2e::bench::fleet::run_parallel;
 use gpuledger_e2e::bench::{
     ChildOperator, Fleet, GpuShape, OperatorOptions, gpu_pod, spawn_allocator,
@@ -23,6 +25,8 @@ use gpuledger_operator::audit::cli::audit_cluster;
 use gpuledger_operator::audit::{Finding, Options};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::{Api, ListParams, PostParams};
 use kube::{Client, ResourceExt};
 use rand::rngs::StdRng;
@@ -285,4 +289,82 @@ pub async fn kill_storm(
         ready_times.push(took.as_secs_f64());
     }
     (op, ready_times)
+}
+
+/// Plays device plugins asking for refits during a storm: every 100 ms, for bound pods not
+/// asked about yet, creates a RefitRequest moving container 0 onto the node's NUMA-1 GPUs
+/// (deadline 20 s), until `count` exist. Returns how many were created.
+pub fn spawn_refit_storm(client: Client, count: usize, shape: GpuShape) -> JoinHandle<usize> {
+    tokio::spawn(async move {
+        let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+        let refits: Api<RefitRequest> = Api::namespaced(client.clone(), NS);
+        let mut asked = BTreeSet::new();
+        let started = Instant::now();
+        while asked.len() < count && started.elapsed() < Duration::from_secs(120) {
+            let bound: Vec<Pod> = pods
+                .list(&ListParams::default())
+                .await
+                .map(|l| l.items)
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some())
+                .collect();
+            for p in bound {
+                let name = p.name_any();
+                if asked.len() >= count || asked.contains(&name) {
+                    continue;
+                }
+                let node = p
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.node_name.clone())
+                    .unwrap_or_default();
+                let allowed: Vec<String> = devices(&node, shape)
+                    .into_iter()
+                    .filter(|d| d.numa_node == Some(1))
+                    .map(|d| d.uuid)
+                    .collect();
+                let spec = RefitRequestSpec {
+                    pod_name: name.clone(),
+                    pod_uid: p.metadata.uid.clone().unwrap_or_default(),
+                    node_name: node,
+                    reservation: reservation_name(&name),
+                    container_index: 0,
+                    container_name: "main".into(),
+                    allowed_devices: allowed,
+                    deadline: Time(Timestamp::now() + SignedDuration::from_secs(20)),
+                };
+                let req = RefitRequest::new(&format!("{name}-main-0"), spec);
+                if refits.create(&PostParams::default(), &req).await.is_ok() {
+                    asked.insert(name);
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        asked.len()
+    })
+}
+
+/// Waits until every RefitRequest in [`NS`] has a terminal phase; returns (succeeded, failed).
+pub async fn refits_terminal(client: &Client) -> (usize, usize) {
+    let api: Api<RefitRequest> = Api::namespaced(client.clone(), NS);
+    wait_for("every RefitRequest terminal", WAIT, || {
+        let api = api.clone();
+        async move {
+            let all = api.list(&ListParams::default()).await?.items;
+            let phases: Vec<RefitPhase> = all
+                .iter()
+                .filter_map(|r| r.status.as_ref().and_then(|s| s.phase))
+                .filter(|p| p.is_terminal())
+                .collect();
+            let done = phases.len() == all.len();
+            let ok = phases
+                .iter()
+                .filter(|p| **p == RefitPhase::Succeeded)
+                .count();
+            Ok::<_, kube::Error>(done.then_some((ok, phases.len() - ok)))
+        }
+    })
+    .await
+    .expect("refits terminal")
 }
