@@ -137,9 +137,12 @@ pub async fn run(state_dir: &Path, progress: &mut Progress) -> Result<(), DemoEr
         run_dir: Some(state_dir.to_path_buf()),
         ..Default::default()
     };
-    let mut cluster = SimCluster::start(opts, progress).await?;
-    record_pids(state_dir, &cluster);
-    let told = story::tell(&mut cluster, progress).await;
+    let told = async {
+        let mut cluster = SimCluster::start(opts, progress).await?;
+        record_pids(state_dir, &cluster);
+        story::tell(&mut cluster, progress).await
+    }
+    .await;
     if told.is_err() {
         println!(
             "\nlogs: {} (operator.log, <node>/device-plugin.log, kube-*.log)",

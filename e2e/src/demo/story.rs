@@ -212,10 +212,25 @@ async fn run_pod(cluster: &SimCluster, pod: GpuPod) -> Result<Ran, DemoError> {
     })
     .await?;
     let uuids = reserved_uuids(&r);
-    let visible = admission
+    let env = admission
         .admitted()
         .and_then(|c| c.first())
-        .and_then(|c| c.response.envs.get("NVIDIA_VISIBLE_DEVICES").cloned())
+        .map(|c| {
+            [
+                "NVIDIA_VISIBLE_DEVICES",
+                "CUDA_DEVICE_MEMORY_LIMIT_0",
+                "CUDA_DEVICE_SM_LIMIT",
+            ]
+            .iter()
+            .map(|k| {
+                format!(
+                    "{k}={}",
+                    c.response.envs.get(*k).cloned().unwrap_or_default()
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(" ")
+        })
         .unwrap_or_default();
     let bound = pod_events(&client, NS, &name)
         .await?
@@ -223,7 +238,7 @@ async fn run_pod(cluster: &SimCluster, pod: GpuPod) -> Result<Ran, DemoError> {
         .find(|(reason, _)| reason == "Bound")
         .map_or_else(String::new, |(_, message)| message);
     let summary = format!(
-        "extender: {bound}\nkubelet: CPUs on NUMA {}; admitted\nledger now: {} [{}]\ncontainer sees NVIDIA_VISIBLE_DEVICES={visible}",
+        "extender: {bound}\nkubelet: CPUs on NUMA {}; admitted\nledger now: {} [{}]\nAllocate gave the container: {env}",
         admission
             .cpu_numa()
             .map_or_else(|| "-".to_string(), |n| n.to_string()),
