@@ -161,6 +161,8 @@ pub async fn deletion_cleans_the_ledger(cluster: &SimCluster) {
         assert_bound_event(cluster, name, &r).await;
         nodes.push(seen.node.name().to_string());
     }
+    nodes.sort();
+    nodes.dedup();
     let gpunodes: Api<GpuNode> = Api::all(client.clone());
     let used = |n: &GpuNode| {
         n.status
@@ -179,7 +181,7 @@ pub async fn deletion_cleans_the_ledger(cluster: &SimCluster) {
                     total += used(&g);
                 }
             }
-            Ok::<_, kube::Error>((total >= 10240).then_some(()))
+            Ok::<_, kube::Error>((total == 2 * 10240).then_some(()))
         }
     })
     .await
