@@ -202,7 +202,7 @@ pub async fn expired_requests_are_refused_not_committed(
         assert!(!s.moved);
         assert_eq!(
             reserved(&reservation(admin, pod).await, 0),
-            [gpu.clone()],
+            [gpu.as_str()],
             "{pod}"
         );
     }

@@ -106,10 +106,10 @@ async fn refit_ok_rows(admin: &Client, a: &PluginNode) {
         // Runtime, kubelet and ledger agree.
         assert_eq!(visible(&got), new_gpu, "{name}");
         let r = reservation(admin, name).await;
-        assert_eq!(reserved(&r, 0), [new_gpu.clone()], "{name}");
+        assert_eq!(reserved(&r, 0), [new_gpu.as_str()], "{name}");
         assert_eq!(
             r.status.as_ref().unwrap().allocation[0].devices,
-            [new_gpu.clone()]
+            [new_gpu.as_str()]
         );
         let refits = refits_of(admin, name).await;
         assert_eq!(refits.len(), 1, "{name}: exactly one request");
@@ -125,7 +125,7 @@ async fn refit_ok_rows(admin: &Client, a: &PluginNode) {
         let s = rr.status.as_ref().unwrap();
         assert_eq!(s.phase, Some(RefitPhase::Succeeded));
         assert!(s.moved);
-        assert_eq!(s.devices, [new_gpu.clone()]);
+        assert_eq!(s.devices, [new_gpu.as_str()]);
         let r = wait_reservation(admin, name, "Refitted", |r| {
             r.status
                 .as_ref()
