@@ -3,7 +3,8 @@
 //! Each scenario runs the real operator binary as a child process against a real control plane
 //! whose kube-scheduler calls its extender, injects a fault — SIGKILL of the operator during a
 //! storm of scheduling and refits (RefitRequests created as device plugins would), SIGKILL
-//! of the leader of two replicas, SIGSTOP of kube-apiserver — and then checks the invariants of
+//! of the leader of two replicas, SIGSTOP of kube-apiserver, a kubelet restart between
+//! GetPreferredAllocation and Allocate (real device plugin, kubelet simulator) — and then checks the invariants of
 //! DESIGN.md with the ledger audit: no GPU over-committed (also checked right after every kill,
 //! without settling), no reservation without a live pod, no GPU pod without a reservation, and
 //! every pod either placed or Pending with a reason. Figures (restart-to-ready, takeover time)
@@ -17,8 +18,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use fault_support::*;
-use gpuledger_crds::{GpuReservation, ReservationPhase};
 use gpuledger_crds::names::DEFAULT_NAMESPACE;
+use gpuledger_crds::{GpuReservation, ReservationPhase};
 use gpuledger_e2e::bench::operator::{http_get, signal};
 use gpuledger_e2e::bench::{ChildOperator, GpuShape};
 use gpuledger_e2e::cluster::process::is_alive;
@@ -103,7 +104,7 @@ async fn operator_sigkilled_during_a_scheduling_storm_keeps_the_ledger() {
     creator.await.unwrap();
     let asked = refitter.await.unwrap();
 
-    let outcome = settle(&client, &names).await;
+    let outcome = settle(&client, &names, Duration::from_secs(5)).await;
     eprintln!(
         "storm: {} bound, {} pending with a reason; restart-to-ready {ready:.2?} s; logs in {}",
         outcome.bound.len(),
@@ -230,7 +231,7 @@ async fn api_server_paused_for_five_seconds_during_scheduling() {
     signal(apiserver, Signal::CONT).unwrap();
     create_pods(&client, rest.to_vec()).await;
 
-    let outcome = settle(&client, &names).await;
+    let outcome = settle(&client, &names, Duration::from_secs(5)).await;
     eprintln!(
         "pause: {} bound, {} pending with a reason",
         outcome.bound.len(),
@@ -249,4 +250,109 @@ async fn api_server_paused_for_five_seconds_during_scheduling() {
     })
     .await
     .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubelet_restarts_in_the_middle_of_an_admission() {
+    use gpuledger_crds::resources::GPU;
+    use gpuledger_device_plugin::api;
+    use gpuledger_device_plugin::api::device_plugin_client::DevicePluginClient;
+    use gpuledger_device_plugin::lifecycle::PLUGIN_SOCKET;
+    use gpuledger_device_plugin::uds::dial;
+    use gpuledger_e2e::bench::gpu_pod;
+    use gpuledger_e2e::kubelet::{ContainerSpec, NumaPolicy, PodSpec};
+
+    // No allocation stand-in: the real plugin does that part here.
+    let rig = Rig::start_with(0, SHAPE, false).await;
+    let client = rig.client();
+    let _op = rig.operator("kubelet-restart").await;
+    let mut node = fault_support::kubelet::PluginNode::start(&rig.cp, "gpu-plugin-0").await;
+
+    // Wait until the operator's cache has the plugin's GpuNode, so the pod is placed at once.
+    let probe = r#"{"Pod": {"metadata": {"name": "probe", "namespace": "default", "uid": "probe"},
+        "spec": {"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}},
+        "NodeNames": ["gpu-plugin-0"]}"#;
+    wait_for("the operator sees the plugin's GpuNode", WAIT, || async {
+        let answer = post_json(rig.extender_port, "/filter", probe).await;
+        Ok::<_, std::io::Error>(
+            answer
+                .contains(r#""NodeNames":["gpu-plugin-0"]"#)
+                .then_some(()),
+        )
+    })
+    .await
+    .unwrap();
+    // The scheduler and the operator place the pod; the operator holds the node's Lease for it.
+    create_pods(&client, vec![gpu_pod("midway", 1, 20000, 30)]).await;
+    let names = BTreeSet::from(["midway".to_string()]);
+    let outcome = settle(&client, &names, Duration::from_secs(1)).await;
+    assert_eq!(
+        outcome.bound.get("midway").map(String::as_str),
+        Some("gpu-plugin-0"),
+        "{:?}",
+        outcome.pending
+    );
+    let reserved = wait_for("the pod's reservation", WAIT, || async {
+        let r = Api::<GpuReservation>::namespaced(client.clone(), NS)
+            .get_opt("midway")
+            .await?;
+        Ok::<_, kube::Error>(r)
+    })
+    .await
+    .unwrap();
+    let gpu = reserved.spec.containers[0].devices[0].uuid.clone();
+    let uid = reserved.spec.pod_uid.clone();
+
+    // Admission, first half: the kubelet asks for its preferred devices and then restarts
+    // before Allocate, as a kubelet crash between the two calls would.
+    let all = node.kubelet.resource(GPU).unwrap().healthy_ids();
+    let mut plugin = DevicePluginClient::new(dial(&node.dir.join(PLUGIN_SOCKET)).await.unwrap());
+    let preferred = plugin
+        .get_preferred_allocation(api::PreferredAllocationRequest {
+            container_requests: vec![api::ContainerPreferredAllocationRequest {
+                available_device_i_ds: all,
+                must_include_device_i_ds: vec![],
+                allocation_size: 1,
+            }],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first_choice = &preferred.container_responses[0].device_i_ds;
+    assert!(
+        first_choice[0].starts_with(&gpu),
+        "{first_choice:?} vs reserved {gpu}"
+    );
+    node.kubelet.restart().await.unwrap();
+    node.kubelet
+        .wait_for(GPU, WAIT, |v| {
+            v.registrations == 2 && v.streaming && v.devices.len() == 80
+        })
+        .await
+        .expect("plugin registers again with the restarted kubelet");
+
+    // The restarted kubelet admits the pod from the start: the same GPU, allocated once.
+    let pod = PodSpec {
+        uid,
+        containers: vec![ContainerSpec::new("main", false, GPU, 1)],
+    };
+    let admitted = node.kubelet.admit(&pod, NumaPolicy::None).await.unwrap();
+    assert_eq!(admitted[0].response.envs["NVIDIA_VISIBLE_DEVICES"], gpu);
+    let allocated = wait_for(
+        "reservation Allocated after the re-admission",
+        WAIT,
+        || async {
+            let r = Api::<GpuReservation>::namespaced(client.clone(), NS)
+                .get("midway")
+                .await?;
+            let phase = r.status.as_ref().and_then(|s| s.phase);
+            Ok::<_, kube::Error>((phase == Some(ReservationPhase::Allocated)).then_some(r))
+        },
+    )
+    .await
+    .unwrap();
+    let allocation = allocated.status.unwrap().allocation;
+    assert_eq!(allocation.len(), 1, "{allocation:?}");
+    assert_eq!(allocation[0].devices, [gpu]);
+    audit_clean(&client).await;
 }

@@ -12,7 +12,7 @@
 mod fault_support;
 
 use std::collections::BTreeSet;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use fault_support::*;
 use gpuledger_e2e::bench::GpuShape;
@@ -34,7 +34,7 @@ async fn three_hundred_pods_at_once_onto_ten_nodes_of_eight_gpus() {
     let names: BTreeSet<String> = pods.iter().map(|p| p.name_any()).collect();
     let started = Instant::now();
     create_pods(&client, pods).await;
-    let outcome = settle(&client, &names).await;
+    let outcome = settle(&client, &names, Duration::from_secs(30)).await;
     eprintln!(
         "300 pods: {} bound, {} pending with a reason, settled in {:.1} s",
         outcome.bound.len(),
@@ -62,7 +62,7 @@ async fn operator_sigkilled_twenty_times_during_a_storm() {
     let first = mixed_pods("wave1", 100, shape, &mut rng);
     let first_names: BTreeSet<String> = first.iter().map(|p| p.name_any()).collect();
     create_pods(&client, first).await;
-    let placed = settle(&client, &first_names).await;
+    let placed = settle(&client, &first_names, Duration::from_secs(30)).await;
 
     let second = mixed_pods("wave2", 200, shape, &mut rng);
     let second_names: BTreeSet<String> = second.iter().map(|p| p.name_any()).collect();
@@ -87,7 +87,7 @@ async fn operator_sigkilled_twenty_times_during_a_storm() {
     deleter.await.unwrap().expect("pods deleted");
     let asked = refitter.await.unwrap();
 
-    let outcome = settle(&client, &second_names).await;
+    let outcome = settle(&client, &second_names, Duration::from_secs(30)).await;
     let mut sorted = ready.clone();
     sorted.sort_by(f64::total_cmp);
     eprintln!(

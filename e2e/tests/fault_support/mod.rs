@@ -7,6 +7,8 @@
 
 #![allow(dead_code)]
 
+pub mod kubelet;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -62,19 +64,27 @@ pub struct Rig {
     pub cp: ControlPlane,
     pub fleet: Fleet,
     pub extender_port: u16,
-    allocator: JoinHandle<()>,
+    allocator: Option<JoinHandle<()>>,
     logs: tempfile::TempDir,
 }
 
 impl Drop for Rig {
     fn drop(&mut self) {
-        self.allocator.abort();
+        if let Some(a) = &self.allocator {
+            a.abort();
+        }
     }
 }
 
 impl Rig {
-    /// Starts everything but the operator.
+    /// Starts everything but the operator, with the allocation stand-in.
     pub async fn start(nodes: usize, shape: GpuShape) -> Rig {
+        Rig::start_with(nodes, shape, true).await
+    }
+
+    /// Starts everything but the operator; without `fake_allocator` the allocation step is left
+    /// to a real device plugin.
+    pub async fn start_with(nodes: usize, shape: GpuShape, fake_allocator: bool) -> Rig {
         let extender_port = free_port();
         let opts = ControlPlaneOptions::default()
             .extender_url(format!("http://127.0.0.1:{extender_port}"));
@@ -90,7 +100,7 @@ impl Rig {
         let fleet = Fleet::create(&client, "gpu", nodes, shape, true, 8)
             .await
             .expect("fleet created");
-        let allocator = spawn_allocator(client, DEFAULT_NAMESPACE);
+        let allocator = fake_allocator.then(|| spawn_allocator(client, DEFAULT_NAMESPACE));
         Rig {
             cp,
             fleet,
@@ -193,40 +203,53 @@ async fn pending_reasons(client: &Client) -> BTreeMap<String, Vec<String>> {
     out
 }
 
-/// Waits until every pod named `names` is bound to a node or has a reason for being Pending,
-/// and (once that holds) no bound pod's reservation is still in flight.
-pub async fn settle(client: &Client, names: &BTreeSet<String>) -> Outcome {
+/// One look at the pods named `names`: `Some` when every one is bound or has a reason for
+/// being Pending.
+async fn decided(client: &Client, names: &BTreeSet<String>) -> Option<Outcome> {
     let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
-    let names = names.clone();
-    wait_for("every pod placed or Pending with a reason", WAIT, || {
-        let pods = pods.clone();
-        let names = names.clone();
-        async move {
-            let list = pods.list(&ListParams::default()).await?.items;
-            let reasons = pending_reasons(client).await;
-            let mut outcome = Outcome::default();
-            let mut undecided = Vec::new();
-            for p in list.iter().filter(|p| names.contains(&p.name_any())) {
-                let name = p.name_any();
-                match p.spec.as_ref().and_then(|s| s.node_name.clone()) {
-                    Some(node) => {
-                        outcome.bound.insert(name, node);
-                    }
-                    None => match reasons.get(&name) {
-                        Some(r) => {
-                            outcome.pending.insert(name, r.clone());
-                        }
-                        None => undecided.push(name),
-                    },
-                }
+    let list = pods.list(&ListParams::default()).await.ok()?.items;
+    let reasons = pending_reasons(client).await;
+    let mut outcome = Outcome::default();
+    let mut undecided = 0;
+    for p in list.iter().filter(|p| names.contains(&p.name_any())) {
+        let name = p.name_any();
+        match p.spec.as_ref().and_then(|s| s.node_name.clone()) {
+            Some(node) => {
+                outcome.bound.insert(name, node);
             }
-            let all_seen =
-                outcome.bound.len() + outcome.pending.len() + undecided.len() == names.len();
-            Ok::<_, kube::Error>((undecided.is_empty() && all_seen).then_some(outcome))
+            None => match reasons.get(&name) {
+                Some(r) => {
+                    outcome.pending.insert(name, r.clone());
+                }
+                None => undecided += 1,
+            },
         }
-    })
-    .await
-    .expect("pods settle")
+    }
+    let all_seen = outcome.bound.len() + outcome.pending.len() + undecided == names.len();
+    (undecided == 0 && all_seen).then_some(outcome)
+}
+
+/// Waits until every pod named `names` is bound to a node or Pending with a reason, and then
+/// until no more of them get bound for `quiet` (the scheduler retries pods whose bind lost a
+/// race for a node's Lease; a first FailedScheduling is not the final word).
+pub async fn settle(client: &Client, names: &BTreeSet<String>, quiet: Duration) -> Outcome {
+    let started = Instant::now();
+    let mut last: Option<(usize, Instant)> = None;
+    loop {
+        if let Some(outcome) = decided(client, names).await {
+            let bound = outcome.bound.len();
+            match last {
+                Some((n, since)) if n == bound && since.elapsed() >= quiet => return outcome,
+                Some((n, _)) if n == bound => {}
+                _ => last = Some((bound, Instant::now())),
+            }
+        }
+        assert!(
+            started.elapsed() < WAIT,
+            "pods did not settle within {WAIT:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }
 
 /// Waits until the ledger audit of the whole cluster is clean; panics with the last findings.
