@@ -5,6 +5,7 @@
 use gpuledger_crds::conditions::{self, types};
 use gpuledger_crds::resources::GPU;
 use gpuledger_crds::{Alignment, NumaPolicy as NumaPolicyCr, NumaPolicySpec, RefitPhase};
+use gpuledger_e2e::cluster::wait_for;
 use gpuledger_e2e::kubelet::{AdmittedContainer, ContainerSpec, NumaPolicy, PodSpec};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
@@ -242,10 +243,23 @@ pub async fn numapolicy_selects_the_mode(admin: &Client, a: &PluginNode) {
             priority: 0,
         },
     );
-    Api::<NumaPolicyCr>::namespaced(admin.clone(), NS)
+    let policies: Api<NumaPolicyCr> = Api::namespaced(admin.clone(), NS);
+    policies
         .create(&PostParams::default(), &policy)
         .await
         .unwrap();
+    // The operator has seen the policy once its controller answered in status (its bind reads
+    // the same watch's data).
+    wait_for("NumaPolicy observed by the operator", WAIT, || {
+        let policies = policies.clone();
+        async move {
+            let p = policies.get("strict-training").await?;
+            let seen = p.status.and_then(|s| s.observed_generation).is_some();
+            Ok::<_, kube::Error>(seen.then_some(()))
+        }
+    })
+    .await
+    .unwrap();
     // Scheduled by kube-scheduler through the extender; no annotation on the pod.
     let name = "policy-pod";
     let mut p = pod(name, None, &[main_ctr(1, 1000)]);
