@@ -10,7 +10,8 @@
 //! 5. `pinned-strict` (`strict`, pinned with `nvidia.com/use-gpuuuid` to NUMA-1 GPUs), its CPUs
 //!    on NUMA 0: no allowed GPU may hold it, the refit is refused, and the kubelet rejects the
 //!    pod with the refusal as its reason;
-//! 6. the ledger again, and the check that `trainer`'s GPU sits on its CPUs' NUMA node.
+//! 6. the ledger again, the operator's ledger audit, and the check that `trainer`'s GPU sits
+//!    on its CPUs' NUMA node.
 
 use std::time::Duration;
 
@@ -120,6 +121,14 @@ pub async fn tell(cluster: &mut SimCluster, progress: &mut Progress) -> Result<(
     .await?;
     progress.say(&after);
 
+    let audit = step(
+        progress,
+        "gpuledger-operator audit: no over-commit, no orphan, no silent misalignment",
+        audit(&kubeconfig),
+    )
+    .await?;
+    progress.say(&audit);
+
     let verdict = step(
         progress,
         "check: trainer's GPU is on its CPUs' NUMA node",
@@ -133,6 +142,32 @@ pub async fn tell(cluster: &mut SimCluster, progress: &mut Progress) -> Result<(
         cluster.cp.run_dir().display(),
     );
     Ok(())
+}
+
+/// Runs the operator's ledger audit against the cluster; findings fail the step.
+async fn audit(kubeconfig: &std::path::Path) -> Result<String, DemoError> {
+    let binary = crate::sim::binaries::locate(crate::sim::binaries::OPERATOR)?;
+    let out = tokio::process::Command::new(&binary)
+        .arg("audit")
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .kill_on_drop(true)
+        .output()
+        .await
+        .map_err(|e| DemoError::Unexpected(format!("cannot run {}: {e}", binary.display())))?;
+    let report = format!(
+        "$ gpuledger-operator audit\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if out.status.success() {
+        Ok(report)
+    } else {
+        Err(DemoError::Unexpected(format!(
+            "the ledger audit found problems ({}):\n{report}",
+            out.status
+        )))
+    }
 }
 
 /// A pod the kubelet simulator dealt with, and where.

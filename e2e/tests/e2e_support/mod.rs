@@ -15,6 +15,7 @@ use gpuledger_crds::conditions::{self, types::MISALIGNED};
 use gpuledger_crds::{GpuReservation, ReservationPhase};
 use gpuledger_e2e::cluster::{delete_bound_pod, ensure_namespace, wait_for};
 use gpuledger_e2e::kubelet::AdmittedContainer;
+use gpuledger_e2e::sim::binaries::{OPERATOR, locate};
 use gpuledger_e2e::sim::pods::{GpuPod, reserved_uuids, wait_bound, wait_event, wait_reservation};
 use gpuledger_e2e::sim::{Admission, SimCluster, SimNode};
 use kube::api::{Api, ListParams};
@@ -141,9 +142,30 @@ pub fn gpus_of_replicas(ids: &[String]) -> Vec<String> {
     gpus
 }
 
-/// Deletes pods (at once, as a kubelet would confirm) and waits until their reservations are
-/// gone, so the next scenario starts from an idle cluster.
+/// `gpuledger-operator audit` over the whole cluster must find nothing: no over-committed GPU,
+/// no orphan, no silent misalignment, no overdue refit.
+pub fn assert_audit_clean(cluster: &SimCluster) {
+    let binary = locate(OPERATOR).unwrap();
+    let out = std::process::Command::new(&binary)
+        .arg("audit")
+        .arg("--kubeconfig")
+        .arg(cluster.cp.kubeconfig())
+        .output()
+        .unwrap();
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && report.contains("clean"),
+        "audit: {}\n{report}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Audits the ledger with the scenario's pods still there, then deletes them (at once, as a
+/// kubelet would confirm) and waits until their reservations are gone, so the next scenario
+/// starts from an idle cluster.
 pub async fn cleanup(cluster: &SimCluster, pods: &[&str]) {
+    assert_audit_clean(cluster);
     let client = cluster.cp.client();
     for pod in pods {
         delete_bound_pod(&client, NS, pod).await.unwrap();
