@@ -347,3 +347,22 @@ fn help_flags_are_extracted() {
     let help = "Usage: x [OPTIONS]\n  --node-name <NODE_NAME>  Name [env: NODE_NAME=]\n  --refit <REFIT>  [default: true]\n  -h, --help  Print help\n";
     assert_eq!(help_flags(help), ["--node-name", "--refit", "--help"]);
 }
+
+#[test]
+fn rbac_or_policy_drift_between_chart_and_kustomize_is_caught() {
+    let kustomized = kustomize_default();
+    let chart = helm_template(&[]);
+    chart_rbac_and_admission_equal_kustomize(&kustomized, &chart);
+    // A verb dropped from one copy, or a changed policy expression, must fail the comparison.
+    let drifts = [
+        chart.replacen(", \"deletecollection\"", "", 1),
+        chart.replacen("endsWith(':gpuledger-device-plugin')", "endsWith(':x')", 1),
+    ];
+    for drifted in drifts {
+        assert_ne!(drifted, chart, "the mutation must apply");
+        let caught = std::panic::catch_unwind(|| {
+            chart_rbac_and_admission_equal_kustomize(&kustomized, &drifted)
+        });
+        assert!(caught.is_err(), "drift not detected");
+    }
+}
