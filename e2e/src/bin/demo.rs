@@ -119,9 +119,17 @@ fn run(state_dir: &Path) -> ExitCode {
         }
     });
     drop(runtime);
+    // The teardown kills and reaps; check it, since "nothing left behind" is part of the promise.
+    let survivors = leftovers::survivors(state_dir);
+    if !survivors.is_empty() {
+        eprintln!(
+            "gpuledger-demo: still running after teardown: {survivors:?}; `make demo-down` kills them"
+        );
+        return ExitCode::FAILURE;
+    }
     match outcome {
         Some(Ok(())) => {
-            println!("make demo: ok (no process left running)");
+            println!("make demo: ok; every process it started has exited");
             ExitCode::SUCCESS
         }
         Some(Err(e)) => {

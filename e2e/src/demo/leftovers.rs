@@ -58,6 +58,18 @@ fn is_ours(name: &str, pid: u32) -> bool {
     }
 }
 
+/// Recorded processes (our own pid excepted) that are still alive and still ours.
+pub fn survivors(state_dir: &Path) -> Vec<(String, u32)> {
+    let Ok(text) = std::fs::read_to_string(state_dir.join(PIDS_FILE)) else {
+        return Vec::new();
+    };
+    let me = std::process::id();
+    parse(&text)
+        .into_iter()
+        .filter(|(name, pid)| *pid != me && is_alive(*pid) && is_ours(name, *pid))
+        .collect()
+}
+
 /// Kills every recorded process still alive (our own pid excepted; a running demo gets SIGTERM
 /// first so it tears down itself) and returns what was killed.
 pub fn kill_leftovers(state_dir: &Path) -> Vec<(String, u32)> {
@@ -117,9 +129,31 @@ mod tests {
         )
         .unwrap();
         assert!(kill_leftovers(dir.path()).is_empty());
+        assert!(survivors(dir.path()).is_empty());
         assert!(is_alive(sleeper.id()));
         sleeper.kill().unwrap();
         sleeper.wait().unwrap();
         assert!(kill_leftovers(&dir.path().join("missing")).is_empty());
+    }
+
+    #[test]
+    fn a_live_watchdog_shell_is_a_survivor_and_gets_killed() {
+        let dir = tempfile::tempdir().unwrap();
+        // `; true` keeps the shell itself alive (no exec into sleep), as our watchdogs are.
+        let mut shell = std::process::Command::new("/bin/sh")
+            .args(["-c", "sleep 30; true"])
+            .spawn()
+            .unwrap();
+        let pid = shell.id();
+        record(dir.path(), &[("watchdog".into(), pid)]).unwrap();
+        // The shell may still be exec'ing; wait until /proc shows it as sh.
+        while comm(pid).as_deref() != Some("sh") {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert_eq!(survivors(dir.path()), [("watchdog".to_string(), pid)]);
+        assert_eq!(kill_leftovers(dir.path()), [("watchdog".to_string(), pid)]);
+        let status = shell.wait().unwrap();
+        assert!(!status.success());
+        assert!(survivors(dir.path()).is_empty());
     }
 }
