@@ -6,7 +6,7 @@ use gpuledger_crds::{ContainerReservation, GpuNode, GpuReservation, ReservedDevi
 
 use crate::fit::{self, NodeView, Policy, Usage};
 use crate::ledger::usage::{DeviceUsage, NodeUsage, ReservationLoad};
-use crate::placement::{Placement, Placer, Policies};
+use crate::placement::{NodeChoice, Placement, Placer, Policies};
 
 /// Sharers per GPU when a GpuNode does not say (HAMi's `deviceSplitCount` default).
 pub const DEFAULT_SPLIT_COUNT: u32 = 10;
@@ -52,6 +52,27 @@ impl ReservationLoad for FitEngine {
 }
 
 impl Placer for FitEngine {
+    fn choose(
+        &self,
+        request: &PodRequest,
+        nodes: &[(&GpuNode, NodeUsage)],
+        policies: Policies,
+    ) -> NodeChoice {
+        let views: Vec<NodeView> = nodes.iter().map(|(n, u)| node_view(n, u)).collect();
+        let defaults = Policy {
+            node: policies.node,
+            gpu: policies.gpu,
+        };
+        let decision = fit::fit_pod(&views, request, &defaults);
+        NodeChoice {
+            chosen: decision.placement.as_ref().map(|p| p.node_name.clone()),
+            failed: decision
+                .failures(&views)
+                .map(|(node, reason)| (node.to_string(), reason))
+                .collect(),
+        }
+    }
+
     fn place(
         &self,
         request: &PodRequest,

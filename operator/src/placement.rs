@@ -25,8 +25,26 @@ pub struct Placement {
     pub score: f64,
 }
 
+/// The node choice for a pod over several candidates.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct NodeChoice {
+    /// The node the pod should go to, when any fits.
+    pub chosen: Option<String>,
+    /// Nodes that do not fit, with the reason.
+    pub failed: Vec<(String, String)>,
+}
+
 /// What the plumbing needs from the fit engine.
 pub trait Placer: ReservationLoad + Send + Sync {
+    /// Chooses among `nodes` (each with its current usage) under the node policy, like HAMi's
+    /// filter: one winner, reasons for the nodes that do not fit.
+    fn choose(
+        &self,
+        request: &PodRequest,
+        nodes: &[(&GpuNode, NodeUsage)],
+        policies: Policies,
+    ) -> NodeChoice;
+
     /// Fits `request` on `node`, whose GPUs already carry `usage`; `Err` is the human reason it
     /// does not fit (shown in FailedNodes and the pod's FilteringFailed event).
     fn place(

@@ -53,11 +53,9 @@ pub enum RunError {
         #[source]
         source: std::io::Error,
     },
-    /// TLS for the extender is not built into this version.
-    #[error(
-        "--tls-cert/--tls-key: serving the extender over TLS is not supported yet; terminate TLS in front of it"
-    )]
-    TlsUnsupported,
+    /// The extender's TLS identity could not be loaded.
+    #[error(transparent)]
+    Tls(#[from] extender::tls::TlsError),
     /// A server or essential task ended.
     #[error("{0} stopped unexpectedly")]
     TaskEnded(&'static str),
@@ -122,9 +120,10 @@ async fn ensure_namespace(client: &Client, ns: &str) {
 
 /// Runs the operator until `shutdown` completes or an essential task ends.
 pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Result<(), RunError> {
-    if config.tls_cert.is_some() || config.tls_key.is_some() {
-        return Err(RunError::TlsUnsupported);
-    }
+    let tls = match (&config.tls_cert, &config.tls_key) {
+        (Some(cert), Some(key)) => Some(extender::tls::acceptor(cert, key)?),
+        _ => None,
+    };
     let client = client(&config).await?;
     ensure_namespace(&client, &config.namespace).await;
     let identity = config
@@ -222,11 +221,23 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         })?;
     tracing::info!(extender = %config.extender_addr, metrics = %config.metrics_addr, "serving");
     let ext_app = extender::server::router(ctx.clone());
-    tasks.spawn(async move {
-        if let Err(e) = axum::serve(ext_listener, ext_app).await {
-            tracing::error!(error = %e, "extender server failed");
+    match tls {
+        Some(acceptor) => {
+            let listener = extender::tls::TlsListener::new(ext_listener, acceptor);
+            tasks.spawn(async move {
+                if let Err(e) = axum::serve(listener, ext_app).await {
+                    tracing::error!(error = %e, "extender server failed");
+                }
+            });
         }
-    });
+        None => {
+            tasks.spawn(async move {
+                if let Err(e) = axum::serve(ext_listener, ext_app).await {
+                    tracing::error!(error = %e, "extender server failed");
+                }
+            });
+        }
+    }
     let tel_app = telemetry_router(ctx.clone());
     tasks.spawn(async move {
         if let Err(e) = axum::serve(tel_listener, tel_app).await {

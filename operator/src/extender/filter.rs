@@ -12,6 +12,9 @@ use super::wire::{ExtenderArgs, ExtenderFilterResult, HostPriority};
 use crate::context::{Context, pod_ref};
 use crate::placement::{Placement, Policies, scale_scores};
 
+/// Reason given for nodes without a GpuNode.
+const NO_INVENTORY: &str = "node has no GpuNode inventory (no gpuledger device plugin)";
+
 /// The pod's request, `None` for pods without GPUs.
 pub fn gpu_request(ctx: &Context, pod: &Pod) -> Result<Option<PodRequest>, String> {
     let req = podapi::parse_pod(pod, &ctx.pod_api).map_err(|e| e.to_string())?;
@@ -29,7 +32,7 @@ pub fn policies_for(ctx: &Context, req: &PodRequest) -> Policies {
 /// Fits `req` on `node` against the ledger as it stands, leaving out the pod's own reservation.
 pub fn fit_on(ctx: &Context, pod: &Pod, req: &PodRequest, node: &str) -> Result<Placement, String> {
     let Some(gpunode) = ctx.gpunode(node) else {
-        return Err("node has no GpuNode inventory (no gpuledger device plugin)".into());
+        return Err(NO_INVENTORY.into());
     };
     let uid = pod.metadata.uid.as_deref();
     let usage = ctx.index.node_usage(node, uid, ctx.placer.as_ref());
@@ -65,16 +68,29 @@ pub async fn filter(ctx: &Context, args: ExtenderArgs) -> ExtenderFilterResult {
             return out;
         }
     };
-    let mut fit = Vec::new();
+    // Like HAMi, filter answers with the one node the fit engine chooses under the node
+    // policy: kube-scheduler's own scoring cannot then override binpack/spread.
+    let uid = args.pod.metadata.uid.as_deref();
     let mut failed = BTreeMap::new();
+    let mut candidates = Vec::new();
     for node in args.candidate_names() {
-        match fit_on(ctx, &args.pod, &req, &node) {
-            Ok(_) => fit.push(node),
-            Err(reason) => {
-                failed.insert(node, reason);
+        match ctx.gpunode(&node) {
+            Some(gpunode) => {
+                let usage = ctx.index.node_usage(&node, uid, ctx.placer.as_ref());
+                candidates.push((gpunode, usage));
+            }
+            None => {
+                failed.insert(node, NO_INVENTORY.to_string());
             }
         }
     }
+    let views: Vec<_> = candidates
+        .iter()
+        .map(|(n, u)| (n.as_ref(), u.clone()))
+        .collect();
+    let choice = ctx.placer.choose(&req, &views, policies_for(ctx, &req));
+    failed.extend(choice.failed);
+    let fit: Vec<String> = choice.chosen.into_iter().collect();
     if fit.is_empty() {
         let note = failed
             .iter()

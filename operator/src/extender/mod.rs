@@ -4,4 +4,5 @@ pub mod bind;
 pub mod filter;
 pub mod lease;
 pub mod server;
+pub mod tls;
 pub mod wire;

@@ -1,0 +1,551 @@
+//! The operator against a real control plane: kube-scheduler calls the operator's extender,
+//! fake GPU nodes carry GpuNode inventories created by the test, and a stand-in for the device
+//! plugin completes allocations. The operator runs in-process as a library task; aborting the
+//! task drops it mid-flight without any cleanup, like a killed process.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod operator_support;
+
+use std::time::Duration;
+
+use gpuledger_crds::names::OPERATOR_MANAGER;
+use gpuledger_crds::podapi::{PodApiConfig, SchedulerPolicy, parse_pod};
+use gpuledger_crds::{
+    Alignment, GpuNode, GpuReservation, NumaPolicy, NumaPolicySpec, ReservationPhase,
+};
+use gpuledger_e2e::cluster::{ControlPlane, delete_bound_pod, mark_pod_finished, wait_for};
+use gpuledger_operator::config::RunConfig;
+use gpuledger_operator::fit::{Policy, fit_pod};
+use gpuledger_operator::fit_adapter::{FitEngine, node_view};
+use gpuledger_operator::ledger::usage::{NodeUsage, sum_usage};
+use gpuledger_operator::run::RunError;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+use kube::api::{Api, ListParams, PostParams};
+use kube::{Client, ResourceExt};
+use operator_support::*;
+use tokio::task::JoinHandle;
+
+const NS: &str = "default";
+
+/// An in-process operator.
+struct Operator {
+    task: JoinHandle<Result<(), RunError>>,
+    metrics_port: u16,
+    extender_port: u16,
+}
+
+impl Operator {
+    fn start(cp: &ControlPlane, extender_port: u16, leader_elect: bool, identity: &str) -> Self {
+        let metrics_port = free_port();
+        let config = RunConfig {
+            kubeconfig: Some(cp.kubeconfig().to_path_buf()),
+            extender_addr: format!("127.0.0.1:{extender_port}").parse().unwrap(),
+            tls_cert: None,
+            tls_key: None,
+            metrics_addr: format!("127.0.0.1:{metrics_port}").parse().unwrap(),
+            namespace: LEASE_NS.into(),
+            default_alignment: Alignment::None,
+            leader_elect,
+            identity: Some(identity.into()),
+            allocating_timeout: Duration::from_secs(300),
+            node_policy: SchedulerPolicy::Binpack,
+            gpu_policy: SchedulerPolicy::Spread,
+            lease_wait: Duration::from_secs(3),
+            usage_interval: Duration::from_secs(1),
+            refit_ttl: Duration::from_secs(600),
+        };
+        let task = tokio::spawn(gpuledger_operator::run::run(config, std::future::pending()));
+        Operator {
+            task,
+            metrics_port,
+            extender_port,
+        }
+    }
+
+    /// Drops the operator mid-flight: every task it spawned dies with it, nothing is cleaned up.
+    async fn kill(self) {
+        self.task.abort();
+        let _ = self.task.await;
+    }
+
+    async fn readyz(&self) -> u16 {
+        http(self.metrics_port, "GET", "/readyz", "")
+            .await
+            .map(|(code, _)| code)
+            .unwrap_or(0)
+    }
+
+    async fn wait_ready(&self) {
+        wait_for("operator ready (leader, ledger synced)", WAIT, || async {
+            Ok::<_, std::io::Error>((self.readyz().await == 200).then_some(()))
+        })
+        .await
+        .expect("operator becomes ready");
+    }
+}
+
+/// Ledger usage per node computed with the fit engine's own accounting.
+async fn ledger_usage(client: &Client, node: &str) -> NodeUsage {
+    let rs: Vec<GpuReservation> = reservations(client)
+        .await
+        .into_iter()
+        .filter(|r| r.spec.node_name == node)
+        .collect();
+    sum_usage(rs.iter(), &FitEngine)
+}
+
+/// Where the fit engine puts `pod` given the cluster's GpuNodes and the current ledger:
+/// `(node, reserved uuids)`.
+async fn expected_placement(client: &Client, pod: &Pod) -> (String, Vec<String>) {
+    let nodes = Api::<GpuNode>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items;
+    let mut views = Vec::new();
+    for n in &nodes {
+        views.push(node_view(n, &ledger_usage(client, &n.name_any()).await));
+    }
+    let req = parse_pod(pod, &PodApiConfig::default()).unwrap();
+    let decision = fit_pod(&views, &req, &Policy::default());
+    let placement = decision.placement.expect("the fit engine places the pod");
+    let uuids = placement
+        .containers
+        .iter()
+        .flat_map(|c| c.devices.iter().map(|d| d.uuid.clone()))
+        .collect();
+    (placement.node_name, uuids)
+}
+
+fn reserved_uuids(r: &GpuReservation) -> Vec<String> {
+    r.spec
+        .containers
+        .iter()
+        .flat_map(|c| c.devices.iter().map(|d| d.uuid.clone()))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pods_land_where_the_fit_says_and_the_ledger_follows_their_lives() {
+    let port = free_port();
+    let cp = cluster(port).await;
+    let client = cp.client();
+    let _a100 = gpu_node(
+        &client,
+        "a100-node",
+        &gpus("a100", 2, "NVIDIA A100-SXM4-40GB", 40000),
+        4,
+    )
+    .await;
+    let _t4 = gpu_node(&client, "t4-node", &gpus("t4", 2, "Tesla T4", 15000), 4).await;
+    let op = Operator::start(&cp, port, false, "solo");
+    op.wait_ready().await;
+    let _allocator = spawn_fake_allocator(client.clone());
+
+    // A model filter leaves one node.
+    let typed = annotate(
+        gpu_pod("typed", 1, 10000, 30),
+        "nvidia.com/use-gputype",
+        "A100",
+    );
+    let (want_node, want_uuids) = expected_placement(&client, &typed).await;
+    create_pod(&client, NS, &typed).await;
+    assert_eq!(wait_bound(&client, NS, "typed").await, "a100-node");
+    assert_eq!(want_node, "a100-node");
+    let r = wait_reservation(&client, NS, "typed", "Allocated", |r| {
+        phase(r) == "Allocated"
+    })
+    .await;
+    assert_eq!(reserved_uuids(&r), want_uuids);
+    assert_eq!(r.spec.node_name, "a100-node");
+    assert_eq!(r.spec.containers.len(), 1);
+    let c = &r.spec.containers[0];
+    assert_eq!((c.index, c.name.as_str(), c.init), (0, "main", false));
+    assert_eq!((c.devices[0].memory_mib, c.devices[0].cores), (10000, 30));
+    assert_eq!(r.spec.alignment, Alignment::None);
+    assert_eq!(r.spec.alignment_source.as_deref(), Some("default"));
+    let owner = &r.metadata.owner_references.as_ref().unwrap()[0];
+    let typed_pod = Api::<Pod>::namespaced(client.clone(), NS)
+        .get("typed")
+        .await
+        .unwrap();
+    assert_eq!(
+        (owner.kind.as_str(), Some(owner.uid.clone())),
+        ("Pod", typed_pod.uid())
+    );
+    assert_eq!(owner.controller, Some(false));
+    assert_eq!(r.spec.pod_uid, typed_pod.uid().unwrap());
+    let status = r.status.clone().unwrap();
+    assert!(status.devices.unwrap().contains(":10000/30"));
+    let numa = c.devices[0].numa_node.unwrap().to_string();
+    assert_eq!(status.numa.as_deref(), Some(numa.as_str()));
+
+    // Two GPUs fit on both nodes; binpack and the ledger decide, and the extender agrees with
+    // the fit engine on node and devices.
+    let big = gpu_pod("big", 2, 14000, 20);
+    let (want_node, want_uuids) = expected_placement(&client, &big).await;
+    create_pod(&client, NS, &big).await;
+    assert_eq!(wait_bound(&client, NS, "big").await, want_node);
+    let r = wait_reservation(&client, NS, "big", "Allocated", |r| phase(r) == "Allocated").await;
+    let mut got = reserved_uuids(&r);
+    let mut want = want_uuids.clone();
+    got.sort();
+    want.sort();
+    assert_eq!(got, want);
+
+    // A pod no GPU can hold stays Pending, with an event that says why, and no reservation.
+    create_pod(&client, NS, &gpu_pod("nowhere", 1, 100_000, 10)).await;
+    let note = wait_for("FilteringFailed event on pod nowhere", WAIT, || {
+        let client = client.clone();
+        async move {
+            let evs = pod_events(&client, NS, "nowhere").await;
+            Ok::<_, kube::Error>(
+                evs.into_iter()
+                    .find(|(reason, _)| reason == "FilteringFailed")
+                    .map(|(_, note)| note),
+            )
+        }
+    })
+    .await
+    .unwrap();
+    assert!(
+        note.contains("a100-node") && note.contains("t4-node"),
+        "{note}"
+    );
+    let nowhere = Api::<Pod>::namespaced(client.clone(), NS)
+        .get("nowhere")
+        .await
+        .unwrap();
+    assert_eq!(nowhere.spec.unwrap().node_name, None);
+    assert!(
+        Api::<GpuReservation>::namespaced(client.clone(), NS)
+            .get_opt("nowhere")
+            .await
+            .unwrap()
+            .is_none()
+    );
+
+    // The GpuNode shows what the ledger holds.
+    wait_for("GpuNode usage of a100-node", WAIT, || {
+        let api: Api<GpuNode> = Api::all(client.clone());
+        let client = client.clone();
+        async move {
+            let n = api.get("a100-node").await?;
+            let u = n.status.and_then(|s| s.usage);
+            let holding = reservations(&client)
+                .await
+                .iter()
+                .filter(|r| r.spec.node_name == "a100-node" && phase(r) != "Released")
+                .count() as u32;
+            Ok::<_, kube::Error>(
+                u.filter(|u| u.reservations == holding && holding > 0)
+                    .map(|_| ()),
+            )
+        }
+    })
+    .await
+    .unwrap();
+
+    // Deleting a pod removes its reservation.
+    delete_bound_pod(&client, NS, "typed").await.unwrap();
+    wait_for("reservation of the deleted pod gone", WAIT, || {
+        let api: Api<GpuReservation> = Api::namespaced(client.clone(), NS);
+        async move { Ok::<_, kube::Error>(api.get_opt("typed").await?.is_none().then_some(())) }
+    })
+    .await
+    .unwrap();
+
+    // A completed pod releases its reservation (kept as history, holding nothing).
+    mark_pod_finished(&client, NS, "big", true).await.unwrap();
+    let r = wait_reservation(&client, NS, "big", "Released", |r| phase(r) == "Released").await;
+    assert!(!r.status.unwrap().phase.unwrap().holds_capacity());
+
+    // A NumaPolicy decides the alignment of the pods it selects; the reservation records it.
+    let policy = NumaPolicy::new(
+        "strict-training",
+        NumaPolicySpec {
+            pod_selector: LabelSelector {
+                match_labels: Some([("team".to_string(), "training".to_string())].into()),
+                ..Default::default()
+            },
+            alignment: Alignment::Strict,
+            priority: 0,
+        },
+    );
+    Api::<NumaPolicy>::namespaced(client.clone(), NS)
+        .create(&PostParams::default(), &policy)
+        .await
+        .unwrap();
+    let mut aligned = gpu_pod("aligned", 1, 1000, 10);
+    aligned.metadata.labels = Some([("team".to_string(), "training".to_string())].into());
+    // Wait until the operator's cache holds the policy, so the test does not race the watch.
+    wait_for("NumaPolicy Ready", WAIT, || {
+        let api: Api<NumaPolicy> = Api::namespaced(client.clone(), NS);
+        async move {
+            let p = api.get("strict-training").await?;
+            let ready = p
+                .status
+                .is_some_and(|s| gpuledger_crds::conditions::is_true(&s.conditions, "Ready"));
+            Ok::<_, kube::Error>(ready.then_some(()))
+        }
+    })
+    .await
+    .unwrap();
+    create_pod(&client, NS, &aligned).await;
+    let r = wait_reservation(&client, NS, "aligned", "written", |_| true).await;
+    assert_eq!(r.spec.alignment, Alignment::Strict);
+    assert_eq!(
+        r.spec.alignment_source.as_deref(),
+        Some("numapolicy/strict-training")
+    );
+    wait_for("NumaPolicy counts the pod", WAIT, || {
+        let api: Api<NumaPolicy> = Api::namespaced(client.clone(), NS);
+        async move {
+            let p = api.get("strict-training").await?;
+            Ok::<_, kube::Error>(p.status.filter(|s| s.matched_pods == 1).map(|_| ()))
+        }
+    })
+    .await
+    .unwrap();
+
+    // Managed fields show who wrote what: spec and phase by the operator.
+    let fields = r.metadata.managed_fields.unwrap_or_default();
+    assert!(
+        fields
+            .iter()
+            .any(|f| f.manager.as_deref() == Some(OPERATOR_MANAGER))
+    );
+
+    let (_, problems) = over_commits(&client).await;
+    assert!(problems.is_empty(), "{problems:?}");
+    op.kill().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_burst_of_100_pods_on_4_nodes_never_overcommits_a_gpu() {
+    let port = free_port();
+    let cp = cluster(port).await;
+    let client = cp.client();
+    let mut nodes = Vec::new();
+    for i in 0..4 {
+        let name = format!("burst-{i}");
+        nodes.push(gpu_node(&client, &name, &gpus(&name, 8, "NVIDIA H100", 24000), 10).await);
+    }
+    let op = Operator::start(&cp, port, false, "solo");
+    op.wait_ready().await;
+    let _allocator = spawn_fake_allocator(client.clone());
+
+    // 8000 MiB each: three per 24000 MiB GPU, 96 in all; four pods must stay Pending.
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let mut creators = Vec::new();
+    for i in 0..100 {
+        let pods = pods.clone();
+        creators.push(tokio::spawn(async move {
+            pods.create(
+                &PostParams::default(),
+                &gpu_pod(&format!("burst-{i:03}"), 1, 8000, 10),
+            )
+            .await
+            .unwrap();
+        }));
+    }
+    for c in creators {
+        c.await.unwrap();
+    }
+    let bound = wait_for("96 pods bound", Duration::from_secs(600), || {
+        let pods = pods.clone();
+        async move {
+            let list = pods.list(&ListParams::default()).await?;
+            let bound: Vec<Pod> = list
+                .items
+                .into_iter()
+                .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some())
+                .collect();
+            Ok::<_, kube::Error>((bound.len() >= 96).then_some(bound))
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(bound.len(), 96);
+
+    let (load, problems) = over_commits(&client).await;
+    assert!(problems.is_empty(), "{problems:?}");
+    assert_eq!(load.len(), 32, "every GPU carries reservations");
+    assert!(
+        load.values()
+            .all(|l| l.sharers == 3 && l.memory_mib == 24000),
+        "{load:?}"
+    );
+    // Every bound pod has a capacity-holding reservation on its node, and only those do.
+    let rs = reservations(&client).await;
+    let holding: Vec<&GpuReservation> = rs
+        .iter()
+        .filter(|r| {
+            r.status
+                .as_ref()
+                .and_then(|s| s.phase)
+                .unwrap_or_default()
+                .holds_capacity()
+        })
+        .collect();
+    assert_eq!(holding.len(), 96);
+    for p in &bound {
+        let node = p.spec.as_ref().unwrap().node_name.clone().unwrap();
+        let r = holding
+            .iter()
+            .find(|r| r.spec.pod_uid == p.uid().unwrap())
+            .unwrap_or_else(|| panic!("no reservation for {}", p.name_any()));
+        assert_eq!(r.spec.node_name, node);
+    }
+    op.kill().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_killed_operator_rebuilds_its_index_and_never_double_books() {
+    let port = free_port();
+    let cp = cluster(port).await;
+    let client = cp.client();
+    let _node = gpu_node(&client, "small", &gpus("small", 2, "NVIDIA L4", 10000), 10).await;
+    let _allocator = spawn_fake_allocator(client.clone());
+    let op = Operator::start(&cp, port, false, "first");
+    op.wait_ready().await;
+
+    // Two GPUs × two 5000 MiB shares: four pods fit in all.
+    for i in 0..2 {
+        create_pod(&client, NS, &gpu_pod(&format!("before-{i}"), 1, 5000, 10)).await;
+    }
+    for i in 0..2 {
+        wait_reservation(&client, NS, &format!("before-{i}"), "Allocated", |r| {
+            phase(r) == "Allocated"
+        })
+        .await;
+    }
+    op.kill().await;
+
+    // A new process knows only what the ledger says.
+    let op = loop {
+        let op = Operator::start(&cp, port, false, "second");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        if !op.task.is_finished() {
+            break op;
+        }
+        // The old listener may linger for a moment; try again.
+        let _ = op.task.await;
+    };
+    op.wait_ready().await;
+    for i in 0..4 {
+        create_pod(&client, NS, &gpu_pod(&format!("after-{i}"), 1, 5000, 10)).await;
+    }
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    wait_for("two more pods bound", WAIT, || {
+        let pods = pods.clone();
+        async move {
+            let n = pods
+                .list(&ListParams::default())
+                .await?
+                .items
+                .iter()
+                .filter(|p| {
+                    p.name_any().starts_with("after-")
+                        && p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some()
+                })
+                .count();
+            Ok::<_, kube::Error>((n >= 2).then_some(()))
+        }
+    })
+    .await
+    .unwrap();
+    // The other two stay Pending with the reason; by then the ledger is full.
+    {
+        wait_for("the remaining pods are refused", WAIT, || {
+            let client = client.clone();
+            async move {
+                let mut refused = 0;
+                for i in 0..4 {
+                    let evs = pod_events(&client, NS, &format!("after-{i}")).await;
+                    if evs.iter().any(|(r, _)| r == "FilteringFailed") {
+                        refused += 1;
+                    }
+                }
+                Ok::<_, kube::Error>((refused >= 2).then_some(()))
+            }
+        })
+        .await
+        .unwrap();
+    }
+    let (load, problems) = over_commits(&client).await;
+    assert!(problems.is_empty(), "{problems:?}");
+    let total: u32 = load.values().map(|l| l.sharers).sum();
+    assert_eq!(total, 4, "{load:?}");
+    let bound_after = pods
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .iter()
+        .filter(|p| {
+            p.name_any().starts_with("after-")
+                && p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some()
+        })
+        .count();
+    assert_eq!(bound_after, 2);
+    op.kill().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_two_replicas_only_the_leader_writes_and_the_other_takes_over() {
+    let port = free_port();
+    let cp = cluster(port).await;
+    let client = cp.client();
+    let _node = gpu_node(&client, "ha", &gpus("ha", 2, "NVIDIA L4", 20000), 10).await;
+    let _allocator = spawn_fake_allocator(client.clone());
+
+    let a = Operator::start(&cp, port, true, "replica-a");
+    a.wait_ready().await;
+    let b = Operator::start(&cp, free_port(), true, "replica-b");
+    // B has started its election (its metrics answer) but does not lead.
+    wait_for("replica-b serving", WAIT, || async {
+        Ok::<_, std::io::Error>((b.readyz().await == 503).then_some(()))
+    })
+    .await
+    .unwrap();
+    let leases: Api<Lease> = Api::namespaced(client.clone(), LEASE_NS);
+    let holder = |l: Lease| l.spec.and_then(|s| s.holder_identity).unwrap_or_default();
+    assert_eq!(
+        holder(leases.get("gpuledger-operator-leader").await.unwrap()),
+        "replica-a"
+    );
+
+    // The follower refuses to decide.
+    let args = serde_json::json!({
+        "Pod": gpu_pod("probe", 1, 1000, 10),
+        "Nodes": null,
+        "NodeNames": ["ha"],
+    });
+    let (code, body) = http(b.extender_port, "POST", "/filter", &args.to_string())
+        .await
+        .unwrap();
+    assert_eq!(code, 200);
+    assert!(body.contains("not the leader"), "{body}");
+
+    create_pod(&client, NS, &gpu_pod("ha-0", 1, 5000, 10)).await;
+    wait_reservation(&client, NS, "ha-0", "Allocated", |r| {
+        phase(r) == "Allocated"
+    })
+    .await;
+
+    // The leader dies; the follower takes over within the lease duration and carries on.
+    a.kill().await;
+    b.wait_ready().await;
+    assert_eq!(
+        holder(leases.get("gpuledger-operator-leader").await.unwrap()),
+        "replica-b"
+    );
+    mark_pod_finished(&client, NS, "ha-0", true).await.unwrap();
+    let r = wait_reservation(&client, NS, "ha-0", "Released", |r| phase(r) == "Released").await;
+    assert_eq!(r.status.unwrap().phase, Some(ReservationPhase::Released));
+    b.kill().await;
+}
