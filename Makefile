@@ -21,10 +21,15 @@ help:
 ## operator and two simulated 8-GPU/2-NUMA nodes, tells the story and stops everything (state and
 ## logs in target/demo). `make demo-down` kills what a run killed with -9 may have left.
 demo:
-	@t=$$(date +%s); echo "==> [build] Kubernetes v$$(cat e2e/k8s/VERSION) binaries (e2e/k8s/build.sh: cached after the first build, ~6 min cold)"; \
-	bin="$$(e2e/k8s/build.sh | tail -n1)"; echo "    ✓ done in $$(( $$(date +%s) - t ))s ($$bin)"; \
+	@hb=; trap '[ -z "$$hb" ] || kill $$hb 2>/dev/null' EXIT; \
+	t=$$(date +%s); echo "==> [build] Kubernetes v$$(cat e2e/k8s/VERSION) binaries (e2e/k8s/build.sh: cached after the first build, ~6 min cold)"; \
+	( s=; trap '[ -z "$$s" ] || kill $$s 2>/dev/null; exit 0' TERM; \
+	  while :; do sleep 30 & s=$$!; wait $$s; echo "    … still building ($$(( $$(date +%s) - t ))s)"; done ) & hb=$$!; \
+	bin="$$(e2e/k8s/build.sh | tail -n1)" || { echo "make demo FAILED at [build] Kubernetes binaries"; exit 1; }; \
+	kill $$hb; hb=; echo "    ✓ done in $$(( $$(date +%s) - t ))s ($$bin)"; \
 	t=$$(date +%s); echo "==> [build] gpuledger-operator, gpuledger-device-plugin, gpuledger-demo (cargo build)"; \
-	$(CARGO) build -j $(JOBS) --bins -p gpuledger-operator -p gpuledger-device-plugin -p gpuledger-e2e; \
+	$(CARGO) build -j $(JOBS) --bins -p gpuledger-operator -p gpuledger-device-plugin -p gpuledger-e2e \
+		|| { echo "make demo FAILED at [build] cargo build"; exit 1; }; \
 	echo "    ✓ done in $$(( $$(date +%s) - t ))s"; \
 	GPULEDGER_K8S_BIN="$$bin" "$$($(CARGO) metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')/debug/gpuledger-demo" run --state-dir target/demo
 
