@@ -11,8 +11,8 @@ use gpuledger_crds::{GpuReservation, RefitRequest};
 use k8s_openapi::api::core::v1::{Container, Event, Pod, PodSpec, ResourceRequirements};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::Client;
 use kube::api::{Api, ListParams, PostParams};
-use kube::{Client, ResourceExt};
 
 use crate::cluster::{ClusterError, wait_for};
 use crate::sim::CPU_NUMA_ANNOTATION;
@@ -310,18 +310,6 @@ pub fn reserved_uuids(r: &GpuReservation) -> Vec<String> {
         .iter()
         .flat_map(|c| c.devices.iter().map(|d| d.uuid.clone()))
         .collect()
-}
-
-/// The name of a resource, for messages.
-pub fn describe(r: &GpuReservation) -> String {
-    format!(
-        "{}/{} on {} devices {:?} phase {:?}",
-        r.namespace().unwrap_or_default(),
-        r.name_any(),
-        r.spec.node_name,
-        reserved_uuids(r),
-        r.status.as_ref().and_then(|s| s.phase)
-    )
 }
 
 #[cfg(test)]
