@@ -138,9 +138,9 @@ pub async fn run(state_dir: &Path, progress: &mut Progress) -> Result<(), DemoEr
         ..Default::default()
     };
     let told = async {
-        let mut cluster = SimCluster::start(opts, progress).await?;
+        let cluster = SimCluster::start(opts, progress).await?;
         record_pids(state_dir, &cluster);
-        story::tell(&mut cluster, progress).await
+        story::tell(&cluster, progress).await
     }
     .await;
     if told.is_err() {

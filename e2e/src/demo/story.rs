@@ -38,7 +38,7 @@ const WAIT: Duration = Duration::from_secs(120);
 const LEDGER: &str = "gpunodes,gpureservations,refitrequests";
 
 /// Tells the story on a running cluster.
-pub async fn tell(cluster: &mut SimCluster, progress: &mut Progress) -> Result<(), DemoError> {
+pub async fn tell(cluster: &SimCluster, progress: &mut Progress) -> Result<(), DemoError> {
     let kubeconfig = cluster.cp.kubeconfig().to_path_buf();
     step(progress, "the ledger before any pod", async {
         ensure_namespace(&cluster.cp.client(), NS).await?;
@@ -108,14 +108,16 @@ pub async fn tell(cluster: &mut SimCluster, progress: &mut Progress) -> Result<(
 
     let after = step(progress, "the ledger after", async {
         wait_usage_published(cluster, 2).await?;
+        wait_policy_matched(cluster).await?;
         let ledger = kubectl(&kubeconfig, &["get", LEDGER, "-A"]).await?;
+        let policies = kubectl(&kubeconfig, &["get", "numapolicies", "-n", NS]).await?;
         let events = kubectl(
             &kubeconfig,
             &["get", "events", "-n", NS, "--sort-by=.lastTimestamp"],
         )
         .await?;
         Ok(format!(
-            "$ kubectl get {LEDGER} -A\n{ledger}\n$ kubectl get events -n {NS}\n{events}"
+            "$ kubectl get {LEDGER} -A\n{ledger}\n$ kubectl get numapolicies -n {NS}\n{policies}\n$ kubectl get events -n {NS}\n{events}"
         ))
     })
     .await?;
@@ -305,6 +307,25 @@ async fn wait_usage_published(cluster: &SimCluster, pods: u32) -> Result<(), Dem
             Ok::<_, kube::Error>((counted >= pods).then_some(()))
         }
     })
+    .await?;
+    Ok(())
+}
+
+/// Waits until the NumaPolicy reports the pod it decides (trainer).
+async fn wait_policy_matched(cluster: &SimCluster) -> Result<(), DemoError> {
+    let api: Api<NumaPolicy> = Api::namespaced(cluster.cp.client(), NS);
+    wait_for(
+        "NumaPolicy training-best-effort to count trainer",
+        WAIT,
+        || {
+            let api = api.clone();
+            async move {
+                let p = api.get("training-best-effort").await?;
+                let matched = p.status.map_or(0, |s| s.matched_pods);
+                Ok::<_, kube::Error>((matched >= 1).then_some(()))
+            }
+        },
+    )
     .await?;
     Ok(())
 }
