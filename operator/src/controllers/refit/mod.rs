@@ -251,7 +251,15 @@ async fn decide(
             .map_err(api_err("read pod", req))?
     };
     let key = ReservationKey::new(&ns, &spec.reservation);
-    let current = ctx.index.get(&key);
+    let mut current = ctx.index.get(&key);
+    if current
+        .as_ref()
+        .is_none_or(|r| r.spec.pod_uid != spec.pod_uid)
+    {
+        // The index is fed by a watch: a reservation written by someone else a moment ago may
+        // not be in it yet. Ask the API server before refusing (this also records it).
+        current = ctx.writer.reread(&key).await?.map(Arc::new);
+    }
     let container = match validation::validate(&ns, spec, pod.as_ref(), current.as_deref()) {
         Ok(c) => c,
         Err(r) => return Ok((Answer::refused(r.reason, r.event), None)),
