@@ -48,6 +48,7 @@ async fn numa_refit_end_to_end() {
     let op = Operator::start(&cp, port, Duration::from_secs(600)).await;
 
     matrix::rows_answered_by_the_operator(&admin, &a, &b).await;
+    matrix::only_the_mismatched_container_is_refitted(&admin, &a).await;
     matrix::pinned_uuid_outside_the_allowed_set_is_refused(&admin, &a).await;
     matrix::numapolicy_selects_the_mode(&admin, &a).await;
     validation::every_refusal_leaves_the_reservation_unchanged(&cp, &admin).await;

@@ -299,3 +299,53 @@ pub async fn numapolicy_selects_the_mode(admin: &Client, a: &PluginNode) {
     let r = reservation(admin, name).await;
     assert_eq!(reserved(&r, 0), [gpu_of(&got[0].device_ids[0]).to_string()]);
 }
+
+/// Two GPU containers: only the second one's GPU is on the wrong NUMA node, so exactly one
+/// request is written, for container index 1 by name, and only that container moves.
+pub async fn only_the_mismatched_container_is_refitted(admin: &Client, a: &PluginNode) {
+    let name = "two-ctr";
+    let ctrs = [
+        Ctr {
+            name: "a",
+            ..main_ctr(1, 1000)
+        },
+        Ctr {
+            name: "b",
+            ..main_ctr(1, 1000)
+        },
+    ];
+    let p = create_pod(admin, &pod(name, Some(&a.name), &ctrs)).await;
+    let reservation_ctrs = containers(vec![
+        (0, "a", false, vec![share(&a.name, 0, 1000)]),
+        (1, "b", false, vec![share(&a.name, 3, 1000)]),
+    ]);
+    reserve(admin, &p, Alignment::Strict, reservation_ctrs, true).await;
+    let uid = p.uid().unwrap();
+    let spec = PodSpec {
+        uid: uid.clone(),
+        containers: vec![
+            ContainerSpec::new("a", false, GPU, 1),
+            ContainerSpec::new("b", false, GPU, 1),
+        ],
+    };
+    let got = a
+        .sim
+        .admit(&spec, NumaPolicy::SingleNumaNode(0))
+        .await
+        .unwrap();
+    a.sim.release(&uid);
+    let refits = refits_of(admin, name).await;
+    assert_eq!(refits.len(), 1);
+    assert_eq!(refits[0].spec.container_index, 1);
+    assert_eq!(refits[0].spec.container_name, "b");
+    let r = reservation(admin, name).await;
+    assert_eq!(reserved(&r, 0), [uuid(&a.name, 0)], "container a untouched");
+    let b_gpu = gpu_of(&got[1].device_ids[0]);
+    assert_eq!(reserved(&r, 1), [b_gpu]);
+    assert_eq!(
+        numa_of(b_gpu.rsplit('-').next().unwrap().parse().unwrap()),
+        0
+    );
+    assert_eq!(got[1].response.envs["NVIDIA_VISIBLE_DEVICES"], b_gpu);
+    wait_lease_free(admin, &a.name).await;
+}
