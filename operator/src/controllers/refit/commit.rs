@@ -9,9 +9,10 @@
 use std::time::Duration;
 
 use gpuledger_crds::podapi::parse_pod;
-use gpuledger_crds::{GpuReservation, RefitRequestSpec};
+use gpuledger_crds::{GpuReservation, RefitPhase, RefitRequest, RefitRequestSpec};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
+use kube::api::Api;
 
 use super::plan::{Plan, plan};
 use super::validation::validate;
@@ -53,11 +54,33 @@ async fn bounded<T>(
         .map_err(|_| ReconcileError::LockedCallTimedOut(what))
 }
 
-/// Decides and commits the refit of a validated request whose container is not yet on allowed
-/// GPUs. Returns the answer for the request's status, and the move when one was written.
+/// Whether request `name` is still unanswered on the API server. The controller decides on its
+/// cache; a cache that lags our own earlier answer must never lead to a second decision that
+/// commits a move the first answer refused. One linearizable read, on the move path only.
+async fn still_pending(ctx: &Context, namespace: &str, name: &str) -> Result<bool, ReconcileError> {
+    let api: Api<RefitRequest> = Api::namespaced(ctx.client.clone(), namespace);
+    let live = tokio::time::timeout(LOCKED_CALL_BOUND, api.get_opt(name))
+        .await
+        .map_err(|_| ReconcileError::LockedCallTimedOut("read the request"))?
+        .map_err(|source| ReconcileError::Api {
+            action: "read",
+            request: format!("{namespace}/{name}"),
+            source,
+        })?;
+    Ok(live.is_some_and(|r| {
+        !r.status
+            .and_then(|s| s.phase)
+            .is_some_and(RefitPhase::is_terminal)
+    }))
+}
+
+/// Decides and commits the refit of a validated request `name` whose container is not yet on
+/// allowed GPUs. Returns the answer for the request's status, and the move when one was
+/// written.
 pub async fn commit(
     ctx: &Context,
     namespace: &str,
+    name: &str,
     spec: &RefitRequestSpec,
     pod: &Pod,
 ) -> Result<(Answer, Option<Moved>), ReconcileError> {
@@ -105,6 +128,9 @@ pub async fn commit(
         // has already stopped waiting for.
         if expired(spec, Timestamp::now()) {
             return Ok((Answer::expired(), None));
+        }
+        if !still_pending(ctx, namespace, name).await? {
+            return Err(ReconcileError::AlreadyAnswered);
         }
         let mut updated = current.as_ref().clone();
         updated.spec = new_spec;

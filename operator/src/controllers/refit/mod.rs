@@ -5,7 +5,8 @@
 //! the container already sits on allowed GPUs; refuse a request past its deadline; otherwise
 //! plan the restricted fit and commit it under the node's lock ([`commit`]). The answer goes
 //! into the request's status with the request's resourceVersion as precondition (two replicas
-//! or a stale cache can never answer twice), then the `Refitted` condition, the pod event and
+//! or a stale cache can never answer twice; a move is only committed for a request the API
+//! server still shows unanswered), then the `Refitted` condition, the pod event and
 //! the metrics follow — after the answer, so the waiting kubelet is not kept waiting on them.
 //! Answered requests are deleted after `--refit-ttl`.
 
@@ -147,6 +148,9 @@ pub enum ReconcileError {
     /// An API call made under the node's lock ran past its bound.
     #[error("{0} took longer than {LOCKED_CALL_BOUND:?} under the node lock", LOCKED_CALL_BOUND = commit::LOCKED_CALL_BOUND)]
     LockedCallTimedOut(&'static str),
+    /// The request was answered or deleted since the cache showed it Pending: nothing to do.
+    #[error("already answered")]
+    AlreadyAnswered,
     /// Reading the pod, answering or deleting the request failed.
     #[error("{action} for RefitRequest {request}: {source}")]
     Api {
@@ -212,7 +216,11 @@ async fn reconcile(
         return expire_answered(&req, &status, &rc).await;
     }
     let started = Instant::now();
-    let (answer, moved) = decide(ctx, &req).await?;
+    let (answer, moved) = match decide(ctx, &req).await {
+        Ok(decided) => decided,
+        Err(ReconcileError::AlreadyAnswered) => return Ok(Action::await_change()),
+        Err(e) => return Err(e),
+    };
     if !write_answer(ctx, &req, &answer).await? {
         // The request changed since our cache saw it (answered by another replica, or our own
         // earlier answer): the watch brings the fresh object.
@@ -278,7 +286,7 @@ async fn decide(
         return Ok((Answer::expired(), None));
     }
     match pod {
-        Some(pod) => commit::commit(ctx, &ns, spec, &pod).await,
+        Some(pod) => commit::commit(ctx, &ns, &req.name_any(), spec, &pod).await,
         None => Ok((Answer::refused("pod vanished".into(), false), None)),
     }
 }
