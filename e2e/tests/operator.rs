@@ -39,6 +39,22 @@ struct Operator {
 
 impl Operator {
     fn start(cp: &ControlPlane, extender_port: u16, leader_elect: bool, identity: &str) -> Self {
+        Self::start_with(
+            cp,
+            extender_port,
+            leader_elect,
+            identity,
+            Duration::from_secs(300),
+        )
+    }
+
+    fn start_with(
+        cp: &ControlPlane,
+        extender_port: u16,
+        leader_elect: bool,
+        identity: &str,
+        allocating_timeout: Duration,
+    ) -> Self {
         let metrics_port = free_port();
         let config = RunConfig {
             kubeconfig: Some(cp.kubeconfig().to_path_buf()),
@@ -50,7 +66,7 @@ impl Operator {
             default_alignment: Alignment::None,
             leader_elect,
             identity: Some(identity.into()),
-            allocating_timeout: Duration::from_secs(300),
+            allocating_timeout,
             node_policy: SchedulerPolicy::Binpack,
             gpu_policy: SchedulerPolicy::Spread,
             lease_wait: Duration::from_secs(3),
@@ -548,4 +564,79 @@ async fn with_two_replicas_only_the_leader_writes_and_the_other_takes_over() {
     let r = wait_reservation(&client, NS, "ha-0", "Released", |r| phase(r) == "Released").await;
     assert_eq!(r.status.unwrap().phase, Some(ReservationPhase::Released));
     b.kill().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn misallocation_is_recorded_and_a_stuck_admission_times_out_freeing_the_node() {
+    let port = free_port();
+    let cp = cluster(port).await;
+    let client = cp.client();
+    let _node = gpu_node(&client, "edge", &gpus("edge", 2, "NVIDIA L4", 20000), 10).await;
+    let _allocator = spawn_fake_allocator(client.clone());
+    let op = Operator::start_with(&cp, port, false, "solo", Duration::from_secs(3));
+    op.wait_ready().await;
+
+    // The kubelet handed out another GPU than the reserved one: visible, never silent.
+    create_pod(&client, NS, &gpu_pod("misaligned-0", 1, 1000, 10)).await;
+    let r = wait_reservation(&client, NS, "misaligned-0", "Misaligned", |r| {
+        r.status
+            .as_ref()
+            .is_some_and(|s| gpuledger_crds::conditions::is_true(&s.conditions, "Misaligned"))
+    })
+    .await;
+    assert_eq!(phase(&r), "Allocated");
+    let reserved = reserved_uuids(&r)[0].clone();
+    let status = r.status.unwrap();
+    let cond = gpuledger_crds::conditions::find(&status.conditions, "Misaligned").unwrap();
+    assert!(
+        cond.message.contains(&reserved) && cond.message.contains(KUBELET_CHOICE),
+        "{}",
+        cond.message
+    );
+    let events = pod_events(&client, NS, "misaligned-0").await;
+    assert!(
+        events.iter().any(|(reason, _)| reason == "Misaligned"),
+        "{events:?}"
+    );
+    let (code, metrics) = http(op.metrics_port, "GET", "/metrics", "").await.unwrap();
+    assert_eq!(code, 200);
+    assert!(
+        metrics.contains("gpuledger_misaligned_reservations_total 1"),
+        "{metrics}"
+    );
+
+    // A pod the kubelet never admits holds the node's allocation Lease until the Allocating
+    // timeout fails its reservation and frees the Lease for the next pod.
+    create_pod(&client, NS, &gpu_pod("stuck-0", 1, 1000, 10)).await;
+    let r = wait_reservation(&client, NS, "stuck-0", "Failed", |r| phase(r) == "Failed").await;
+    assert!(!r.status.unwrap().phase.unwrap().holds_capacity());
+    let leases: Api<Lease> = Api::namespaced(client.clone(), LEASE_NS);
+    wait_for("allocation Lease freed", WAIT, || {
+        let leases = leases.clone();
+        async move {
+            Ok::<_, kube::Error>(
+                leases
+                    .get_opt("gpuledger-alloc-edge")
+                    .await?
+                    .is_none()
+                    .then_some(()),
+            )
+        }
+    })
+    .await
+    .unwrap();
+    let events = pod_events(&client, NS, "stuck-0").await;
+    assert!(
+        events
+            .iter()
+            .any(|(reason, _)| reason == "AllocationTimeout"),
+        "{events:?}"
+    );
+    // The node takes the next pod.
+    create_pod(&client, NS, &gpu_pod("after-stuck", 1, 1000, 10)).await;
+    wait_reservation(&client, NS, "after-stuck", "Allocated", |r| {
+        phase(r) == "Allocated"
+    })
+    .await;
+    op.kill().await;
 }

@@ -234,10 +234,15 @@ pub async fn reservations(client: &Client) -> Vec<GpuReservation> {
         .items
 }
 
+/// GPU the fake kubelet hands to pods named `misaligned-*` instead of their reserved ones.
+pub const KUBELET_CHOICE: &str = "GPU-kubelet-choice";
+
 /// Plays the device plugin's part of the allocation contract for fake nodes: whenever a pod
 /// takes a node's allocation Lease, record an allocation of exactly the reserved GPUs for every
 /// reserved container (the kubelet agreed with the reservation) and delete the Lease, as the
-/// plugin does after the pod's last GPU container.
+/// plugin does after the pod's last GPU container. Pods named `stuck-*` are never admitted
+/// (the kubelet never calls); pods named `misaligned-*` get [`KUBELET_CHOICE`] instead of
+/// their reserved GPUs (a best-effort fallback).
 pub fn spawn_fake_allocator(client: Client) -> JoinHandle<()> {
     tokio::spawn(async move {
         let leases: Api<Lease> = Api::namespaced(client.clone(), LEASE_NS);
@@ -264,9 +269,10 @@ pub fn spawn_fake_allocator(client: Client) -> JoinHandle<()> {
             let Ok(Some(r)) = res_api.get_opt(&reservation_name(pod)).await else {
                 continue;
             };
-            if r.spec.pod_uid != uid {
+            if r.spec.pod_uid != uid || pod.starts_with("stuck-") {
                 continue;
             }
+            let misaligned = pod.starts_with("misaligned-");
             let allocation: Vec<_> = r
                 .spec
                 .containers
@@ -276,7 +282,7 @@ pub fn spawn_fake_allocator(client: Client) -> JoinHandle<()> {
                         "index": c.index,
                         "name": c.name,
                         "replicaIds": c.devices.iter().map(|d| format!("{}::0", d.uuid)).collect::<Vec<_>>(),
-                        "devices": c.devices.iter().map(|d| d.uuid.clone()).collect::<Vec<_>>(),
+                        "devices": c.devices.iter().map(|d| if misaligned { KUBELET_CHOICE.to_string() } else { d.uuid.clone() }).collect::<Vec<_>>(),
                     })
                 })
                 .collect();
