@@ -69,7 +69,7 @@ bench: k8s-binaries
 	export GPULEDGER_K8S_BIN="$$bin" GPULEDGER_BIN_DIR="$(CURDIR)/target/release"; \
 	$(CARGO) bench -q -j $(JOBS) -p gpuledger-e2e --bench refit >$(BENCH_OUT)/refit.txt 2>$(BENCH_OUT)/refit.log \
 	  || echo "refit bench failed; see $(BENCH_OUT)/refit.log" >&2; \
-	GPULEDGER_REFIT_BENCH_OUT="$(BENCH_OUT)/refit.txt" \
+	GPULEDGER_REFIT_BENCH_OUT="$(CURDIR)/$(BENCH_OUT)/refit.txt" \
 	  $(CARGO) bench -q -j $(JOBS) -p gpuledger-e2e --bench table 2>$(BENCH_OUT)/table.log
 
 ## The long fault tests (e2e/tests/soak.rs, cargo feature `soak`; never part of `make test`).

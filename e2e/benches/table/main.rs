@@ -48,7 +48,7 @@ fn main() {
     rows.push(fit::fit_decision());
     eprintln!("[bench] 1000-node cluster: extender filter and scheduling throughput ...");
     rows.extend(rt.block_on(extender::filter_and_throughput()));
-    rows.push(refit::round_trip());
+    rows.extend(refit::round_trip());
     eprintln!("[bench] operator cold start with 20 000 reservations ...");
     rows.extend(rt.block_on(cold_start::cold_start()));
     println!();

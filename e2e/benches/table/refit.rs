@@ -8,26 +8,31 @@ use gpuledger_e2e::bench::refit_output::parse;
 
 const NAME: &str = "refit round trip";
 
-pub fn round_trip() -> Row {
+pub fn round_trip() -> Vec<Row> {
     let Some(path) = std::env::var_os("GPULEDGER_REFIT_BENCH_OUT") else {
-        return Row::missing(
+        return vec![Row::missing(
             NAME,
             "plugin refit call -> operator answer",
             "run via make bench",
-        );
+        )];
     };
     match std::fs::read_to_string(&path) {
-        Ok(text) => parse(NAME, &text).unwrap_or_else(|| {
-            Row::missing(
-                NAME,
-                "plugin refit call -> operator answer",
-                "refit bench printed no figures",
-            )
-        }),
-        Err(e) => Row::missing(
+        Ok(text) => {
+            let rows = parse(NAME, &text);
+            if rows.is_empty() {
+                vec![Row::missing(
+                    NAME,
+                    "plugin refit call -> operator answer",
+                    "refit bench printed no figures (see target/bench/refit.log)",
+                )]
+            } else {
+                rows
+            }
+        }
+        Err(e) => vec![Row::missing(
             NAME,
             "plugin refit call -> operator answer",
             format!("cannot read {}: {e}", std::path::Path::new(&path).display()),
-        ),
+        )],
     }
 }

@@ -1,37 +1,67 @@
-//! Reading the refit bench's printed figures (`e2e/benches/refit.rs`) into a table row, so
+//! Reading the refit bench's printed figures (`e2e/benches/refit.rs`) into table rows, so
 //! `make bench` shows the refit round trip in the one table without running it twice.
+//!
+//! The bench prints a header naming the workload (`... 200 refits on 20 nodes:`) and one line
+//! per series with `p50 <x> ms` and `p99 <y> ms`, optionally labelled (`one at a time: n= 20
+//! p50 ...`). Each series becomes a row.
 
 use crate::bench::{Row, Summary};
 
-/// Reads `"<n> refits on <m> nodes"` and `"p50 <x> ms ... p99 <y> ms"` from the refit bench.
-pub fn parse(name: &str, text: &str) -> Option<Row> {
-    let header = text.lines().find(|l| l.starts_with("refit round trip"))?;
-    let runs: usize = header
-        .split(", ")
-        .nth(1)?
-        .split_whitespace()
-        .next()?
-        .parse()
-        .ok()?;
-    let figures = text.lines().find(|l| l.trim_start().starts_with("p50 "))?;
-    let words: Vec<&str> = figures.split_whitespace().collect();
-    let value = |key: &str| -> Option<f64> {
-        let i = words.iter().position(|w| *w == key)?;
-        words.get(i + 1)?.parse().ok()
+/// The number after `key` in `words` (`"p50", "23.9"`), or glued to it (`"n=180"`).
+fn after(words: &[&str], key: &str) -> Option<f64> {
+    let i = words.iter().position(|w| w.starts_with(key))?;
+    let glued = &words[i][key.len()..];
+    let text = if glued.is_empty() {
+        words.get(i + 1)?
+    } else {
+        glued
     };
-    let (median, p99) = (value("p50")?, value("p99")?);
+    text.parse().ok()
+}
+
+/// One row per series the refit bench printed; empty when it printed none.
+pub fn parse(name: &str, text: &str) -> Vec<Row> {
+    let header = text.lines().find(|l| l.starts_with("refit round trip"));
+    let header_runs = header.and_then(|h| {
+        let words: Vec<&str> = h.split_whitespace().collect();
+        let i = words.iter().position(|w| w.starts_with("refits"))?;
+        words.get(i.checked_sub(1)?)?.parse::<usize>().ok()
+    });
     let nodes = header
-        .split(" on ")
-        .nth(1)
+        .and_then(|h| h.split(" on ").nth(1))
         .and_then(|s| s.split_whitespace().next())
         .unwrap_or("?");
-    Some(Row {
-        name: name.into(),
-        workload: format!("plugin refit call -> operator answer, {runs} refits, {nodes} nodes"),
-        unit: "ms".into(),
-        summary: Some(Summary { runs, median, p99 }),
-        note: "target p99 < 50 ms (from benches/refit.rs)".into(),
-    })
+    let mut rows = Vec::new();
+    for line in text
+        .lines()
+        .filter(|l| l.contains("p50") && l.contains("p99"))
+    {
+        let (label, figures) = match line.split_once(':') {
+            Some((label, rest)) if !label.contains("p50") => (label.trim(), rest),
+            _ => ("", line),
+        };
+        let words: Vec<&str> = figures.split_whitespace().collect();
+        let (Some(median), Some(p99)) = (after(&words, "p50"), after(&words, "p99")) else {
+            continue;
+        };
+        let runs = after(&words, "n=")
+            .map(|n| n as usize)
+            .or(header_runs)
+            .unwrap_or(0);
+        let series = if label.is_empty() {
+            String::new()
+        } else {
+            format!(", {label}")
+        };
+        rows.push(Row {
+            name: name.into(),
+            workload: format!("plugin refit call -> operator answer, {nodes} nodes{series}"),
+            unit: "ms".into(),
+            summary: Some(Summary { runs, median, p99 }),
+            note: "target p99 < 50 ms (benches/refit.rs)".into(),
+        });
+    }
+    rows
 }
 
 #[cfg(test)]
@@ -39,12 +69,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn reads_the_refit_bench_output() {
-        let text = "refit round trip (plugin call -> answer), 200 refits on 20 nodes (20 in parallel), through the real API server:\n  p50 12.5 ms  p90 20.1 ms  p99 31.0 ms  max 40.0 ms  mean 13.0 ms  (90 refits/s)\n";
-        let row = parse("refit", text).unwrap();
-        let s = row.summary.unwrap();
+    fn reads_labelled_series() {
+        let text = "refit round trip (plugin call -> answer) through the real API server, 200 refits on 20 nodes:\n       one at a time: n= 20  p50   23.9 ms  p90   26.1 ms  p99   27.1 ms  max   27.1 ms\n    20 nodes at once: n=180  p50  284.7 ms  p90  494.0 ms  p99  608.8 ms\n  operator: gpuledger_refits_total{outcome=\"moved\"} 200\n";
+        let rows = parse("refit", text);
+        assert_eq!(rows.len(), 2);
+        let s = rows[0].summary.unwrap();
+        assert_eq!((s.runs, s.median, s.p99), (20, 23.9, 27.1));
+        assert!(rows[0].workload.contains("20 nodes, one at a time"));
+        let s = rows[1].summary.unwrap();
+        assert_eq!((s.runs, s.median, s.p99), (180, 284.7, 608.8));
+    }
+
+    #[test]
+    fn reads_an_unlabelled_series_with_the_header_count() {
+        let text = "refit round trip (plugin call -> answer), 200 refits on 20 nodes (20 in parallel):\n  p50 12.5 ms  p90 20.1 ms  p99 31.0 ms  max 40.0 ms\n";
+        let rows = parse("refit", text);
+        assert_eq!(rows.len(), 1);
+        let s = rows[0].summary.unwrap();
         assert_eq!((s.runs, s.median, s.p99), (200, 12.5, 31.0));
-        assert!(row.workload.contains("20 nodes"));
-        assert!(parse("refit", "nothing").is_none());
+        assert!(parse("refit", "nothing").is_empty());
     }
 }
