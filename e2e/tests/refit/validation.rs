@@ -210,7 +210,8 @@ pub async fn every_refusal_leaves_the_reservation_unchanged(cp: &ControlPlane, a
 
 /// The API server enforces the node scope (config/admission): a plugin's identity for node A
 /// cannot even create a request naming node C. A request naming its own node for a pod on C
-/// gets in, and the operator refuses it: the pod is not on the asking node.
+/// gets in, and the operator refuses it: the pod is not on the asking node. A plugin can
+/// neither write a reservation's spec nor answer a request.
 pub async fn a_plugin_cannot_refit_a_pod_of_another_node(
     _cp: &ControlPlane,
     admin: &Client,
@@ -246,4 +247,26 @@ pub async fn a_plugin_cannot_refit_a_pod_of_another_node(
     .await;
     let after = reservation(admin, "cross-node").await;
     assert_eq!(before.spec, after.spec);
+
+    // Nor may a plugin move a reservation itself, or answer a request: RBAC gives it no write
+    // on reservation spec and none on refitrequests/status.
+    let mut moved = after.clone();
+    moved.spec.containers[0].devices[0].uuid = uuid(C, 0);
+    let err = Api::<GpuReservation>::namespaced(a.plugin_client.clone(), NS)
+        .replace("cross-node", &PostParams::default(), &moved)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, kube::Error::Api(s) if s.code == 403),
+        "{err}"
+    );
+    let body = json!({"status": {"phase": "Succeeded", "devices": [uuid(C, 0)]}});
+    let err = Api::<RefitRequest>::namespaced(a.plugin_client.clone(), NS)
+        .patch_status("cross-2", &PatchParams::default(), &Patch::Merge(&body))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, kube::Error::Api(s) if s.code == 403),
+        "{err}"
+    );
 }
