@@ -638,5 +638,77 @@ async fn misallocation_is_recorded_and_a_stuck_admission_times_out_freeing_the_n
         phase(r) == "Allocated"
     })
     .await;
+
+    // An init container's share is held (max of init and app, like HAMi) until the init
+    // containers have finished with exit 0; then only the app containers' share remains.
+    let mut staged = gpu_pod("staged", 1, 2000, 10);
+    let mut init = staged.spec.as_ref().unwrap().containers[0].clone();
+    init.name = "warmup".into();
+    let big: std::collections::BTreeMap<_, _> = [
+        ("nvidia.com/gpu", "1"),
+        ("nvidia.com/gpumem", "8000"),
+        ("nvidia.com/gpucores", "10"),
+    ]
+    .into_iter()
+    .map(|(k, v)| {
+        (
+            k.to_string(),
+            k8s_openapi::apimachinery::pkg::api::resource::Quantity(v.into()),
+        )
+    })
+    .collect();
+    let res = init.resources.as_mut().unwrap();
+    res.limits = Some(big.clone());
+    res.requests = Some(big);
+    staged.spec.as_mut().unwrap().init_containers = Some(vec![init]);
+    create_pod(&client, NS, &staged).await;
+    let r = wait_reservation(&client, NS, "staged", "Allocated", |r| {
+        phase(r) == "Allocated"
+    })
+    .await;
+    assert_eq!(r.spec.containers.len(), 2);
+    assert!(r.spec.containers[0].init && !r.spec.init_released);
+    let held = |r: &GpuReservation| -> u64 {
+        sum_usage([r], &FitEngine)
+            .values()
+            .map(|u| u.memory_mib)
+            .sum()
+    };
+    assert_eq!(held(&r), 8000);
+    let status = serde_json::json!({"status": {
+        "phase": "Running",
+        "initContainerStatuses": [{
+            "name": "warmup", "image": "registry.invalid/cuda:none", "imageID": "",
+            "ready": false, "restartCount": 0,
+            "state": {"terminated": {"exitCode": 0, "reason": "Completed"}},
+        }],
+    }});
+    Api::<Pod>::namespaced(client.clone(), NS)
+        .patch_status(
+            "staged",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&status),
+        )
+        .await
+        .unwrap();
+    let r = wait_reservation(&client, NS, "staged", "init released", |r| {
+        r.spec.init_released
+    })
+    .await;
+    assert_eq!(held(&r), 2000);
+    assert_eq!(phase(&r), "Allocated");
+
+    // Health and metrics endpoints.
+    let (code, body) = http(op.metrics_port, "GET", "/healthz", "").await.unwrap();
+    assert_eq!((code, body.as_str()), (200, "ok\n"));
+    let (_, metrics) = http(op.metrics_port, "GET", "/metrics", "").await.unwrap();
+    assert!(
+        metrics.contains(r#"gpuledger_extender_decisions_total{verb="bind",outcome="bound"}"#),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(r#"gpuledger_reservations{phase="Failed"} 1"#),
+        "{metrics}"
+    );
     op.kill().await;
 }
