@@ -120,3 +120,109 @@ impl Placer for FitEngine {
         Ok(Placement { containers, score })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpuledger_crds::podapi::{ContainerRequest, GpuRequest, MemoryRequest};
+    use gpuledger_crds::{GpuDevice, GpuNodeSpec, GpuNodeStatus};
+
+    fn node(name: &str, gpus: u32) -> GpuNode {
+        let mut n = GpuNode::new(name, GpuNodeSpec::default());
+        n.status = Some(GpuNodeStatus {
+            devices: (0..gpus)
+                .map(|i| GpuDevice {
+                    uuid: format!("GPU-{name}-{i}"),
+                    index: i,
+                    model: "NVIDIA L4".into(),
+                    memory_mib: 20000,
+                    cores: 100,
+                    numa_node: Some(0),
+                    pci_bus_id: None,
+                    mig: false,
+                    healthy: true,
+                })
+                .collect(),
+            split_count: Some(4),
+            ..Default::default()
+        });
+        n
+    }
+
+    fn request(mem: u64) -> PodRequest {
+        PodRequest {
+            containers: vec![ContainerRequest {
+                index: 0,
+                name: "main".into(),
+                init: false,
+                gpu: Some(GpuRequest {
+                    count: 1,
+                    memory: MemoryRequest::Mib(mem),
+                    cores: 10,
+                }),
+            }],
+            ..Default::default()
+        }
+    }
+
+    fn used(uuid: &str, mem: u64) -> NodeUsage {
+        NodeUsage::from([(
+            uuid.to_string(),
+            DeviceUsage {
+                memory_mib: mem,
+                cores: 10,
+                sharers: 1,
+            },
+        )])
+    }
+
+    fn policies(node: SchedulerPolicy) -> Policies {
+        Policies {
+            node,
+            gpu: SchedulerPolicy::Spread,
+        }
+    }
+
+    #[test]
+    fn ledger_usage_reaches_the_engine() {
+        let n = node("a", 1);
+        let full = used("GPU-a-0", 15000);
+        let err = FitEngine
+            .place(
+                &request(8000),
+                &n,
+                &full,
+                policies(SchedulerPolicy::Binpack),
+            )
+            .unwrap_err();
+        assert!(err.contains("CardInsufficientMemory"), "{err}");
+        let ok = FitEngine
+            .place(
+                &request(5000),
+                &n,
+                &full,
+                policies(SchedulerPolicy::Binpack),
+            )
+            .unwrap();
+        assert_eq!(ok.containers[0].devices[0].uuid, "GPU-a-0");
+        assert_eq!(ok.containers[0].devices[0].memory_mib, 5000);
+    }
+
+    #[test]
+    fn node_choice_follows_the_node_policy() {
+        let (a, b) = (node("a", 1), node("b", 1));
+        let nodes = [(&a, used("GPU-a-0", 10000)), (&b, NodeUsage::new())];
+        let binpack = FitEngine.choose(&request(1000), &nodes, policies(SchedulerPolicy::Binpack));
+        assert_eq!(binpack.chosen.as_deref(), Some("a"));
+        let spread = FitEngine.choose(&request(1000), &nodes, policies(SchedulerPolicy::Spread));
+        assert_eq!(spread.chosen.as_deref(), Some("b"));
+        // Only b has 15000 MiB free: a is a failed node with its reason.
+        let only_b = FitEngine.choose(&request(15000), &nodes, policies(SchedulerPolicy::Binpack));
+        assert_eq!(only_b.chosen.as_deref(), Some("b"));
+        assert_eq!(only_b.failed.len(), 1, "{:?}", only_b.failed);
+        assert_eq!(only_b.failed[0].0, "a");
+        let none = FitEngine.choose(&request(25000), &nodes, policies(SchedulerPolicy::Binpack));
+        assert_eq!(none.chosen, None);
+        assert_eq!(none.failed.len(), 2);
+    }
+}

@@ -81,8 +81,11 @@ async fn reconcile(r: Arc<GpuReservation>, ctx: Arc<Context>) -> Result<Action, 
     }
     let key = ReservationKey::of(&r);
     // Decide on the newest state we know: our own writes may be ahead of the controller's cache.
+    let version = |o: &GpuReservation| o.resource_version().and_then(|v| v.parse::<u64>().ok());
     let r = match ctx.index.get(&key) {
-        Some(newer) if newer.spec.pod_uid == r.spec.pod_uid => newer,
+        Some(known) if known.spec.pod_uid == r.spec.pod_uid && version(&known) > version(&r) => {
+            known
+        }
         _ => r,
     };
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &key.namespace);
