@@ -129,6 +129,9 @@ impl Inner {
         let Some(listed) = self.relist.take() else {
             return;
         };
+        // The list is a snapshot at least as new as its newest item: an own write no newer
+        // than that and absent from the list was deleted since.
+        let snapshot = listed.values().filter_map(|o| rv(o)).max();
         let mut next = HashMap::with_capacity(listed.len());
         for (key, obj) in listed {
             match self.live.get(&key) {
@@ -142,7 +145,11 @@ impl Inner {
                 .local_writes
                 .get(key)
                 .is_some_and(|at| at.elapsed() < LOCAL_WRITE_GRACE);
-            if recent && !next.contains_key(key) {
+            let maybe_newer = match (rv(obj), snapshot) {
+                (Some(v), Some(snap)) => v > snap,
+                _ => true,
+            };
+            if recent && maybe_newer && !next.contains_key(key) {
                 next.insert(key.clone(), obj.clone());
             }
         }
@@ -360,6 +367,17 @@ mod tests {
         idx.apply_event(Event::Init);
         idx.apply_event(Event::InitDone);
         assert!(idx.get(&key("fresh")).is_some());
+    }
+
+    #[test]
+    fn own_write_older_than_the_relist_snapshot_is_dropped() {
+        let idx = LedgerIndex::new();
+        idx.record_write(obj("deleted-since", "5", "n1"));
+        idx.apply_event(Event::Init);
+        idx.apply_event(Event::InitApply(obj("other", "9", "n1")));
+        idx.apply_event(Event::InitDone);
+        assert!(idx.get(&key("deleted-since")).is_none());
+        assert!(idx.get(&key("other")).is_some());
     }
 
     #[test]
