@@ -416,6 +416,25 @@ async fn a_burst_of_100_pods_on_4_nodes_never_overcommits_a_gpu() {
             .unwrap_or_else(|| panic!("no reservation for {}", p.name_any()));
         assert_eq!(r.spec.node_name, node);
     }
+    // Report (not assert) the extender's mean latency per verb over the burst.
+    let (_, metrics) = http(op.metrics_port, "GET", "/metrics", "").await.unwrap();
+    for verb in ["filter", "prioritize", "bind"] {
+        let value = |suffix: &str| -> f64 {
+            let prefix = format!("gpuledger_extender_latency_seconds_{suffix}{{verb=\"{verb}\"}} ");
+            metrics
+                .lines()
+                .find_map(|l| l.strip_prefix(prefix.as_str()))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0.0)
+        };
+        let (sum, count) = (value("sum"), value("count"));
+        if count > 0.0 {
+            eprintln!(
+                "burst: {verb}: {count} calls, mean {:.2} ms",
+                sum / count * 1000.0
+            );
+        }
+    }
     op.kill().await;
 }
 

@@ -245,7 +245,7 @@ async fn take_lease(ctx: &Context, node: &str, holder: &str) -> Result<(), Lease
             Err(e) => return Err(e),
         }
         tokio::time::sleep(pause).await;
-        pause = (pause * 2).min(Duration::from_millis(500));
+        pause = (pause * 2).min(Duration::from_millis(200));
     }
 }
 
