@@ -103,3 +103,69 @@ impl axum::serve::Listener for TlsListener {
         self.tcp.local_addr()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::serve::Listener;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio_rustls::TlsConnector;
+    use tokio_rustls::rustls::pki_types::ServerName;
+    use tokio_rustls::rustls::{ClientConfig, RootCertStore};
+
+    fn identity(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf, String) {
+        let ck = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).unwrap();
+        let (cert, key) = (dir.join("tls.crt"), dir.join("tls.key"));
+        std::fs::write(&cert, ck.cert.pem()).unwrap();
+        std::fs::write(&key, ck.signing_key.serialize_pem()).unwrap();
+        (cert, key, ck.cert.pem())
+    }
+
+    #[test]
+    fn unreadable_identity_names_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let (cert, _, _) = identity(dir.path());
+        let missing = dir.path().join("nope.key");
+        let err = acceptor(&cert, &missing).err().unwrap();
+        assert!(matches!(err, TlsError::Key { .. }));
+        assert!(err.to_string().contains("nope.key"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn serves_a_tls_client_that_trusts_the_certificate() {
+        let dir = tempfile::tempdir().unwrap();
+        let (cert, key, cert_pem) = identity(dir.path());
+        let tcp = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut listener = TlsListener::new(tcp, acceptor(&cert, &key).unwrap());
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let (mut io, _) = listener.accept().await;
+            let mut buf = [0u8; 4];
+            io.read_exact(&mut buf).await.unwrap();
+            io.write_all(b"pong").await.unwrap();
+            io.flush().await.unwrap();
+            buf
+        });
+        let mut roots = RootCertStore::empty();
+        roots
+            .add(CertificateDer::from_pem_slice(cert_pem.as_bytes()).unwrap())
+            .unwrap();
+        let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
+        let config = ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let tcp = TcpStream::connect(addr).await.unwrap();
+        let name = ServerName::try_from("localhost").unwrap();
+        let mut tls = TlsConnector::from(Arc::new(config))
+            .connect(name, tcp)
+            .await
+            .unwrap();
+        tls.write_all(b"ping").await.unwrap();
+        let mut reply = [0u8; 4];
+        tls.read_exact(&mut reply).await.unwrap();
+        assert_eq!(&reply, b"pong");
+        assert_eq!(&server.await.unwrap(), b"ping");
+    }
+}
