@@ -27,7 +27,8 @@ async fn client(cli: &Cli) -> Result<kube::Client, String> {
             .await
             .map_err(|e| format!("inferring the Kubernetes configuration: {e}"))?,
     };
-    kube::Client::try_from(config).map_err(|e| format!("building the Kubernetes client: {e}"))
+    gpuledger_device_plugin::refit::transport::client(config)
+        .map_err(|e| format!("building the Kubernetes client: {e}"))
 }
 
 fn discovery(cli: &Cli) -> Result<Arc<dyn Discovery>, String> {

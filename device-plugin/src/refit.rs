@@ -15,6 +15,7 @@
 
 pub mod client;
 pub mod outcome;
+pub mod transport;
 
 use std::time::Duration;
 

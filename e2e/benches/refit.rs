@@ -1,7 +1,8 @@
 //! Refit round trip through the real API server: the device plugin's refit call (create the
 //! RefitRequest, watch it) until the operator's answer arrives and is mapped to replica IDs —
-//! what GetPreferredAllocation waits for. 20 nodes, 10 refits each (200), the nodes in
-//! parallel and each node's refits one after another (a kubelet admits pods serially). Every
+//! what GetPreferredAllocation waits for. 20 nodes, 400 refits: 200 one at a time, then 200
+//! with the nodes in parallel and each node's refits one after another (a kubelet admits pods
+//! serially). Every
 //! plugin uses its own node-bound ServiceAccount token under config/admission, the operator its
 //! own ServiceAccount: the same checks as in a cluster.
 //!
@@ -15,7 +16,6 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use gpuledger_crds::names::DEFAULT_NAMESPACE;
 use gpuledger_crds::{Alignment, ContainerReservation, GpuReservation};
 use gpuledger_device_plugin::inventory::Inventory;
 use gpuledger_device_plugin::refit::client::RefitClient;
@@ -24,7 +24,8 @@ use kube::{Client, ResourceExt};
 use support::*;
 
 const NODES: usize = 20;
-const PER_NODE: usize = 10;
+/// Pods per node: half refitted one at a time, half with every node at once.
+const PER_NODE: usize = 20;
 /// Replicas per GPU on the benchmark's nodes: room for every refit on NUMA 0.
 const BENCH_SPLIT: u32 = 16;
 
@@ -41,10 +42,7 @@ struct BenchNode {
 async fn prepare(cp: &gpuledger_e2e::cluster::ControlPlane, admin: &Client, n: usize) -> BenchNode {
     let node = format!("bench-n{n:02}");
     let fake = inventory_node(admin, &node, &[], BENCH_SPLIT).await;
-    let plugin = cp
-        .client_for_service_account_on_node(DEFAULT_NAMESPACE, PLUGIN_SA, &node)
-        .await
-        .unwrap();
+    let plugin = plugin_identity(cp, &node).await;
     let inventory = Inventory::new(gpus(&node, &[]), BENCH_SPLIT);
     let numa0: Vec<String> = (0..2)
         .flat_map(|g| (0..BENCH_SPLIT).map(move |r| (g, r)))
@@ -144,13 +142,15 @@ async fn run() {
     // The operator sees every reservation before the clock starts.
     tokio::time::sleep(Duration::from_secs(2)).await;
 
-    // Pass 1: one refit at a time (one per node): the latency a kubelet sees on a quiet
-    // cluster. Pass 2: the other refits with all 20 nodes admitting at once (each node still
+    // Pass 1: 200 refits one at a time, round robin over the nodes: the latency a kubelet sees
+    // on a quiet cluster. Pass 2: 200 more with all 20 nodes admitting at once (each node still
     // serial, as a kubelet is): latency under load, and throughput.
     let mut serial = Vec::new();
-    for node in &mut nodes {
-        let case = node.cases.remove(0);
-        serial.push(refit_once(&node.hook, case).await);
+    for _ in 0..PER_NODE / 2 {
+        for node in &mut nodes {
+            let case = node.cases.remove(0);
+            serial.push(refit_once(&node.hook, case).await);
+        }
     }
     let started = Instant::now();
     let mut tasks = Vec::new();
@@ -178,6 +178,7 @@ async fn run() {
     report(&format!("{NODES} nodes at once"), &mut parallel, Some(wall));
     let mut all: Vec<Duration> = serial.iter().chain(parallel.iter()).copied().collect();
     report("all", &mut all, None);
+    drop(keep);
     let metrics = op.metrics().await;
     for line in metrics.lines().filter(|l| {
         l.starts_with("gpuledger_refits_total")

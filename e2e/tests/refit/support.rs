@@ -278,10 +278,7 @@ impl PluginNode {
             .create(&admin)
             .await
             .expect("node");
-        let plugin_client = cp
-            .client_for_service_account_on_node(DEFAULT_NAMESPACE, PLUGIN_SA, name)
-            .await
-            .expect("plugin identity");
+        let plugin_client = plugin_identity(cp, name).await;
         let tmp = tempfile::tempdir().expect("tempdir");
         let dir = tmp.path().join("device-plugins");
         let sim = KubeletSimulator::start(&dir)
@@ -650,4 +647,23 @@ pub async fn wait_event(admin: &Client, name: &str, reason: &str) -> String {
     })
     .await
     .expect("event")
+}
+
+/// A client for `kubeconfig` built the way the device plugin's binary builds its own
+/// (`TCP_NODELAY` on; see `gpuledger_device_plugin::refit::transport`).
+pub async fn plugin_client(kubeconfig: &Path) -> Client {
+    let kc = kube::config::Kubeconfig::read_from(kubeconfig).expect("kubeconfig");
+    let config = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+        .await
+        .expect("client config");
+    gpuledger_device_plugin::refit::transport::client(config).expect("client")
+}
+
+/// The device plugin's identity on `node`: a node-bound ServiceAccount token.
+pub async fn plugin_identity(cp: &ControlPlane, node: &str) -> Client {
+    let path = cp
+        .service_account_kubeconfig(DEFAULT_NAMESPACE, PLUGIN_SA, Some(node))
+        .await
+        .expect("plugin kubeconfig");
+    plugin_client(&path).await
 }
