@@ -209,27 +209,41 @@ pub fn audit(snap: &Snapshot, now: Timestamp, opts: Options) -> Vec<Finding> {
     out
 }
 
+/// What the capacity-holding reservations add up to on one GPU.
+#[derive(Default)]
+struct Held {
+    sharers: u64,
+    memory_mib: u64,
+    cores: u64,
+    holders: Vec<String>,
+}
+
 fn check_capacity(snap: &Snapshot, out: &mut Vec<Finding>) {
     let nodes: BTreeMap<&str, &GpuNode> = snap
         .nodes
         .iter()
         .filter_map(|n| Some((n.metadata.name.as_deref()?, n)))
         .collect();
-    // (node, uuid) -> (sharers, memory, cores, holders)
-    let mut used: BTreeMap<(&str, String), (u64, u64, u64, Vec<String>)> = BTreeMap::new();
+    let mut used: BTreeMap<(&str, String), Held> = BTreeMap::new();
     for r in snap.reservations.iter().filter(|r| holds_capacity(r)) {
         let name = key(r.metadata.namespace.as_ref(), r.metadata.name.as_ref());
         for share in reservation_usage(&r.spec) {
             let e = used
                 .entry((r.spec.node_name.as_str(), share.uuid))
                 .or_default();
-            e.0 += u64::from(share.usage.sharers);
-            e.1 += share.usage.memory_mib;
-            e.2 += u64::from(share.usage.cores);
-            e.3.push(name.clone());
+            e.sharers += u64::from(share.usage.sharers);
+            e.memory_mib += share.usage.memory_mib;
+            e.cores += u64::from(share.usage.cores);
+            e.holders.push(name.clone());
         }
     }
-    for ((node, uuid), (sharers, mem, cores, holders)) in used {
+    for ((node, uuid), held) in used {
+        let Held {
+            sharers,
+            memory_mib: mem,
+            cores,
+            holders,
+        } = held;
         let status = nodes.get(node).and_then(|n| n.status.as_ref());
         let device = status.and_then(|s| s.devices.iter().find(|d| d.uuid == uuid));
         let Some(device) = device else {
