@@ -207,7 +207,7 @@ async fn post_json(port: u16, path: &str, body: &str) -> String {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn api_server_paused_for_five_seconds_during_scheduling() {
+async fn api_server_paused_for_five_seconds_during_scheduling_and_refits() {
     let mut rng = rng("api_server_paused_for_five_seconds");
     let rig = Rig::start(2, SHAPE).await;
     let client = rig.client();
@@ -224,12 +224,15 @@ async fn api_server_paused_for_five_seconds_during_scheduling() {
     let names: BTreeSet<String> = pods.iter().map(|p| p.name_any()).collect();
     let (first, rest) = pods.split_at(8);
     create_pods(&client, first.to_vec()).await;
+    // Refits are asked for as pods get bound, some of them across the pause.
+    let refitter = spawn_refit_storm(client.clone(), 8, SHAPE);
     // Let scheduling get under way, then freeze the API server mid-flight for 5 s.
     tokio::time::sleep(Duration::from_millis(rng.random_range(200..1500))).await;
     signal(apiserver, Signal::STOP).unwrap();
     tokio::time::sleep(Duration::from_secs(5)).await;
     signal(apiserver, Signal::CONT).unwrap();
     create_pods(&client, rest.to_vec()).await;
+    let asked = refitter.await.unwrap();
 
     let outcome = settle(&client, &names, Duration::from_secs(5)).await;
     eprintln!(
@@ -241,6 +244,9 @@ async fn api_server_paused_for_five_seconds_during_scheduling() {
         !outcome.bound.is_empty(),
         "nothing was scheduled after the pause"
     );
+    let (moved, refused) = refits_terminal(&client).await;
+    eprintln!("pause: {asked} refits asked: {moved} succeeded, {refused} failed with a reason");
+    assert_eq!(moved + refused, asked);
     audit_clean(&client).await;
     reservations_match_bindings(&rig).await;
     // The operator rode out the stall: same process, ready again.

@@ -7,6 +7,7 @@
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use gpuledger_crds::names::{
     ALLOCATION_LEASE_PREFIX, DEVICE_PLUGIN_MANAGER, parse_lease_holder, reservation_name,
@@ -16,7 +17,7 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Container, Node, Pod, PodSpec, ResourceRequirements};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::watcher;
 use kube::{Client, ResourceExt};
 use serde_json::json;
@@ -234,16 +235,38 @@ where
 /// exactly the reserved GPUs for every reserved container, then delete the Lease (what the
 /// plugin does after the pod's last GPU container). Runs until the handle is aborted.
 pub fn spawn_allocator(client: Client, lease_namespace: &str) -> JoinHandle<()> {
+    spawn_allocator_after(client, lease_namespace, Duration::ZERO)
+}
+
+/// [`spawn_allocator`], allocating `delay` after the pod took the Lease: the window in which a
+/// real kubelet would be admitting the pod, and a device plugin could ask for a refit. The
+/// allocation is read from the reservation as it is then, so a committed refit is honoured.
+pub fn spawn_allocator_after(
+    client: Client,
+    lease_namespace: &str,
+    delay: Duration,
+) -> JoinHandle<()> {
     let leases: Api<Lease> = Api::namespaced(client.clone(), lease_namespace);
     tokio::spawn(async move {
         let mut events = std::pin::pin!(watcher(leases.clone(), watcher::Config::default()));
+        let mut pending = JoinSet::new();
         while let Some(ev) = events.next().await {
             let lease = match ev {
                 Ok(watcher::Event::Apply(l) | watcher::Event::InitApply(l)) => l,
                 _ => continue,
             };
-            if lease.name_any().starts_with(ALLOCATION_LEASE_PREFIX) {
+            if !lease.name_any().starts_with(ALLOCATION_LEASE_PREFIX) {
+                continue;
+            }
+            if delay.is_zero() {
                 allocate(&client, &leases, &lease).await;
+            } else {
+                let (client, leases) = (client.clone(), leases.clone());
+                pending.spawn(async move {
+                    tokio::time::sleep(delay).await;
+                    allocate(&client, &leases, &lease).await;
+                });
+                while pending.try_join_next().is_some() {}
             }
         }
     })
@@ -289,10 +312,31 @@ async fn allocate(client: &Client, leases: &Api<Lease>, lease: &Lease) {
         .await
         .is_ok()
     {
-        let _ = leases
-            .delete(&lease.name_any(), &DeleteParams::default())
-            .await;
+        release_if_still_held(leases, &lease.name_any(), &holder).await;
     }
+}
+
+/// Deletes Lease `name` only while `holder` holds it, with a resourceVersion precondition: a
+/// late or repeated allocation must never free a Lease another pod has taken since.
+async fn release_if_still_held(leases: &Api<Lease>, name: &str, holder: &str) {
+    let Ok(Some(current)) = leases.get_opt(name).await else {
+        return;
+    };
+    let held_by = current
+        .spec
+        .as_ref()
+        .and_then(|s| s.holder_identity.as_deref());
+    if held_by != Some(holder) {
+        return;
+    }
+    let params = DeleteParams {
+        preconditions: Some(Preconditions {
+            resource_version: current.metadata.resource_version.clone(),
+            uid: current.metadata.uid.clone(),
+        }),
+        ..Default::default()
+    };
+    let _ = leases.delete(name, &params).await;
 }
 
 #[cfg(test)]

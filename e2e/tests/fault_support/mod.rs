@@ -14,11 +14,11 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use gpuledger_crds::names::{DEFAULT_NAMESPACE, reservation_name};
-use gpuledger_crds::{RefitPhase, RefitRequest, RefitRequestSpec};
+use gpuledger_crds::{GpuReservation, RefitPhase, RefitRequest, RefitRequestSpec};
 use gpuledger_e2e::bench::fleet::devices;
 use gpuledger_e2e::bench::fleet::run_parallel;
 use gpuledger_e2e::bench::{
-    ChildOperator, Fleet, GpuShape, OperatorOptions, gpu_pod, spawn_allocator,
+    ChildOperator, Fleet, GpuShape, OperatorOptions, gpu_pod, spawn_allocator_after,
 };
 use gpuledger_e2e::cluster::{
     ControlPlane, ControlPlaneOptions, apply_path, ensure_namespace, wait_for,
@@ -37,6 +37,8 @@ use tokio::task::JoinHandle;
 
 /// Namespace of the test pods.
 pub const NS: &str = "default";
+/// How long after a pod takes its node's Lease the stand-in plugin records the allocation.
+pub const ALLOCATION_DELAY: Duration = Duration::from_secs(1);
 /// Generous bound for anything the cluster has to do on two shared cores.
 pub const WAIT: Duration = Duration::from_secs(240);
 
@@ -100,7 +102,10 @@ impl Rig {
         let fleet = Fleet::create(&client, "gpu", nodes, shape, true, 8)
             .await
             .expect("fleet created");
-        let allocator = fake_allocator.then(|| spawn_allocator(client, DEFAULT_NAMESPACE));
+        // Allocation a second after the Lease is taken: the admission window in which the
+        // refit storm's requests can still move a reservation.
+        let allocator = fake_allocator
+            .then(|| spawn_allocator_after(client, DEFAULT_NAMESPACE, ALLOCATION_DELAY));
         Rig {
             cp,
             fleet,
@@ -369,25 +374,55 @@ pub fn spawn_refit_storm(client: Client, count: usize, shape: GpuShape) -> JoinH
 }
 
 /// Waits until every RefitRequest in [`NS`] has a terminal phase; returns (succeeded, failed).
+/// A succeeded refit must be honoured: the reservation (while it exists) holds exactly the GPUs
+/// the answer names, all of them in the allowed set.
 pub async fn refits_terminal(client: &Client) -> (usize, usize) {
     let api: Api<RefitRequest> = Api::namespaced(client.clone(), NS);
-    wait_for("every RefitRequest terminal", WAIT, || {
+    let all = wait_for("every RefitRequest terminal", WAIT, || {
         let api = api.clone();
         async move {
             let all = api.list(&ListParams::default()).await?.items;
-            let phases: Vec<RefitPhase> = all
-                .iter()
-                .filter_map(|r| r.status.as_ref().and_then(|s| s.phase))
-                .filter(|p| p.is_terminal())
-                .collect();
-            let done = phases.len() == all.len();
-            let ok = phases
-                .iter()
-                .filter(|p| **p == RefitPhase::Succeeded)
-                .count();
-            Ok::<_, kube::Error>(done.then_some((ok, phases.len() - ok)))
+            let done = all.iter().all(|r| {
+                r.status
+                    .as_ref()
+                    .and_then(|s| s.phase)
+                    .is_some_and(|p| p.is_terminal())
+            });
+            Ok::<_, kube::Error>(done.then_some(all))
         }
     })
     .await
-    .expect("refits terminal")
+    .expect("refits terminal");
+    let reservations: Api<GpuReservation> = Api::namespaced(client.clone(), NS);
+    let mut succeeded = 0;
+    for r in &all {
+        let status = r.status.clone().unwrap_or_default();
+        if status.phase != Some(RefitPhase::Succeeded) {
+            continue;
+        }
+        succeeded += 1;
+        assert!(
+            status
+                .devices
+                .iter()
+                .all(|d| r.spec.allowed_devices.contains(d)),
+            "{}: answered {:?} outside {:?}",
+            r.name_any(),
+            status.devices,
+            r.spec.allowed_devices
+        );
+        let Ok(Some(res)) = reservations.get_opt(&r.spec.reservation).await else {
+            continue;
+        };
+        if res.spec.pod_uid != r.spec.pod_uid {
+            continue;
+        }
+        let held: Vec<String> = res
+            .spec
+            .container(r.spec.container_index)
+            .map(|c| c.devices.iter().map(|d| d.uuid.clone()).collect())
+            .unwrap_or_default();
+        assert_eq!(held, status.devices, "{}: refit not honoured", r.name_any());
+    }
+    (succeeded, all.len() - succeeded)
 }
