@@ -206,6 +206,9 @@ proptest! {
     }
 }
 
+/// Breaks one field of a request.
+type Breaker = Box<dyn Fn(&mut RefitRequestSpec)>;
+
 /// The acceptance branch above is not vacuous: a request consistent with its pod and
 /// reservation is accepted, and breaking any one field of it gets a refusal.
 #[test]
@@ -268,7 +271,7 @@ fn a_consistent_request_is_accepted_and_each_broken_field_refused() {
         ..Default::default()
     });
     assert!(validate(NS, &good, Some(&pod), Some(&r)).is_ok());
-    let breakers: Vec<(&str, Box<dyn Fn(&mut RefitRequestSpec)>)> = vec![
+    let breakers: Vec<(&str, Breaker)> = vec![
         ("uid", Box::new(|s| s.pod_uid = "uid-2".into())),
         ("node", Box::new(|s| s.node_name = "n2".into())),
         ("index", Box::new(|s| s.container_index = 0)),
