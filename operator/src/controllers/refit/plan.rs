@@ -1,20 +1,17 @@
 //! The decision of a refit that passed validation: which GPUs the container moves to, given the
 //! node's inventory and the ledger. Pure, like the fit engine it calls.
 //!
-//! The node's usage is built so that the container does not compete with itself but the pod's
-//! other containers still do: every other reservation on the node, plus this pod without the
-//! container (init collapse applied, as the ledger counts it), plus the container's own shares
-//! one by one, which [`fit::refit`] then releases. The new GPUs are thus checked against the sum
-//! of everything else; where HAMi's phase-aware accounting (#2868) would let an app container
-//! share an init container's peak, this is stricter — it can refuse a move HAMi accepts, never
-//! over-commit.
+//! The node's view carries the usage of every *other* pod on the node; the fit engine's
+//! [`fit::refit_reservation`] adds back what of this pod runs beside the container (its other
+//! app containers; not the init containers, which are done before the app containers start —
+//! HAMi's phase-aware capacity of #2868), so the container never competes with itself.
 
 use gpuledger_crds::podapi::PodRequest;
 use gpuledger_crds::{GpuNode, GpuReservationSpec, ReservedDevice};
 
 use crate::fit::{self, Policy, RefitOutcome, RefitRefusal};
-use crate::fit_adapter::{FitEngine, node_view};
-use crate::ledger::usage::{DeviceUsage, NodeUsage, ReservationLoad};
+use crate::fit_adapter::node_view;
+use crate::ledger::usage::NodeUsage;
 
 /// What committing the refit means for the reservation.
 #[derive(Clone, Debug, PartialEq)]
@@ -50,25 +47,9 @@ pub fn plan(
         .container(index)
         .map(|c| c.devices.clone())
         .unwrap_or_default();
-    let mut usage = others.clone();
-    let mut rest = reservation.clone();
-    for c in rest.containers.iter_mut().filter(|c| c.index == index) {
-        c.devices.clear();
-    }
-    let rest = gpuledger_crds::GpuReservation::new("plan", rest);
-    for (uuid, u) in FitEngine.load(&rest) {
-        usage.entry(uuid).or_default().add(u);
-    }
-    for d in &current {
-        usage.entry(d.uuid.clone()).or_default().add(DeviceUsage {
-            memory_mib: d.memory_mib,
-            cores: u64::from(d.cores),
-            sharers: 1,
-        });
-    }
-    let view = node_view(node, &usage);
+    let view = node_view(node, others);
     let from: Vec<String> = current.iter().map(|d| d.uuid.clone()).collect();
-    match fit::refit(&view, pod, defaults, &current, allowed)? {
+    match fit::refit_reservation(&view, reservation, index, pod, defaults, allowed)? {
         RefitOutcome::Unchanged => Ok(Plan::Unchanged { devices: from }),
         RefitOutcome::Moved(picks) => {
             let mut spec = reservation.clone();
@@ -93,6 +74,7 @@ pub fn plan(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ledger::usage::DeviceUsage;
     use gpuledger_crds::{ContainerReservation, GpuDevice, GpuNodeSpec, GpuNodeStatus};
 
     fn gpu(i: u32, numa: u32) -> GpuDevice {
@@ -262,5 +244,29 @@ mod tests {
         )
         .unwrap();
         assert!(matches!(got, Plan::Move { .. }), "{got:?}");
+    }
+
+    #[test]
+    fn an_app_container_does_not_compete_with_its_pods_init_peak() {
+        // The init container's 9000 MiB on GPU-0 are gone by the time the app container runs
+        // (HAMi #2868): the app container's 4000 MiB may move there.
+        let s = spec(vec![
+            (0, true, vec![share("GPU-0", 9000)]),
+            (1, false, vec![share("GPU-2", 4000)]),
+        ]);
+        let got = plan(
+            &node(),
+            &NodeUsage::new(),
+            &s,
+            1,
+            &PodRequest::default(),
+            &Policy::default(),
+            &allowed(&["GPU-0"]),
+        )
+        .unwrap();
+        let Plan::Move { to, .. } = got else {
+            panic!("{got:?}")
+        };
+        assert_eq!(to, ["GPU-0"]);
     }
 }
