@@ -1,7 +1,7 @@
 //! `RefitRequest`: the device plugin's request to move one container's reservation onto GPUs the
 //! kubelet's Topology Manager allows. The spec is immutable; the operator answers in the status.
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, MicroTime, Time};
 use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -52,8 +52,9 @@ pub struct RefitRequestSpec {
     #[schemars(length(min = 1, max = 512), extend("x-kubernetes-list-type" = "set"))]
     #[x_kube(validation = Rule::new("self.all(u, size(u) > 0 && size(u) <= 128)").message("allowed device UUIDs must be 1 to 128 characters"))]
     pub allowed_devices: Vec<String>,
-    /// After this instant the request must not be committed.
-    pub deadline: Time,
+    /// After this instant the request must not be committed. Microsecond precision: the plugin
+    /// waits about two seconds in all, so whole seconds would cost it up to half its budget.
+    pub deadline: MicroTime,
 }
 
 /// Outcome of a refit.

@@ -14,7 +14,7 @@ use gpuledger_crds::{
 };
 use gpuledger_operator::controllers::refit::validation::{container_name_at, validate};
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use proptest::prelude::*;
@@ -56,7 +56,7 @@ fn spec() -> impl Strategy<Value = RefitRequestSpec> {
                     container_index,
                     container_name,
                     allowed_devices: allowed,
-                    deadline: Time(Timestamp::UNIX_EPOCH),
+                    deadline: MicroTime(Timestamp::UNIX_EPOCH),
                 }
             },
         )
@@ -221,7 +221,7 @@ fn a_consistent_request_is_accepted_and_each_broken_field_refused() {
         container_index: 1,
         container_name: "main".into(),
         allowed_devices: vec!["GPU-b".into()],
-        deadline: Time(Timestamp::UNIX_EPOCH),
+        deadline: MicroTime(Timestamp::UNIX_EPOCH),
     };
     let pod = Pod {
         metadata: ObjectMeta {

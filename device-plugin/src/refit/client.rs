@@ -16,7 +16,7 @@ use futures::future::BoxFuture;
 use futures::{StreamExt, TryStreamExt};
 use gpuledger_crds::names::{NODE_LABEL, RESERVATION_LABEL};
 use gpuledger_crds::{RefitPhase, RefitRequest, RefitRequestSpec, RefitRequestStatus};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, OwnerReference};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::{Api, PostParams, WatchEvent, WatchParams};
 use kube::{Client, Resource, ResourceExt};
@@ -78,6 +78,14 @@ impl RefitHook for RefitClient {
     }
 }
 
+/// How much earlier than the plugin stops waiting the operator must have committed: the answer
+/// still has to travel back through the API server's watch. A move committed after the plugin
+/// gave up would be a refit the kubelet never honours (it is then recorded as `Misaligned`, but
+/// the point of the margin is not to get there). A fifth of the budget, at most 250 ms.
+fn commit_margin(timeout: SignedDuration) -> SignedDuration {
+    (timeout / 5).min(SignedDuration::from_millis(250))
+}
+
 /// The request for `ctx`, created at `now`.
 pub fn request_for(ctx: &RefitContext, now: Timestamp) -> RefitRequest {
     let reservation = &ctx.reservation;
@@ -92,13 +100,7 @@ pub fn request_for(ctx: &RefitContext, now: Timestamp) -> RefitRequest {
     };
     let timeout = SignedDuration::try_from(ctx.timeout).unwrap_or(SignedDuration::ZERO);
     let deadline = now
-        .checked_add(timeout)
-        .unwrap_or(now)
-        .round(
-            k8s_openapi::jiff::TimestampRound::new()
-                .smallest(k8s_openapi::jiff::Unit::Second)
-                .mode(k8s_openapi::jiff::RoundMode::Trunc),
-        )
+        .checked_add(timeout - commit_margin(timeout))
         .unwrap_or(now);
     // generateName adds 5 characters; names may have 253.
     let mut prefix: String = ctx.pod_name.chars().take(230).collect();
@@ -125,7 +127,7 @@ pub fn request_for(ctx: &RefitContext, now: Timestamp) -> RefitRequest {
             container_index: ctx.container.index,
             container_name: ctx.container.name.clone(),
             allowed_devices: ctx.allowed_gpus.clone(),
-            deadline: Time(deadline),
+            deadline: MicroTime(deadline),
         },
         status: None,
     }
@@ -219,7 +221,7 @@ mod tests {
     }
 
     #[test]
-    fn the_request_names_pod_container_node_owner_and_a_floored_deadline() {
+    fn the_request_names_pod_container_node_owner_and_a_deadline_before_the_wait_ends() {
         let now = Timestamp::from_millisecond(1_800_000_000_700).unwrap();
         let r = request_for(&ctx(), now);
         assert_eq!(r.metadata.generate_name.as_deref(), Some("train-c2-"));
@@ -236,10 +238,19 @@ mod tests {
         assert_eq!(r.spec.container_index, 2);
         assert_eq!(r.spec.container_name, "main");
         assert_eq!(r.spec.allowed_devices, ["GPU-b", "GPU-a"]);
-        // 0.7 s + 2.5 s = 3.2 s, floored to 3 s: never later than the plugin waits.
+        // 0.7 s + 2.5 s − 0.25 s margin: the operator's last moment to commit comes before the
+        // plugin stops waiting, with room for the answer to come back.
         assert_eq!(
             r.spec.deadline.0,
-            Timestamp::from_second(1_800_000_003).unwrap()
+            Timestamp::from_millisecond(1_800_000_002_950).unwrap()
+        );
+        let short = RefitContext {
+            timeout: Duration::from_millis(500),
+            ..ctx()
+        };
+        assert_eq!(
+            request_for(&short, now).spec.deadline.0,
+            Timestamp::from_millisecond(1_800_000_001_100).unwrap()
         );
     }
 

@@ -38,7 +38,7 @@ pub(crate) fn refit(name: &str, allowed: &[&str]) -> RefitRequest {
             container_index: 0,
             container_name: "main".into(),
             allowed_devices: allowed.iter().map(|s| s.to_string()).collect(),
-            deadline: Time(Timestamp::now() + 60.seconds()),
+            deadline: MicroTime(Timestamp::now() + 60.seconds()),
         },
     )
 }

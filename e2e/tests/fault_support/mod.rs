@@ -27,7 +27,7 @@ use gpuledger_operator::audit::cli::audit_cluster;
 use gpuledger_operator::audit::{Finding, Options};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::events::v1::Event;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::{Api, ListParams, PostParams};
 use kube::{Client, ResourceExt};
@@ -319,10 +319,16 @@ pub async fn kill_storm(
     (op, ready_times)
 }
 
-/// Plays device plugins asking for refits during a storm: every 100 ms, for bound pods not
-/// asked about yet, creates a RefitRequest moving container 0 onto the node's NUMA-1 GPUs
+/// Plays device plugins asking for refits during a storm: every 100 ms, for bound pods named
+/// `<prefix>…` not asked about yet, creates a RefitRequest moving container 0 onto the node's NUMA-1 GPUs
 /// (deadline 20 s), until `count` exist. Returns how many were created.
-pub fn spawn_refit_storm(client: Client, count: usize, shape: GpuShape) -> JoinHandle<usize> {
+pub fn spawn_refit_storm(
+    client: Client,
+    prefix: &str,
+    count: usize,
+    shape: GpuShape,
+) -> JoinHandle<usize> {
+    let prefix = prefix.to_string();
     tokio::spawn(async move {
         let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
         let refits: Api<RefitRequest> = Api::namespaced(client.clone(), NS);
@@ -339,7 +345,7 @@ pub fn spawn_refit_storm(client: Client, count: usize, shape: GpuShape) -> JoinH
                 .collect();
             for p in bound {
                 let name = p.name_any();
-                if asked.len() >= count || asked.contains(&name) {
+                if asked.len() >= count || asked.contains(&name) || !name.starts_with(&prefix) {
                     continue;
                 }
                 let node = p
@@ -360,7 +366,7 @@ pub fn spawn_refit_storm(client: Client, count: usize, shape: GpuShape) -> JoinH
                     container_index: 0,
                     container_name: "main".into(),
                     allowed_devices: allowed,
-                    deadline: Time(Timestamp::now() + SignedDuration::from_secs(20)),
+                    deadline: MicroTime(Timestamp::now() + SignedDuration::from_secs(20)),
                 };
                 let req = RefitRequest::new(&format!("{name}-main-0"), spec);
                 if refits.create(&PostParams::default(), &req).await.is_ok() {

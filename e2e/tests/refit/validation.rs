@@ -7,7 +7,7 @@ use gpuledger_crds::{
     Alignment, GpuReservation, GpuReservationSpec, RefitPhase, RefitRequest, RefitRequestSpec,
 };
 use gpuledger_e2e::cluster::ControlPlane;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
@@ -38,7 +38,7 @@ pub fn request(name: &str, pod: &str, uid: &str, node: &str) -> RefitRequest {
             container_index: 0,
             container_name: "main".into(),
             allowed_devices: vec![uuid(C, 0)],
-            deadline: Time(deadline),
+            deadline: MicroTime(deadline),
         },
         status: None,
     }
@@ -174,7 +174,7 @@ pub async fn every_refusal_leaves_the_reservation_unchanged(cp: &ControlPlane, a
     refused(admin, &plugin, r, "heterogeneous").await;
     // A deadline already passed.
     let mut r = request("val-late", "val", &uid, C);
-    r.spec.deadline = Time(
+    r.spec.deadline = MicroTime(
         Timestamp::now()
             .checked_sub(SignedDuration::from_secs(5))
             .unwrap(),

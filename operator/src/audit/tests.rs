@@ -7,7 +7,7 @@ use gpuledger_crds::{
 };
 use k8s_openapi::api::core::v1::{Container, PodSpec, PodStatus, ResourceRequirements};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, Time};
 
 use super::*;
 
@@ -278,7 +278,7 @@ fn pending_refit_past_deadline_and_grace_is_reported() {
             container_index: 0,
             container_name: "main".into(),
             allowed_devices: vec!["GPU-b".into()],
-            deadline: Time(ts(1000)),
+            deadline: MicroTime(ts(1000)),
         },
     );
     rr.metadata.namespace = Some("ns".into());

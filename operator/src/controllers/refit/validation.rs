@@ -182,7 +182,7 @@ mod tests {
         ReservedDevice,
     };
     use k8s_openapi::api::core::v1::{Container, PodSpec};
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
     use k8s_openapi::jiff::Timestamp;
 
     fn request() -> RefitRequestSpec {
@@ -194,7 +194,7 @@ mod tests {
             container_index: 1,
             container_name: "main".into(),
             allowed_devices: vec!["GPU-b".into()],
-            deadline: Time(Timestamp::UNIX_EPOCH),
+            deadline: MicroTime(Timestamp::UNIX_EPOCH),
         }
     }
 
