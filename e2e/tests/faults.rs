@@ -99,7 +99,7 @@ async fn operator_sigkilled_during_a_scheduling_storm_keeps_the_ledger() {
         let client = client.clone();
         async move { create_pods(&client, pods).await }
     });
-    let refitter = spawn_refit_storm(client.clone(), 12, SHAPE);
+    let refitter = spawn_refit_storm(client.clone(), "storm", 12, SHAPE);
     let (op, ready) = kill_storm(op, 3, &client, &mut rng).await;
     creator.await.unwrap();
     let asked = refitter.await.unwrap();
@@ -225,7 +225,7 @@ async fn api_server_paused_for_five_seconds_during_scheduling_and_refits() {
     let (first, rest) = pods.split_at(8);
     create_pods(&client, first.to_vec()).await;
     // Refits are asked for as pods get bound, some of them across the pause.
-    let refitter = spawn_refit_storm(client.clone(), 8, SHAPE);
+    let refitter = spawn_refit_storm(client.clone(), "paused", 8, SHAPE);
     // Let scheduling get under way, then freeze the API server mid-flight for 5 s.
     tokio::time::sleep(Duration::from_millis(rng.random_range(200..1500))).await;
     signal(apiserver, Signal::STOP).unwrap();

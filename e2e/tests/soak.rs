@@ -81,7 +81,7 @@ async fn operator_sigkilled_twenty_times_during_a_storm() {
             .await
         }
     });
-    let refitter = spawn_refit_storm(client.clone(), 60, shape);
+    let refitter = spawn_refit_storm(client.clone(), "wave2", 60, shape);
     let (op, ready) = kill_storm(op, 20, &client, &mut rng).await;
     creator.await.unwrap();
     deleter.await.unwrap().expect("pods deleted");
