@@ -88,8 +88,25 @@ pub async fn filter(ctx: &Context, args: ExtenderArgs) -> ExtenderFilterResult {
         .iter()
         .map(|(n, u)| (n.as_ref(), u.clone()))
         .collect();
-    let choice = ctx.placer.choose(&req, &views, policies_for(ctx, &req));
+    let policies = policies_for(ctx, &req);
+    let choice = ctx.placer.choose(&req, &views, policies);
     failed.extend(choice.failed);
+    // Every candidate gets an answer: the nodes that would fit but lost to the chosen one are
+    // refused with that reason, so kube-scheduler's "0/N nodes" messages stay complete.
+    if let Some(chosen) = &choice.chosen {
+        for (gpunode, _) in &candidates {
+            let name = gpunode.metadata.name.as_deref().unwrap_or_default();
+            if name != chosen && !failed.contains_key(name) {
+                failed.insert(
+                    name.to_string(),
+                    format!(
+                        "fits, but the {} node policy prefers node {chosen}",
+                        policies.node.as_str()
+                    ),
+                );
+            }
+        }
+    }
     let fit: Vec<String> = choice.chosen.into_iter().collect();
     if fit.is_empty() {
         let note = failed
