@@ -10,7 +10,7 @@
 //! in them, which are integers that grow with every write; where one does not parse, the index
 //! takes the incoming object (the watch is then the source of truth, as in a plain reflector).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -58,6 +58,9 @@ impl std::fmt::Display for ReservationKey {
 #[derive(Default)]
 struct Inner {
     live: HashMap<ReservationKey, Arc<GpuReservation>>,
+    /// The keys of `live`, by node: a filter over 1000 nodes asks for every node's usage, so a
+    /// scan of every reservation per node would make one filter call O(nodes × reservations).
+    by_node: HashMap<String, HashSet<ReservationKey>>,
     /// Deleted keys, with the resourceVersion of the deletion (when known) and when it happened.
     tombstones: HashMap<ReservationKey, (Option<u64>, Instant)>,
     /// Keys the operator wrote itself, and when.
@@ -91,6 +94,45 @@ fn supersedes(incoming: &GpuReservation, current: &GpuReservation) -> bool {
 }
 
 impl Inner {
+    /// Inserts into `live`, keeping `by_node` in step.
+    fn put_live(&mut self, key: ReservationKey, obj: Arc<GpuReservation>) {
+        let node = obj.spec.node_name.clone();
+        if let Some(old) = self.live.insert(key.clone(), obj)
+            && old.spec.node_name != node
+        {
+            self.unindex(&old.spec.node_name, &key);
+        }
+        self.by_node.entry(node).or_default().insert(key);
+    }
+
+    /// Removes from `live`, keeping `by_node` in step.
+    fn take_live(&mut self, key: &ReservationKey) {
+        if let Some(old) = self.live.remove(key) {
+            self.unindex(&old.spec.node_name, key);
+        }
+    }
+
+    fn unindex(&mut self, node: &str, key: &ReservationKey) {
+        if let Some(keys) = self.by_node.get_mut(node) {
+            keys.remove(key);
+            if keys.is_empty() {
+                self.by_node.remove(node);
+            }
+        }
+    }
+
+    /// Replaces `live` wholesale (after a relist) and rebuilds `by_node`.
+    fn replace_live(&mut self, live: HashMap<ReservationKey, Arc<GpuReservation>>) {
+        self.by_node.clear();
+        for (key, obj) in &live {
+            self.by_node
+                .entry(obj.spec.node_name.clone())
+                .or_default()
+                .insert(key.clone());
+        }
+        self.live = live;
+    }
+
     fn shadowed_by_tombstone(&self, key: &ReservationKey, obj: &GpuReservation) -> bool {
         match (self.tombstones.get(key), rv(obj)) {
             (Some((Some(dead), _)), Some(v)) => v <= *dead,
@@ -108,9 +150,7 @@ impl Inner {
         self.tombstones.remove(&key);
         match self.live.get(&key) {
             Some(cur) if !supersedes(&obj, cur) => {}
-            _ => {
-                self.live.insert(key, Arc::new(obj));
-            }
+            _ => self.put_live(key, Arc::new(obj)),
         }
     }
 
@@ -121,7 +161,7 @@ impl Inner {
             // A newer object already replaced the deleted one (a recreated pod's reservation).
             return;
         }
-        self.live.remove(&key);
+        self.take_live(&key);
         self.tombstones.insert(key, (deleted_rv, Instant::now()));
     }
 
@@ -153,7 +193,7 @@ impl Inner {
                 next.insert(key.clone(), obj.clone());
             }
         }
-        self.live = next;
+        self.replace_live(next);
         self.gc();
     }
 
@@ -248,11 +288,13 @@ impl LedgerIndex {
 
     /// Every reservation on `node`.
     pub fn on_node(&self, node: &str) -> Vec<Arc<GpuReservation>> {
-        self.read()
-            .live
-            .values()
-            .filter(|r| r.spec.node_name == node)
-            .cloned()
+        let inner = self.read();
+        inner
+            .by_node
+            .get(node)
+            .into_iter()
+            .flatten()
+            .filter_map(|key| inner.live.get(key).cloned())
             .collect()
     }
 
@@ -407,5 +449,48 @@ mod tests {
         let without_a = idx.node_usage("n1", Some("uid-a-1"), &One);
         assert_eq!(without_a.get("gpu").map(|u| u.sharers), Some(1));
         assert_eq!(idx.usage_by_node(&One).len(), 2);
+    }
+
+    fn names_on(idx: &LedgerIndex, node: &str) -> Vec<String> {
+        let mut names: Vec<String> = idx.on_node(node).iter().map(|r| r.name_any()).collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn the_per_node_view_follows_writes_deletes_moves_and_relists() {
+        let idx = LedgerIndex::new();
+        idx.record_write(obj("a", "1", "n1"));
+        idx.record_write(obj("b", "2", "n1"));
+        idx.record_write(obj("c", "3", "n2"));
+        assert_eq!(names_on(&idx, "n1"), ["a", "b"]);
+        assert_eq!(names_on(&idx, "n2"), ["c"]);
+
+        // A newer version on another node (a pod recreated elsewhere under the same name).
+        idx.apply_event(Event::Apply(obj("b", "4", "n2")));
+        assert_eq!(names_on(&idx, "n1"), ["a"]);
+        assert_eq!(names_on(&idx, "n2"), ["b", "c"]);
+
+        idx.apply_event(Event::Delete(obj("a", "5", "n1")));
+        assert!(names_on(&idx, "n1").is_empty());
+
+        // A relist that no longer holds c (deleted long ago, no recent own write of it: the
+        // list wins) and adds d.
+        idx.apply_event(Event::Init);
+        idx.apply_event(Event::InitApply(obj("b", "4", "n2")));
+        idx.apply_event(Event::InitApply(obj("d", "9", "n3")));
+        idx.apply_event(Event::InitDone);
+        assert_eq!(names_on(&idx, "n3"), ["d"]);
+        assert!(names_on(&idx, "n2").contains(&"b".to_string()));
+        for node in ["n1", "n2", "n3"] {
+            for r in idx.on_node(node) {
+                assert_eq!(r.spec.node_name, node);
+            }
+        }
+        let total: usize = ["n1", "n2", "n3"]
+            .iter()
+            .map(|n| idx.on_node(n).len())
+            .sum();
+        assert_eq!(total, idx.all().len());
     }
 }
