@@ -3,5 +3,6 @@
 pub mod bench;
 pub mod cluster;
 pub mod demo;
+pub mod http;
 pub mod kubelet;
 pub mod sim;

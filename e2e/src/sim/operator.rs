@@ -6,7 +6,6 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use gpuledger_crds::names::DEFAULT_NAMESPACE;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::Instant;
 
 use crate::cluster::process::{ProcessGroup, TAIL_LINES, tail};
@@ -116,7 +115,7 @@ impl OperatorProcess {
 
     /// The body of GET /metrics (empty when unreachable).
     pub async fn metrics(&self) -> String {
-        http_get(self.metrics_port, "/metrics")
+        crate::http::get(self.metrics_port, "/metrics")
             .await
             .map(|(_, body)| body)
             .unwrap_or_default()
@@ -149,26 +148,8 @@ pub fn free_port() -> Result<u16, SimNodeError> {
 }
 
 async fn http_status(port: u16, path: &str) -> Option<u16> {
-    http_get(port, path).await.ok().map(|(code, _)| code)
-}
-
-/// A minimal HTTP/1.1 GET on loopback: `(status code, body)`.
-async fn http_get(port: u16, path: &str) -> std::io::Result<(u16, String)> {
-    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
-    let req = format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
-    s.write_all(req.as_bytes()).await?;
-    let mut out = String::new();
-    tokio::time::timeout(Duration::from_secs(5), s.read_to_string(&mut out))
+    crate::http::get(port, path)
         .await
-        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer"))??;
-    let code = out
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = out
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    Ok((code, body))
+        .ok()
+        .map(|(code, _)| code)
 }

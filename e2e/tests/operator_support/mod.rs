@@ -26,7 +26,6 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 use serde_json::json;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::task::JoinHandle;
 
 /// Namespace of the operator's Leases in these tests.
@@ -367,29 +366,4 @@ pub async fn pod_events(client: &Client, ns: &str, name: &str) -> Vec<(String, S
         .collect()
 }
 
-/// A minimal HTTP/1.1 request on loopback: `(status code, body)`.
-pub async fn http(
-    port: u16,
-    method: &str,
-    path: &str,
-    body: &str,
-) -> std::io::Result<(u16, String)> {
-    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
-    let req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(req.as_bytes()).await?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).await?;
-    let code = out
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = out
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    Ok((code, body))
-}
+pub use gpuledger_e2e::http::request as http;

@@ -152,7 +152,7 @@ impl Operator {
         let task = tokio::spawn(gpuledger_operator::run::run(config, std::future::pending()));
         let op = Operator { task, metrics_port };
         wait_for("operator ready", WAIT, || async {
-            let ready = http_get(op.metrics_port, "/readyz")
+            let ready = gpuledger_e2e::http::get(op.metrics_port, "/readyz")
                 .await
                 .is_ok_and(|(code, _)| code == 200);
             Ok::<_, std::io::Error>(ready.then_some(()))
@@ -164,7 +164,7 @@ impl Operator {
 
     /// The operator's /metrics text.
     pub async fn metrics(&self) -> String {
-        http_get(self.metrics_port, "/metrics")
+        gpuledger_e2e::http::get(self.metrics_port, "/metrics")
             .await
             .map(|(_, body)| body)
             .unwrap_or_default()
@@ -175,26 +175,6 @@ impl Operator {
         self.task.abort();
         let _ = self.task.await;
     }
-}
-
-/// A plain HTTP/1.1 GET on loopback: `(status, body)`.
-pub async fn http_get(port: u16, path: &str) -> std::io::Result<(u16, String)> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
-    let req = format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
-    s.write_all(req.as_bytes()).await?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).await?;
-    let code = out
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = out
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    Ok((code, body))
 }
 
 /// The GPUs of `node`; those in `mig` are in MIG mode.
