@@ -19,9 +19,7 @@ use gpuledger_e2e::cluster::{
     ControlPlane, ControlPlaneOptions, FakeGpuNode, FakeNode, apply_path, wait_for,
 };
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, ResourceRequirements};
-use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
@@ -123,41 +121,9 @@ pub async fn gpu_node(client: &Client, name: &str, gpus: &[Gpu], split: u32) -> 
     node
 }
 
-/// A pod with one container asking `count` GPUs with `mem_mib` MiB and `cores` % each.
-pub fn gpu_pod(name: &str, count: u32, mem_mib: u64, cores: u32) -> Pod {
-    let limits = BTreeMap::from([
-        ("nvidia.com/gpu".to_string(), Quantity(count.to_string())),
-        (
-            "nvidia.com/gpumem".to_string(),
-            Quantity(mem_mib.to_string()),
-        ),
-        (
-            "nvidia.com/gpucores".to_string(),
-            Quantity(cores.to_string()),
-        ),
-    ]);
-    Pod {
-        metadata: ObjectMeta {
-            name: Some(name.to_string()),
-            ..Default::default()
-        },
-        spec: Some(PodSpec {
-            containers: vec![Container {
-                name: "main".into(),
-                image: Some("registry.invalid/cuda:none".into()),
-                resources: Some(ResourceRequirements {
-                    limits: Some(limits.clone()),
-                    requests: Some(limits),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }],
-            termination_grace_period_seconds: Some(0),
-            ..Default::default()
-        }),
-        status: None,
-    }
-}
+/// A pod with one container asking `count` GPUs with `mem_mib` MiB and `cores` % each (the
+/// same pod the benchmarks submit).
+pub use gpuledger_e2e::bench::fleet::gpu_pod;
 
 /// Adds an annotation.
 pub fn annotate(mut pod: Pod, key: &str, value: &str) -> Pod {
