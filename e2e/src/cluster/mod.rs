@@ -37,4 +37,4 @@ pub use control_plane::{
 pub use error::ClusterError;
 pub use nodes::{FakeGpuNode, FakeNode};
 pub use pods::{delete_bound_pod, mark_pod_finished, mark_pod_running};
-pub use wait::wait_for;
+pub use wait::{wait_for, wait_reservation};

@@ -51,6 +51,29 @@ where
     }
 }
 
+/// Waits until the GpuReservation of pod `ns/pod` exists and satisfies `pred`; returns it.
+pub async fn wait_reservation(
+    client: &kube::Client,
+    ns: &str,
+    pod: &str,
+    what: &str,
+    timeout: Duration,
+    pred: impl Fn(&gpuledger_crds::GpuReservation) -> bool,
+) -> Result<gpuledger_crds::GpuReservation, ClusterError> {
+    let api: kube::Api<gpuledger_crds::GpuReservation> = kube::Api::namespaced(client.clone(), ns);
+    let name = gpuledger_crds::names::reservation_name(pod);
+    let pred = &pred;
+    wait_for(format!("reservation {ns}/{pod}: {what}"), timeout, || {
+        let api = api.clone();
+        let name = name.clone();
+        async move {
+            let r = api.get_opt(&name).await?;
+            Ok::<_, kube::Error>(r.filter(|r| pred(r)))
+        }
+    })
+    .await
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -169,17 +169,9 @@ pub async fn wait_reservation(
     what: &str,
     pred: impl Fn(&GpuReservation) -> bool,
 ) -> GpuReservation {
-    let api: Api<GpuReservation> = Api::namespaced(client.clone(), ns);
-    let pred = &pred;
-    wait_for(format!("reservation {ns}/{name}: {what}"), WAIT, || {
-        let api = api.clone();
-        async move {
-            let r = api.get_opt(&reservation_name(name)).await?;
-            Ok::<_, kube::Error>(r.filter(|r| pred(r)))
-        }
-    })
-    .await
-    .expect("reservation reached the state")
+    gpuledger_e2e::cluster::wait_reservation(client, ns, name, what, WAIT, pred)
+        .await
+        .expect("reservation")
 }
 
 /// The phase of a reservation as a string (`Reserved` when unset).

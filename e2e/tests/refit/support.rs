@@ -553,17 +553,9 @@ pub async fn wait_reservation(
     what: &str,
     pred: impl Fn(&GpuReservation) -> bool,
 ) -> GpuReservation {
-    let api: Api<GpuReservation> = Api::namespaced(admin.clone(), NS);
-    let pred = &pred;
-    wait_for(format!("reservation {name}: {what}"), WAIT, || {
-        let api = api.clone();
-        async move {
-            let r = api.get_opt(&names::reservation_name(name)).await?;
-            Ok::<_, kube::Error>(r.filter(|r| pred(r)))
-        }
-    })
-    .await
-    .expect("reservation state")
+    gpuledger_e2e::cluster::wait_reservation(admin, NS, name, what, WAIT, pred)
+        .await
+        .expect("reservation")
 }
 
 /// GPUs of container `index` of a reservation.
