@@ -8,7 +8,8 @@
 //!    ok, refit refused) for none / best-effort / strict, a pinned UUID, the NumaPolicy mode,
 //!    every validation refusal, the cross-node identity, competing refits, refit vs scheduling;
 //! 2. with the operator stopped: the rows without a usable answer (timeout, committed but
-//!    unmappable) and the API server paused (SIGSTOP) during a refit;
+//!    unmappable) and the API server paused (SIGSTOP) during a refit: a strict pod fails, a
+//!    best-effort one falls back to the kubelet's choice and is allocated after the resume;
 //! 3. operator restarted: expired requests are refused, never committed; every divergence is
 //!    `Misaligned`; metrics; the ledger audit is clean; answered requests expire (TTL).
 //!
@@ -57,8 +58,10 @@ async fn numa_refit_end_to_end() {
     races::refit_racing_a_new_pods_scheduling(&cp, &admin).await;
 
     op.stop().await;
-    let unanswered = faults::rows_without_a_usable_answer(&admin, &a).await;
+    let mut unanswered = faults::rows_without_a_usable_answer(&admin, &a).await;
     let paused = faults::api_server_paused_during_a_refit(&cp, &admin, &a).await;
+    unanswered
+        .push(faults::best_effort_falls_back_while_the_api_server_is_paused(&cp, &admin, &a).await);
 
     // A short TTL from now on, so answered requests disappear before the test ends.
     let op = Operator::start(&cp, port, Duration::from_secs(3)).await;
@@ -79,6 +82,7 @@ async fn every_divergence_is_recorded(admin: &kube::Client) {
         matrix::NONE_MISMATCH,
         matrix::BEST_EFFORT_REFUSED,
         faults::BEST_EFFORT_TIMEOUT,
+        faults::BEST_EFFORT_PAUSED,
     ] {
         let r = wait_reservation(admin, pod, "Misaligned", |r| {
             r.status.as_ref().is_some_and(|s| {
@@ -116,19 +120,20 @@ fn sample(text: &str, series: &str) -> f64 {
 }
 
 async fn metrics_count_outcomes(op: &Operator) {
-    // The restarted operator's counters: it refused the two strict requests left pending as
-    // expired, and it recorded be-timeout's Misaligned (it was stopped when that happened).
+    // The restarted operator's counters: it answered the four requests left pending (the two
+    // strict ones refused as expired, be-timeout's and be-paused's as already allocated), and
+    // it recorded those two pods' Misaligned (it was stopped when they were allocated).
     let text = op.metrics().await;
     assert!(
         sample(&text, r#"gpuledger_refits_total{outcome="expired"}"#) >= 2.0,
         "{text}"
     );
     assert!(
-        sample(&text, "gpuledger_refit_latency_seconds_count") >= 3.0,
+        sample(&text, "gpuledger_refit_latency_seconds_count") >= 4.0,
         "{text}"
     );
     assert!(
-        sample(&text, "gpuledger_misaligned_reservations_total") >= 1.0,
+        sample(&text, "gpuledger_misaligned_reservations_total") >= 2.0,
         "{text}"
     );
 }
