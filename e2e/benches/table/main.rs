@@ -16,7 +16,8 @@
 //! - operator cold start with 20 000 reservations: spawn to `/readyz` 200 and peak RSS (VmHWM
 //!   of the child process), three starts.
 //!
-//! `GPULEDGER_BENCH_QUICK=1` shrinks every workload tenfold (to try the harness quickly).
+//! `GPULEDGER_BENCH_QUICK=1` shrinks every workload tenfold (to try the harness quickly);
+//! `GPULEDGER_BENCH_ONLY=fit,extender,refit,cold_start` (any subset) runs only those rows.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -36,6 +37,14 @@ pub fn scaled(n: usize) -> usize {
     }
 }
 
+/// Whether the rows of group `name` are wanted (`GPULEDGER_BENCH_ONLY`, default all).
+fn wanted(name: &str) -> bool {
+    match std::env::var("GPULEDGER_BENCH_ONLY") {
+        Ok(only) if !only.trim().is_empty() => only.split(',').any(|g| g.trim() == name),
+        _ => true,
+    }
+}
+
 fn main() {
     // `cargo bench` passes `--bench`; there is nothing to filter.
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -44,13 +53,21 @@ fn main() {
         .build()
         .expect("tokio runtime");
     let mut rows: Vec<Row> = Vec::new();
-    eprintln!("[bench] fit decision ...");
-    rows.push(fit::fit_decision());
-    eprintln!("[bench] 1000-node cluster: extender filter and scheduling throughput ...");
-    rows.extend(rt.block_on(extender::filter_and_throughput()));
-    rows.extend(refit::round_trip());
-    eprintln!("[bench] operator cold start with 20 000 reservations ...");
-    rows.extend(rt.block_on(cold_start::cold_start()));
+    if wanted("fit") {
+        eprintln!("[bench] fit decision ...");
+        rows.push(fit::fit_decision());
+    }
+    if wanted("extender") {
+        eprintln!("[bench] 1000-node cluster: extender filter and scheduling throughput ...");
+        rows.extend(rt.block_on(extender::filter_and_throughput()));
+    }
+    if wanted("refit") {
+        rows.extend(refit::round_trip());
+    }
+    if wanted("cold_start") {
+        eprintln!("[bench] operator cold start with 20 000 reservations ...");
+        rows.extend(rt.block_on(cold_start::cold_start()));
+    }
     println!();
     print_table(&rows);
 }
