@@ -572,11 +572,17 @@ async fn with_two_replicas_only_the_leader_writes_and_the_other_takes_over() {
     })
     .await;
     // Only the leader decided and wrote: the follower reports itself as such and bound nothing.
-    let (_, a_metrics) = http(a.metrics_port, "GET", "/metrics", "").await.unwrap();
+    // The bind handler counts its outcome when it returns, which may be after the allocation
+    // it caused (it still marks the reservation Allocating after posting the Binding).
+    let a_metrics = wait_for("the leader counts its bind", WAIT, || async {
+        let (_, text) = http(a.metrics_port, "GET", "/metrics", "").await?;
+        Ok::<_, std::io::Error>(text.contains(r#"outcome="bound"} 1"#).then_some(text))
+    })
+    .await
+    .unwrap();
     let (_, b_metrics) = http(b.metrics_port, "GET", "/metrics", "").await.unwrap();
     assert!(a_metrics.contains("gpuledger_leader 1"), "{a_metrics}");
     assert!(b_metrics.contains("gpuledger_leader 0"), "{b_metrics}");
-    assert!(a_metrics.contains(r#"outcome="bound"} 1"#), "{a_metrics}");
     assert!(!b_metrics.contains(r#"outcome="bound""#), "{b_metrics}");
 
     // The leader dies; the follower takes over within the lease duration and carries on.

@@ -13,3 +13,4 @@ pub mod ledger;
 pub mod placement;
 pub mod run;
 pub mod telemetry;
+pub mod watches;

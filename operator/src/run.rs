@@ -9,7 +9,6 @@ use axum::Router;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::get;
-use futures::{Stream, StreamExt};
 use gpuledger_crds::podapi::PodApiConfig;
 use gpuledger_crds::{GpuNode, GpuReservation, NumaPolicy};
 use k8s_openapi::api::core::v1::Namespace;
@@ -23,10 +22,12 @@ use tokio::net::TcpListener;
 use crate::config::RunConfig;
 use crate::context::{Context, reporter};
 use crate::fit_adapter::FitEngine;
+use crate::ledger::feed::feed_index;
 use crate::ledger::usage::holds_capacity;
 use crate::ledger::{LedgerIndex, LedgerWriter, NodeLocks};
 use crate::placement::Policies;
 use crate::telemetry::{Health, Metrics};
+use crate::watches::{drive, strip_managed_fields, tracked};
 use crate::{controllers, extender, leader};
 
 /// Why the operator could not start or stopped.
@@ -82,24 +83,6 @@ async fn client(config: &RunConfig) -> Result<Client, RunError> {
     Client::try_from(cfg).map_err(|e| RunError::ClientConfig(e.to_string()))
 }
 
-/// Drives a watch stream, reporting progress to `health` under `name`.
-async fn drive<S, T>(name: &'static str, stream: S, health: Arc<Health>)
-where
-    S: Stream<Item = Result<T, watcher::Error>>,
-{
-    let mut stream = std::pin::pin!(stream);
-    while let Some(item) = stream.next().await {
-        match item {
-            Ok(_) => health.watch_ok(name),
-            Err(e) => {
-                tracing::warn!(watch = name, error = %e, "watch error (retrying)");
-                health.watch_error(name);
-            }
-        }
-    }
-    health.watch_ended(name);
-}
-
 /// Creates the Lease namespace when it does not exist yet (best effort: without the right
 /// to create namespaces, the operator relies on it being installed).
 async fn ensure_namespace(client: &Client, ns: &str) {
@@ -134,35 +117,35 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
     let metrics = Arc::new(Metrics::new());
     let index = Arc::new(LedgerIndex::new());
 
-    // Ledger: the watch feeds the index directly (its own relist/rv logic, see ledger::index).
+    // Ledger: one watch feeds the index (its own relist/rv logic, see ledger::index) and then
+    // triggers the lifecycle controller, which is spawned below once the context exists.
     let mut tasks = tokio::task::JoinSet::new();
-    {
-        let index = index.clone();
+    let reservations = {
         let api: Api<GpuReservation> = Api::all(client.clone());
-        let stream = watcher(api, watcher::Config::default())
-            .default_backoff()
-            .map(move |ev| ev.map(|ev| index.apply_event(ev)));
-        tasks.spawn(drive("gpureservations", stream, health.clone()));
-    }
-    let (gpunodes, writer) = reflector::store::<GpuNode>();
-    let stream = reflector::reflector(
-        writer,
-        watcher(
-            Api::<GpuNode>::all(client.clone()),
-            watcher::Config::default(),
+        let events = watcher(api, watcher::Config::default()).default_backoff();
+        tracked(
+            "gpureservations",
+            health.clone(),
+            feed_index(index.clone(), events),
         )
-        .default_backoff(),
-    );
+    };
+    let (gpunodes, writer) = reflector::store::<GpuNode>();
+    let stream = watcher(
+        Api::<GpuNode>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .modify(strip_managed_fields)
+    .reflect(writer);
     tasks.spawn(drive("gpunodes", stream, health.clone()));
     let (policies, writer) = reflector::store::<NumaPolicy>();
-    let stream = reflector::reflector(
-        writer,
-        watcher(
-            Api::<NumaPolicy>::all(client.clone()),
-            watcher::Config::default(),
-        )
-        .default_backoff(),
-    );
+    let stream = watcher(
+        Api::<NumaPolicy>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .modify(strip_managed_fields)
+    .reflect(writer);
     tasks.spawn(drive("numapolicies", stream, health.clone()));
 
     if config.leader_elect {
@@ -199,6 +182,10 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         health: health.clone(),
         recorder: Recorder::new(client.clone(), reporter(&identity)),
     });
+
+    // The lifecycle controller drives the reservation watch, so it starts before the wait for
+    // the index; it reconciles nothing until the index is synced (`Context::may_write`).
+    tasks.spawn(controllers::reservation::run(ctx.clone(), reservations));
 
     // The extender answers only once the caches it decides on are complete.
     index.wait_synced().await;
@@ -244,7 +231,6 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
             tracing::error!(error = %e, "telemetry server failed");
         }
     });
-    tasks.spawn(controllers::reservation::run(ctx.clone()));
     tasks.spawn(controllers::numapolicy::run(ctx.clone()));
     tasks.spawn(controllers::refit::run(ctx.clone(), config.refit_ttl));
     tasks.spawn(controllers::gpunode_usage::run(

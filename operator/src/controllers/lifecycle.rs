@@ -6,9 +6,9 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use gpuledger_crds::{GpuReservation, ReservationPhase};
-use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
-use kube::ResourceExt;
+
+use super::pod_facts::PodFacts;
 
 /// How long a reservation may wait, unbound, for bind to post the Binding. Bind does it within
 /// one extender call (seconds); anything older is a leftover of a crashed bind.
@@ -43,6 +43,14 @@ pub enum Step {
     Idle,
 }
 
+impl Step {
+    /// Whether executing the step writes to the API server. The controller decides such steps
+    /// again on a freshly read pod: its cached pod facts may lag the watch.
+    pub fn writes(&self) -> bool {
+        !matches!(self, Step::Idle | Step::WaitFor(_))
+    }
+}
+
 fn phase_of(r: &GpuReservation) -> ReservationPhase {
     r.status.as_ref().and_then(|s| s.phase).unwrap_or_default()
 }
@@ -51,35 +59,6 @@ fn elapsed_since(t: Option<Timestamp>, now: Timestamp) -> Duration {
     t.map(|t| now.duration_since(t))
         .and_then(|d: SignedDuration| Duration::try_from(d).ok())
         .unwrap_or_default()
-}
-
-fn pod_finished(pod: &Pod) -> bool {
-    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
-    matches!(phase, Some("Succeeded" | "Failed")) || pod.metadata.deletion_timestamp.is_some()
-}
-
-/// Whether every init container of `pod` has terminated with exit code 0.
-pub fn init_containers_done(pod: &Pod) -> bool {
-    let wanted = pod
-        .spec
-        .as_ref()
-        .and_then(|s| s.init_containers.as_ref())
-        .map_or(0, Vec::len);
-    if wanted == 0 {
-        return false;
-    }
-    let statuses = pod
-        .status
-        .as_ref()
-        .and_then(|s| s.init_container_statuses.as_deref())
-        .unwrap_or_default();
-    statuses.len() == wanted
-        && statuses.iter().all(|s| {
-            s.state
-                .as_ref()
-                .and_then(|st| st.terminated.as_ref())
-                .is_some_and(|t| t.exit_code == 0)
-        })
 }
 
 /// Whether the device plugin recorded an allocation for every reserved container.
@@ -130,17 +109,17 @@ fn misaligned_recorded(r: &GpuReservation) -> Option<&str> {
 /// The next step for `r`, whose pod (same namespace and name) is `pod`.
 pub fn next_step(
     r: &GpuReservation,
-    pod: Option<&Pod>,
+    pod: Option<&PodFacts>,
     now: Timestamp,
     allocating_timeout: Duration,
 ) -> Step {
-    let Some(pod) = pod.filter(|p| p.uid().as_deref() == Some(r.spec.pod_uid.as_str())) else {
+    let Some(pod) = pod.filter(|p| p.uid == r.spec.pod_uid) else {
         return Step::Delete {
             why: "pod gone or recreated",
         };
     };
     let phase = phase_of(r);
-    if pod_finished(pod) {
+    if pod.finished {
         return if phase.holds_capacity() {
             Step::Phase {
                 phase: ReservationPhase::Released,
@@ -150,7 +129,7 @@ pub fn next_step(
             Step::Idle
         };
     }
-    let bound_to = pod.spec.as_ref().and_then(|s| s.node_name.as_deref());
+    let bound_to = pod.node_name.as_deref();
     match phase {
         ReservationPhase::Reserved => match bound_to {
             Some(n) if n == r.spec.node_name => Step::Phase {
@@ -199,7 +178,7 @@ pub fn next_step(
                 return Step::Misaligned { message: found };
             }
             let has_init = r.spec.containers.iter().any(|c| c.init);
-            if has_init && !r.spec.init_released && init_containers_done(pod) {
+            if has_init && !r.spec.init_released && pod.init_done {
                 return Step::ShrinkInit;
             }
             Step::Idle
@@ -216,11 +195,17 @@ mod tests {
         ReservedDevice,
     };
     use k8s_openapi::api::core::v1::{
-        Container, ContainerState, ContainerStateTerminated, ContainerStatus, PodSpec, PodStatus,
+        Container, ContainerState, ContainerStateTerminated, ContainerStatus, Pod, PodSpec,
+        PodStatus,
     };
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
     const TIMEOUT: Duration = Duration::from_secs(300);
+
+    /// [`next_step`] on the facts of a whole pod, as the controller calls it.
+    fn step(r: &GpuReservation, pod: Option<&Pod>, now: Timestamp, timeout: Duration) -> Step {
+        next_step(r, pod.map(PodFacts::of).as_ref(), now, timeout)
+    }
 
     fn t(secs: i64) -> Timestamp {
         Timestamp::from_second(1_800_000_000 + secs).unwrap()
@@ -299,15 +284,28 @@ mod tests {
     }
 
     #[test]
+    fn only_idle_and_waiting_skip_the_fresh_read() {
+        assert!(!Step::Idle.writes());
+        assert!(!Step::WaitFor(Duration::from_secs(1)).writes());
+        assert!(Step::Delete { why: "x" }.writes());
+        assert!(Step::ShrinkInit.writes());
+        assert!(Step::Misaligned { message: None }.writes());
+        assert!(
+            Step::Phase {
+                phase: ReservationPhase::Released,
+                free_lease: true
+            }
+            .writes()
+        );
+    }
+
+    #[test]
     fn missing_or_recreated_pod_deletes_the_reservation() {
         let r = reservation(Some(ReservationPhase::Allocated), 0);
-        assert!(matches!(
-            next_step(&r, None, t(1), TIMEOUT),
-            Step::Delete { .. }
-        ));
+        assert!(matches!(step(&r, None, t(1), TIMEOUT), Step::Delete { .. }));
         let other = pod("uid-2", Some("n1"), "Running");
         assert!(matches!(
-            next_step(&r, Some(&other), t(1), TIMEOUT),
+            step(&r, Some(&other), t(1), TIMEOUT),
             Step::Delete { .. }
         ));
     }
@@ -318,7 +316,7 @@ mod tests {
         for phase in ["Succeeded", "Failed"] {
             let p = pod("uid-1", Some("n1"), phase);
             assert_eq!(
-                next_step(&r, Some(&p), t(1), TIMEOUT),
+                step(&r, Some(&p), t(1), TIMEOUT),
                 Step::Phase {
                     phase: ReservationPhase::Released,
                     free_lease: true
@@ -327,7 +325,7 @@ mod tests {
         }
         let released = reservation(Some(ReservationPhase::Released), 0);
         let p = pod("uid-1", Some("n1"), "Succeeded");
-        assert_eq!(next_step(&released, Some(&p), t(1), TIMEOUT), Step::Idle);
+        assert_eq!(step(&released, Some(&p), t(1), TIMEOUT), Step::Idle);
     }
 
     #[test]
@@ -335,7 +333,7 @@ mod tests {
         let r = reservation(None, 0);
         let bound = pod("uid-1", Some("n1"), "Pending");
         assert!(matches!(
-            next_step(&r, Some(&bound), t(1), TIMEOUT),
+            step(&r, Some(&bound), t(1), TIMEOUT),
             Step::Phase {
                 phase: ReservationPhase::Allocating,
                 ..
@@ -343,16 +341,16 @@ mod tests {
         ));
         let unbound = pod("uid-1", None, "Pending");
         assert_eq!(
-            next_step(&r, Some(&unbound), t(10), TIMEOUT),
+            step(&r, Some(&unbound), t(10), TIMEOUT),
             Step::WaitFor(Duration::from_secs(50))
         );
         assert!(matches!(
-            next_step(&r, Some(&unbound), t(61), TIMEOUT),
+            step(&r, Some(&unbound), t(61), TIMEOUT),
             Step::Delete { .. }
         ));
         let elsewhere = pod("uid-1", Some("n2"), "Pending");
         assert!(matches!(
-            next_step(&r, Some(&elsewhere), t(1), TIMEOUT),
+            step(&r, Some(&elsewhere), t(1), TIMEOUT),
             Step::Delete { .. }
         ));
     }
@@ -362,11 +360,11 @@ mod tests {
         let mut r = reservation(Some(ReservationPhase::Allocating), 100);
         let p = pod("uid-1", Some("n1"), "Pending");
         assert_eq!(
-            next_step(&r, Some(&p), t(160), TIMEOUT),
+            step(&r, Some(&p), t(160), TIMEOUT),
             Step::WaitFor(Duration::from_secs(240))
         );
         assert_eq!(
-            next_step(&r, Some(&p), t(400), TIMEOUT),
+            step(&r, Some(&p), t(400), TIMEOUT),
             Step::Phase {
                 phase: ReservationPhase::Failed,
                 free_lease: true
@@ -375,12 +373,12 @@ mod tests {
         allocate(&mut r, 0, &["GPU-a"]);
         // One of two containers allocated: still waiting.
         assert!(matches!(
-            next_step(&r, Some(&p), t(160), TIMEOUT),
+            step(&r, Some(&p), t(160), TIMEOUT),
             Step::WaitFor(_)
         ));
         allocate(&mut r, 1, &["GPU-a"]);
         assert!(matches!(
-            next_step(&r, Some(&p), t(160), TIMEOUT),
+            step(&r, Some(&p), t(160), TIMEOUT),
             Step::Phase {
                 phase: ReservationPhase::Allocated,
                 ..
@@ -394,7 +392,7 @@ mod tests {
         allocate(&mut r, 0, &["GPU-a"]);
         allocate(&mut r, 1, &["GPU-b"]);
         let p = pod("uid-1", Some("n1"), "Running");
-        let Step::Misaligned { message: Some(m) } = next_step(&r, Some(&p), t(1), TIMEOUT) else {
+        let Step::Misaligned { message: Some(m) } = step(&r, Some(&p), t(1), TIMEOUT) else {
             panic!("expected Misaligned");
         };
         assert_eq!(
@@ -410,7 +408,7 @@ mod tests {
             None,
             Time(t(1)),
         ));
-        assert_eq!(next_step(&r, Some(&p), t(2), TIMEOUT), Step::Idle);
+        assert_eq!(step(&r, Some(&p), t(2), TIMEOUT), Step::Idle);
     }
 
     #[test]
@@ -419,7 +417,7 @@ mod tests {
         allocate(&mut r, 0, &["GPU-a"]);
         allocate(&mut r, 1, &["GPU-a"]);
         let mut p = pod("uid-1", Some("n1"), "Running");
-        assert_eq!(next_step(&r, Some(&p), t(1), TIMEOUT), Step::Idle);
+        assert_eq!(step(&r, Some(&p), t(1), TIMEOUT), Step::Idle);
         let terminated = |code| ContainerStatus {
             name: "init".into(),
             state: Some(ContainerState {
@@ -432,10 +430,10 @@ mod tests {
             ..Default::default()
         };
         p.status.as_mut().unwrap().init_container_statuses = Some(vec![terminated(1)]);
-        assert_eq!(next_step(&r, Some(&p), t(1), TIMEOUT), Step::Idle);
+        assert_eq!(step(&r, Some(&p), t(1), TIMEOUT), Step::Idle);
         p.status.as_mut().unwrap().init_container_statuses = Some(vec![terminated(0)]);
-        assert_eq!(next_step(&r, Some(&p), t(1), TIMEOUT), Step::ShrinkInit);
+        assert_eq!(step(&r, Some(&p), t(1), TIMEOUT), Step::ShrinkInit);
         r.spec.init_released = true;
-        assert_eq!(next_step(&r, Some(&p), t(1), TIMEOUT), Step::Idle);
+        assert_eq!(step(&r, Some(&p), t(1), TIMEOUT), Step::Idle);
     }
 }

@@ -3,5 +3,6 @@
 pub mod gpunode_usage;
 pub mod lifecycle;
 pub mod numapolicy;
+pub mod pod_facts;
 pub mod refit;
 pub mod reservation;

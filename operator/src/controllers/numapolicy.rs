@@ -25,6 +25,9 @@ use serde_json::json;
 use crate::context::Context;
 use crate::extender::filter::gpu_request;
 
+/// Pods per list request when counting a policy's pods.
+const LIST_PAGE: u32 = 500;
+
 /// How often matched counts are refreshed (pods come and go without touching the policy).
 const REFRESH: Duration = Duration::from_secs(15);
 
@@ -79,23 +82,31 @@ async fn reconcile(p: Arc<NumaPolicy>, ctx: Arc<Context>) -> Result<Action, Poli
     let mut matched = 0u32;
     if selector_check.is_ok() {
         let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
-        let list = pods
-            .list(&ListParams::default())
-            .await
-            .map_err(|e| api_err("list pods", e))?;
-        for pod in &list.items {
-            let live = !matches!(
-                pod.status.as_ref().and_then(|s| s.phase.as_deref()),
-                Some("Succeeded" | "Failed")
-            );
-            let gpu = matches!(gpu_request(&ctx, pod), Ok(Some(_)));
-            if live
-                && gpu
-                && ctx
-                    .resolve_alignment(pod)
-                    .is_ok_and(|r| decided_by(&r.source, &name))
-            {
-                matched += 1;
+        // Page by page: a namespace of 20 000 pods must not be held in memory at once.
+        let mut params = ListParams::default().limit(LIST_PAGE);
+        loop {
+            let page = pods
+                .list(&params)
+                .await
+                .map_err(|e| api_err("list pods", e))?;
+            for pod in &page.items {
+                let live = !matches!(
+                    pod.status.as_ref().and_then(|s| s.phase.as_deref()),
+                    Some("Succeeded" | "Failed")
+                );
+                let gpu = matches!(gpu_request(&ctx, pod), Ok(Some(_)));
+                if live
+                    && gpu
+                    && ctx
+                        .resolve_alignment(pod)
+                        .is_ok_and(|r| decided_by(&r.source, &name))
+                {
+                    matched += 1;
+                }
+            }
+            match page.metadata.continue_.filter(|c| !c.is_empty()) {
+                Some(token) => params = params.continue_token(&token),
+                None => break,
             }
         }
     }

@@ -2,11 +2,15 @@
 //! changes, executing the step [`lifecycle::next_step`] chooses. Only the leader writes; every
 //! write is guarded by the resourceVersion the decision was based on, and a conflict simply
 //! re-runs the reconcile on fresh data.
+//!
+//! Its inputs are shared rather than copied: reservations come from the ledger index (fed by
+//! the same watch that triggers this controller), pods from a cache of the few fields the
+//! decision reads ([`super::pod_facts`]).
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::StreamExt;
+use futures::{Stream, StreamExt, TryStreamExt};
 use gpuledger_crds::conditions::{condition, set_condition, types::MISALIGNED};
 use gpuledger_crds::names::lease_holder;
 use gpuledger_crds::{GpuReservation, ReservationPhase};
@@ -14,16 +18,18 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::Api;
-use kube::runtime::controller::{Action, Controller};
-use kube::runtime::reflector::ObjectRef;
-use kube::runtime::watcher;
+use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
+use kube::runtime::reflector::{self, ObjectRef};
+use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Resource, ResourceExt};
 
 use super::lifecycle::{Step, next_step};
+use super::pod_facts::{PodFacts, PodFactsCache};
 use crate::context::{Context, pod_ref_by_name};
 use crate::extender::lease;
 use crate::ledger::writer::OperatorStatus;
 use crate::ledger::{ReservationKey, WriteError};
+use crate::watches::tracked;
 
 /// Why a reconcile failed (it is retried).
 #[derive(Debug, thiserror::Error)]
@@ -48,16 +54,54 @@ pub enum ReconcileError {
 /// How often a follower looks again (it reconciles nothing until it leads).
 const FOLLOWER_RECHECK: Duration = Duration::from_secs(5);
 
-/// Runs the controller until the process ends.
-pub async fn run(ctx: Arc<Context>) {
-    let reservations: Api<GpuReservation> = Api::all(ctx.client.clone());
-    let pods: Api<Pod> = Api::all(ctx.client.clone());
-    Controller::new(reservations, watcher::Config::default())
-        .watches(pods, watcher::Config::default(), |pod: Pod| {
+/// How soon to look again while the pod watch has not listed every pod yet.
+const PODS_UNSYNCED_RECHECK: Duration = Duration::from_millis(500);
+
+/// Reconciles running at once. Each may read a pod and write a reservation; unbounded, a cold
+/// start with 20 000 reservations would put 20 000 requests in flight at once.
+const CONCURRENCY: u16 = 16;
+
+/// What a reconcile gets: the operator's context and the pod facts of the pod watch.
+pub struct Lifecycle {
+    ctx: Arc<Context>,
+    pods: Arc<PodFactsCache>,
+}
+
+/// Runs the controller until the process ends. `reservations` is the GpuReservation watch
+/// after it fed the ledger index ([`crate::ledger::feed::feed_index`]): key-only objects, in
+/// the order the index saw them.
+pub async fn run<S>(ctx: Arc<Context>, reservations: S)
+where
+    S: Stream<Item = Result<watcher::Event<GpuReservation>, watcher::Error>> + Send + 'static,
+{
+    let (keys, writer) = reflector::store::<GpuReservation>();
+    let trigger = reservations.reflect(writer).touched_objects();
+    let facts = Arc::new(PodFactsCache::default());
+    let pod_events = {
+        let facts = facts.clone();
+        watcher(
+            Api::<Pod>::all(ctx.client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        // The cache learns of a change before the change triggers a reconcile.
+        .map_ok(move |event| {
+            facts.apply(&event);
+            event
+        })
+    };
+    let pods = tracked("pods", ctx.health.clone(), pod_events).touched_objects();
+    let lifecycle = Arc::new(Lifecycle {
+        ctx: ctx.clone(),
+        pods: facts,
+    });
+    Controller::for_stream(trigger, keys)
+        .watches_stream(pods, |pod: Pod| {
             let ns = pod.namespace().unwrap_or_default();
             Some(ObjectRef::<GpuReservation>::new(&pod.name_any()).within(&ns))
         })
-        .run(reconcile, error_policy, ctx)
+        .with_config(ControllerConfig::default().concurrency(CONCURRENCY))
+        .run(reconcile, error_policy, lifecycle)
         .for_each(|res| async move {
             if let Err(e) = res {
                 tracing::debug!(error = %e, "reservation reconcile");
@@ -66,28 +110,28 @@ pub async fn run(ctx: Arc<Context>) {
         .await;
 }
 
-fn error_policy(r: Arc<GpuReservation>, e: &ReconcileError, ctx: Arc<Context>) -> Action {
+fn error_policy(r: Arc<GpuReservation>, e: &ReconcileError, lc: Arc<Lifecycle>) -> Action {
     if matches!(e, ReconcileError::Ledger(WriteError::Conflict { .. })) {
-        ctx.metrics.conflicts.inc();
+        lc.ctx.metrics.conflicts.inc();
         return Action::requeue(Duration::from_millis(200));
     }
     tracing::warn!(reservation = %ReservationKey::of(&r), error = %e, "reservation reconcile failed");
     Action::requeue(Duration::from_secs(5))
 }
 
-async fn reconcile(r: Arc<GpuReservation>, ctx: Arc<Context>) -> Result<Action, ReconcileError> {
-    if !ctx.may_write() {
-        return Ok(Action::requeue(FOLLOWER_RECHECK));
+/// The step for reservation `key`: decided on the cached pod facts when that means doing
+/// nothing, else decided again on the pod as the API server has it now.
+async fn decide(
+    lc: &Lifecycle,
+    key: &ReservationKey,
+    r: &GpuReservation,
+) -> Result<Step, ReconcileError> {
+    let ctx = &lc.ctx;
+    let cached = lc.pods.get(key);
+    let step = next_step(r, cached.as_ref(), Timestamp::now(), ctx.allocating_timeout);
+    if !step.writes() {
+        return Ok(step);
     }
-    let key = ReservationKey::of(&r);
-    // Decide on the newest state we know: our own writes may be ahead of the controller's cache.
-    let version = |o: &GpuReservation| o.resource_version().and_then(|v| v.parse::<u64>().ok());
-    let r = match ctx.index.get(&key) {
-        Some(known) if known.spec.pod_uid == r.spec.pod_uid && version(&known) > version(&r) => {
-            known
-        }
-        _ => r,
-    };
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &key.namespace);
     let pod = pods
         .get_opt(&r.spec.pod_name)
@@ -96,7 +140,30 @@ async fn reconcile(r: Arc<GpuReservation>, ctx: Arc<Context>) -> Result<Action, 
             pod: key.to_string(),
             source,
         })?;
-    let step = next_step(&r, pod.as_ref(), Timestamp::now(), ctx.allocating_timeout);
+    let fresh = pod.as_ref().map(PodFacts::of);
+    Ok(next_step(
+        r,
+        fresh.as_ref(),
+        Timestamp::now(),
+        ctx.allocating_timeout,
+    ))
+}
+
+async fn reconcile(obj: Arc<GpuReservation>, lc: Arc<Lifecycle>) -> Result<Action, ReconcileError> {
+    let ctx = lc.ctx.as_ref();
+    if !ctx.may_write() {
+        return Ok(Action::requeue(FOLLOWER_RECHECK));
+    }
+    if !lc.pods.is_synced() {
+        return Ok(Action::requeue(PODS_UNSYNCED_RECHECK));
+    }
+    let key = ReservationKey::of(&obj);
+    // The index holds the one full copy (the controller's store has keys only), and it is
+    // never older than the event that triggered this reconcile: the same stream fed it first.
+    let Some(r) = ctx.index.get(&key) else {
+        return Ok(Action::await_change());
+    };
+    let step = decide(&lc, &key, &r).await?;
     tracing::debug!(reservation = %key, ?step, "lifecycle step");
     match step {
         Step::Idle => Ok(Action::await_change()),
@@ -107,9 +174,9 @@ async fn reconcile(r: Arc<GpuReservation>, ctx: Arc<Context>) -> Result<Action, 
             Ok(Action::await_change())
         }
         Step::Phase { phase, free_lease } => {
-            set_phase(&ctx, &r, phase).await?;
+            set_phase(ctx, &r, phase).await?;
             if free_lease {
-                free_allocation_lease(&ctx, &r).await?;
+                free_allocation_lease(ctx, &r).await?;
             }
             if phase == ReservationPhase::Failed {
                 let target = pod_ref_by_name(&key.namespace, &r.spec.pod_name, &r.spec.pod_uid);
@@ -124,11 +191,11 @@ async fn reconcile(r: Arc<GpuReservation>, ctx: Arc<Context>) -> Result<Action, 
             Ok(Action::requeue(Duration::from_secs(1)))
         }
         Step::Misaligned { message } => {
-            record_misalignment(&ctx, &r, message).await?;
+            record_misalignment(ctx, &r, message).await?;
             Ok(Action::await_change())
         }
         Step::ShrinkInit => {
-            shrink_init(&ctx, &key).await?;
+            shrink_init(ctx, &key).await?;
             Ok(Action::await_change())
         }
     }

@@ -20,6 +20,7 @@ use kube::runtime::watcher::Event;
 use tokio::sync::watch;
 
 use super::usage::{NodeUsage, ReservationLoad, sum_usage};
+use crate::watches::strip_managed_fields;
 
 /// How long an own write survives a relist that does not (yet) contain it, and how long a
 /// deletion shadows older watch events.
@@ -142,7 +143,8 @@ impl Inner {
         }
     }
 
-    fn upsert(&mut self, obj: GpuReservation) {
+    fn upsert(&mut self, mut obj: GpuReservation) {
+        strip_managed_fields(&mut obj);
         let key = ReservationKey::of(&obj);
         if self.shadowed_by_tombstone(&key, &obj) {
             return;
@@ -234,7 +236,8 @@ impl LedgerIndex {
                 inner.remove(ReservationKey::of(&obj), deleted_rv);
             }
             Event::Init => inner.relist = Some(HashMap::new()),
-            Event::InitApply(obj) => {
+            Event::InitApply(mut obj) => {
+                strip_managed_fields(&mut obj);
                 let key = ReservationKey::of(&obj);
                 if let Some(buf) = inner.relist.as_mut() {
                     buf.insert(key, Arc::new(obj));

@@ -3,6 +3,7 @@
 //! fit-then-write atomic per node, and the writer that talks to the API server with
 //! resourceVersion preconditions.
 
+pub mod feed;
 pub mod index;
 pub mod node_lock;
 pub mod usage;

@@ -1,0 +1,257 @@
+//! What the reservation lifecycle needs to know about a pod, and a cache of it for every pod.
+//!
+//! The lifecycle controller reconciles each reservation whenever it or its pod changes; on a
+//! cold start that is every reservation at once. Reading each pod from the API server then
+//! costs one GET per reservation (20 000 on a large cluster), and keeping whole Pod objects
+//! costs kilobytes each. [`PodFacts`] is the handful of fields the decision reads, about a
+//! hundred bytes; the cache is fed by the controller's pod watch before the watch triggers a
+//! reconcile, so a reconcile never sees an older pod than the event that woke it.
+//!
+//! The cache only decides when nothing needs doing. A step that writes is decided again on a
+//! fresh GET (see `reservation::reconcile`), so a cache that lags cannot make the operator
+//! delete or release a reservation.
+
+use std::collections::HashMap;
+use std::sync::RwLock;
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+use kube::runtime::watcher::Event;
+
+use crate::ledger::ReservationKey;
+
+/// The fields of a pod the lifecycle decision reads.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PodFacts {
+    /// `metadata.uid`.
+    pub uid: String,
+    /// `spec.nodeName`, once bound.
+    pub node_name: Option<String>,
+    /// Succeeded, Failed, or being deleted: its containers hold no GPU any more.
+    pub finished: bool,
+    /// It has init containers and every one terminated with exit code 0.
+    pub init_done: bool,
+}
+
+impl PodFacts {
+    /// The facts of `pod`.
+    pub fn of(pod: &Pod) -> Self {
+        Self {
+            uid: pod.uid().unwrap_or_default(),
+            node_name: pod.spec.as_ref().and_then(|s| s.node_name.clone()),
+            finished: pod_finished(pod),
+            init_done: init_containers_done(pod),
+        }
+    }
+}
+
+fn pod_finished(pod: &Pod) -> bool {
+    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+    matches!(phase, Some("Succeeded" | "Failed")) || pod.metadata.deletion_timestamp.is_some()
+}
+
+/// Whether every init container of `pod` has terminated with exit code 0.
+pub fn init_containers_done(pod: &Pod) -> bool {
+    let wanted = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.init_containers.as_ref())
+        .map_or(0, Vec::len);
+    if wanted == 0 {
+        return false;
+    }
+    let statuses = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.init_container_statuses.as_deref())
+        .unwrap_or_default();
+    statuses.len() == wanted
+        && statuses.iter().all(|s| {
+            s.state
+                .as_ref()
+                .and_then(|st| st.terminated.as_ref())
+                .is_some_and(|t| t.exit_code == 0)
+        })
+}
+
+#[derive(Default)]
+struct Inner {
+    pods: HashMap<ReservationKey, PodFacts>,
+    /// Pods of a relist in progress (between `Init` and `InitDone`).
+    relist: Option<HashMap<ReservationKey, PodFacts>>,
+    synced: bool,
+}
+
+/// [`PodFacts`] of every pod, keyed like reservations (namespace and pod name).
+#[derive(Default)]
+pub struct PodFactsCache {
+    inner: RwLock<Inner>,
+}
+
+fn key_of(pod: &Pod) -> ReservationKey {
+    ReservationKey::new(pod.namespace().unwrap_or_default(), pod.name_any())
+}
+
+impl PodFactsCache {
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Inner> {
+        // The maps stay consistent after a panic elsewhere: each update is one insert/remove.
+        self.inner.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Inner> {
+        self.inner.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Feeds one event of the pod watch.
+    pub fn apply(&self, event: &Event<Pod>) {
+        let mut inner = self.write();
+        match event {
+            Event::Apply(pod) => {
+                inner.pods.insert(key_of(pod), PodFacts::of(pod));
+            }
+            Event::Delete(pod) => {
+                inner.pods.remove(&key_of(pod));
+            }
+            Event::Init => inner.relist = Some(HashMap::new()),
+            Event::InitApply(pod) => {
+                if let Some(buf) = inner.relist.as_mut() {
+                    buf.insert(key_of(pod), PodFacts::of(pod));
+                }
+            }
+            Event::InitDone => {
+                if let Some(listed) = inner.relist.take() {
+                    inner.pods = listed;
+                }
+                inner.synced = true;
+            }
+        }
+    }
+
+    /// The facts of pod `key`, `None` when the watch has not seen it (or saw it deleted).
+    pub fn get(&self, key: &ReservationKey) -> Option<PodFacts> {
+        self.read().pods.get(key).cloned()
+    }
+
+    /// Whether the first full list has been seen.
+    pub fn is_synced(&self) -> bool {
+        self.read().synced
+    }
+
+    /// How many pods are known.
+    pub fn len(&self) -> usize {
+        self.read().pods.len()
+    }
+
+    /// Whether no pod is known.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{
+        Container, ContainerState, ContainerStateTerminated, ContainerStatus, PodSpec, PodStatus,
+    };
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+    use k8s_openapi::jiff::Timestamp;
+
+    fn pod(name: &str, uid: &str, node: Option<&str>, phase: &str) -> Pod {
+        Pod {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some("ns".into()),
+                uid: Some(uid.into()),
+                ..Default::default()
+            },
+            spec: Some(PodSpec {
+                node_name: node.map(Into::into),
+                ..Default::default()
+            }),
+            status: Some(PodStatus {
+                phase: Some(phase.into()),
+                ..Default::default()
+            }),
+        }
+    }
+
+    fn terminated(code: i32) -> ContainerStatus {
+        ContainerStatus {
+            name: "init".into(),
+            state: Some(ContainerState {
+                terminated: Some(ContainerStateTerminated {
+                    exit_code: code,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn facts_read_the_decisive_fields() {
+        let p = pod("a", "u1", Some("n1"), "Running");
+        let f = PodFacts::of(&p);
+        assert_eq!(f.uid, "u1");
+        assert_eq!(f.node_name.as_deref(), Some("n1"));
+        assert!(!f.finished && !f.init_done);
+        assert!(PodFacts::of(&pod("a", "u1", None, "Succeeded")).finished);
+        assert!(PodFacts::of(&pod("a", "u1", None, "Failed")).finished);
+        let mut deleting = pod("a", "u1", Some("n1"), "Running");
+        deleting.metadata.deletion_timestamp = Some(Time(Timestamp::UNIX_EPOCH));
+        assert!(PodFacts::of(&deleting).finished);
+    }
+
+    #[test]
+    fn init_done_needs_every_init_container_to_exit_zero() {
+        let mut p = pod("a", "u1", Some("n1"), "Running");
+        if let Some(spec) = p.spec.as_mut() {
+            spec.init_containers = Some(vec![Container::default(), Container::default()]);
+        }
+        let set = |p: &mut Pod, s: Vec<ContainerStatus>| {
+            if let Some(st) = p.status.as_mut() {
+                st.init_container_statuses = Some(s);
+            }
+        };
+        set(&mut p, vec![terminated(0)]);
+        assert!(!PodFacts::of(&p).init_done, "one of two done");
+        set(&mut p, vec![terminated(0), terminated(1)]);
+        assert!(!PodFacts::of(&p).init_done, "one failed");
+        set(&mut p, vec![terminated(0), terminated(0)]);
+        assert!(PodFacts::of(&p).init_done);
+        assert!(
+            !PodFacts::of(&pod("b", "u2", None, "Running")).init_done,
+            "no init"
+        );
+    }
+
+    #[test]
+    fn cache_follows_the_watch_and_relists() {
+        let c = PodFactsCache::default();
+        let k = |n: &str| ReservationKey::new("ns", n);
+        c.apply(&Event::Init);
+        c.apply(&Event::InitApply(pod("a", "u1", Some("n1"), "Running")));
+        assert!(!c.is_synced());
+        assert_eq!(c.get(&k("a")), None, "a relist shows only when complete");
+        c.apply(&Event::InitDone);
+        assert!(c.is_synced());
+        assert_eq!(c.get(&k("a")).map(|f| f.uid), Some("u1".into()));
+        c.apply(&Event::Apply(pod("a", "u1", Some("n1"), "Succeeded")));
+        assert!(c.get(&k("a")).is_some_and(|f| f.finished));
+        c.apply(&Event::Apply(pod("b", "u2", None, "Pending")));
+        c.apply(&Event::Delete(pod("a", "u1", Some("n1"), "Succeeded")));
+        assert_eq!(c.get(&k("a")), None);
+        // A relist replaces everything: b is gone from it, so it is gone from the cache.
+        c.apply(&Event::Init);
+        c.apply(&Event::InitApply(pod("c", "u3", None, "Pending")));
+        assert!(
+            c.get(&k("b")).is_some(),
+            "old state serves until the relist completes"
+        );
+        c.apply(&Event::InitDone);
+        assert_eq!(c.get(&k("b")), None);
+        assert_eq!(c.len(), 1);
+    }
+}

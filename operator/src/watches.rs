@@ -1,0 +1,89 @@
+//! Shared plumbing of the operator's watches: health reporting, and the trimming that keeps
+//! cached objects small.
+
+use std::sync::Arc;
+
+use futures::{Stream, StreamExt};
+use kube::Resource;
+use kube::runtime::watcher;
+
+use crate::telemetry::Health;
+
+/// Drops `metadata.managedFields`. The operator never reads them, and on an object written by
+/// two field managers they are most of its memory: a JSON tree per manager naming every field.
+pub fn strip_managed_fields<K: Resource>(obj: &mut K) {
+    obj.meta_mut().managed_fields = None;
+}
+
+/// Reports each item of a watch stream to `health` under `name` (a flowing watch, or one
+/// failing since when), and that the stream ended when it does; the items pass unchanged.
+pub fn tracked<S, T>(
+    name: &'static str,
+    health: Arc<Health>,
+    stream: S,
+) -> impl Stream<Item = Result<T, watcher::Error>> + Send
+where
+    S: Stream<Item = Result<T, watcher::Error>> + Send,
+    T: Send,
+{
+    let on_end = health.clone();
+    stream
+        .inspect(move |item| match item {
+            Ok(_) => health.watch_ok(name),
+            Err(e) => {
+                tracing::warn!(watch = name, error = %e, "watch error (retrying)");
+                health.watch_error(name);
+            }
+        })
+        .chain(
+            futures::stream::once(async move {
+                on_end.watch_ended(name);
+            })
+            .filter_map(|()| async { None }),
+        )
+}
+
+/// Drives a watch stream to its end, reporting to `health` under `name`.
+pub async fn drive<S, T>(name: &'static str, stream: S, health: Arc<Health>)
+where
+    S: Stream<Item = Result<T, watcher::Error>> + Send,
+    T: Send,
+{
+    let mut stream = std::pin::pin!(tracked(name, health, stream));
+    while stream.next().await.is_some() {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::Pod;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ManagedFieldsEntry, ObjectMeta};
+
+    #[test]
+    fn managed_fields_go_the_rest_stays() {
+        let mut pod = Pod {
+            metadata: ObjectMeta {
+                name: Some("p".into()),
+                managed_fields: Some(vec![ManagedFieldsEntry::default()]),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        strip_managed_fields(&mut pod);
+        assert_eq!(pod.metadata.managed_fields, None);
+        assert_eq!(pod.metadata.name.as_deref(), Some("p"));
+    }
+
+    #[tokio::test]
+    async fn health_sees_items_errors_and_the_end() {
+        let health = Arc::new(Health::default());
+        let items: Vec<Result<u32, watcher::Error>> = vec![Ok(1), Ok(2)];
+        let out: Vec<_> = tracked("w", health.clone(), futures::stream::iter(items))
+            .collect()
+            .await;
+        assert_eq!(out.len(), 2, "items pass through, nothing added");
+        let problems = health.problems();
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(problems[0].contains('w'), "{problems:?}");
+    }
+}
