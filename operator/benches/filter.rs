@@ -1,0 +1,156 @@
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+//! The extender's `filter` in-process: one one-GPU pod against 1000 GpuNodes (8 × A100 80 GB,
+//! split 10) holding 4000 reservations, every node a candidate. The same call as the HTTP
+//! handler makes, minus the HTTP and JSON (those are in `make bench`'s direct-HTTP row).
+
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::Duration;
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use gpuledger_crds::podapi::{PodApiConfig, SchedulerPolicy};
+use gpuledger_crds::{
+    Alignment, ContainerReservation, GpuDevice, GpuNode, GpuNodeSpec, GpuNodeStatus,
+    GpuReservation, GpuReservationSpec, ReservedDevice,
+};
+use gpuledger_operator::context::{Context, reporter};
+use gpuledger_operator::extender::filter::filter;
+use gpuledger_operator::extender::wire::ExtenderArgs;
+use gpuledger_operator::fit_adapter::FitEngine;
+use gpuledger_operator::ledger::{LedgerIndex, LedgerWriter, NodeLocks};
+use gpuledger_operator::placement::Policies;
+use gpuledger_operator::telemetry::{Health, Metrics};
+use kube::runtime::events::Recorder;
+use kube::runtime::{reflector, watcher};
+use serde_json::json;
+
+const NODES: usize = 1000;
+const GPUS: u32 = 8;
+const PER_NODE: usize = 4;
+
+fn gpunode(name: &str) -> GpuNode {
+    let mut node = GpuNode::new(name, GpuNodeSpec::default());
+    let mut status = GpuNodeStatus {
+        devices: (0..GPUS)
+            .map(|i| GpuDevice {
+                uuid: format!("GPU-{name}-{i}"),
+                index: i,
+                model: "NVIDIA A100-SXM4-80GB".into(),
+                memory_mib: 81920,
+                cores: 100,
+                numa_node: Some(u32::from(i >= GPUS / 2)),
+                pci_bus_id: None,
+                mig: false,
+                healthy: true,
+            })
+            .collect(),
+        split_count: Some(10),
+        ..Default::default()
+    };
+    status.summarize();
+    node.status = Some(status);
+    node
+}
+
+fn reservation(node: &str, slot: usize) -> GpuReservation {
+    let name = format!("{node}-r{slot}");
+    let mut r = GpuReservation::new(
+        &name,
+        GpuReservationSpec {
+            pod_name: name.clone(),
+            pod_uid: format!("uid-{name}"),
+            node_name: node.into(),
+            alignment: Alignment::None,
+            containers: vec![ContainerReservation {
+                index: 0,
+                name: "main".into(),
+                init: false,
+                devices: vec![ReservedDevice {
+                    uuid: format!("GPU-{node}-{}", slot as u32 % GPUS),
+                    memory_mib: 8192,
+                    cores: 10,
+                    numa_node: Some(0),
+                }],
+            }],
+            ..Default::default()
+        },
+    );
+    r.metadata.namespace = Some("default".into());
+    r.metadata.resource_version = Some("1".into());
+    r
+}
+
+fn context(names: &[String]) -> Arc<Context> {
+    let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
+    let client = kube::Client::try_from(config).unwrap();
+    let index = Arc::new(LedgerIndex::new());
+    index.apply_event(watcher::Event::Init);
+    for name in names {
+        for slot in 0..PER_NODE {
+            index.apply_event(watcher::Event::InitApply(reservation(name, slot)));
+        }
+    }
+    index.apply_event(watcher::Event::InitDone);
+    let (gpunodes, mut writer) = reflector::store::<GpuNode>();
+    for name in names {
+        writer.apply_watcher_event(&watcher::Event::Apply(gpunode(name)));
+    }
+    let (policies, _) = reflector::store();
+    let health = Arc::new(Health::default());
+    health.set_leader(true);
+    Arc::new(Context {
+        client: client.clone(),
+        namespace: "gpuledger-system".into(),
+        writer: LedgerWriter::new(client.clone(), index.clone()),
+        index,
+        node_locks: Arc::new(NodeLocks::new()),
+        gpunodes,
+        policies,
+        placer: Arc::new(FitEngine),
+        pod_api: PodApiConfig::default(),
+        default_policies: Policies {
+            node: SchedulerPolicy::Binpack,
+            gpu: SchedulerPolicy::Spread,
+        },
+        default_alignment: Alignment::None,
+        lease_wait: Duration::from_millis(50),
+        allocating_timeout: Duration::from_secs(60),
+        metrics: Arc::new(Metrics::new()),
+        health,
+        recorder: Recorder::new(client, reporter("bench")),
+    })
+}
+
+fn args(names: &[String]) -> ExtenderArgs {
+    serde_json::from_value(json!({
+        "Pod": {
+            "metadata": {"name": "probe", "namespace": "default", "uid": "probe-uid"},
+            "spec": {"containers": [{"name": "main", "resources": {"limits": {
+                "nvidia.com/gpu": "1", "nvidia.com/gpumem": "8192", "nvidia.com/gpucores": "20"}}}]},
+        },
+        "NodeNames": names,
+    }))
+    .unwrap()
+}
+
+fn filter_1000(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let names: Vec<String> = (0..NODES).map(|i| format!("gpu-{i}")).collect();
+    let ctx = rt.block_on(async { context(&names) });
+    let args = args(&names);
+    let sanity = rt.block_on(filter(&ctx, args.clone()));
+    assert_eq!(
+        sanity.node_names.as_ref().map(Vec::len),
+        Some(1),
+        "{sanity:?}"
+    );
+    c.bench_function("filter/1000 nodes, 4000 reservations", |b| {
+        b.iter(|| rt.block_on(filter(black_box(&ctx), black_box(args.clone()))))
+    });
+}
+
+criterion_group!(benches, filter_1000);
+criterion_main!(benches);
