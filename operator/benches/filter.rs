@@ -107,6 +107,7 @@ fn context(names: &[String]) -> Arc<Context> {
         gpunodes,
         policies,
         placer: Arc::new(FitEngine),
+        views: Default::default(),
         pod_api: PodApiConfig::default(),
         default_policies: Policies {
             node: SchedulerPolicy::Binpack,

@@ -12,6 +12,7 @@ use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Client, Resource, ResourceExt};
 
+use crate::fit_adapter::NodeViewCache;
 use crate::ledger::{LedgerIndex, LedgerWriter, NodeLocks};
 use crate::placement::{Placer, Policies};
 use crate::telemetry::{Health, Metrics};
@@ -34,6 +35,8 @@ pub struct Context {
     pub policies: Store<NumaPolicy>,
     /// The fit engine.
     pub placer: Arc<dyn Placer>,
+    /// The fit engine's views of nodes, kept between filter calls.
+    pub views: NodeViewCache,
     /// Pod API defaults.
     pub pod_api: PodApiConfig,
     /// Default scheduling policies.

@@ -1,5 +1,9 @@
 //! [`Placer`] on top of the fit engine (`crate::fit`): turns a GpuNode plus the ledger's usage
 //! into the engine's `NodeView`, and the engine's placement into reservation containers.
+//! [`NodeViewCache`] keeps those views between filter calls.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use gpuledger_crds::podapi::{PodRequest, SchedulerPolicy};
 use gpuledger_crds::{ContainerReservation, GpuNode, GpuReservation, ReservedDevice};
@@ -35,6 +39,77 @@ pub fn node_view(node: &GpuNode, usage: &NodeUsage) -> NodeView {
     view
 }
 
+/// A cached view and what it was built from.
+struct CachedView {
+    /// The GpuNode object it was built from (the cache compares identity: the GpuNode store
+    /// hands out a new `Arc` for every change).
+    gpunode: Arc<GpuNode>,
+    /// [`crate::ledger::LedgerIndex::node_version`] when its usage was read.
+    version: u64,
+    view: Arc<NodeView>,
+}
+
+/// Engine views of nodes, built once per change instead of once per filter call.
+///
+/// A filter over 1000 candidates used to convert 1000 GpuNodes and sum the reservations of
+/// each; almost all of that is the same from one call to the next. A view is reused while its
+/// GpuNode is the same object and the ledger index reports the same version for the node.
+#[derive(Default)]
+pub struct NodeViewCache {
+    entries: Mutex<HashMap<String, CachedView>>,
+}
+
+impl NodeViewCache {
+    /// The views of `nodes` (each a GpuNode and the index's version of its reservations), in
+    /// order. `usage_of(node)` is called for the nodes whose view must be (re)built; read the
+    /// version before the usage, so a change in between only makes the next call rebuild.
+    pub fn views(
+        &self,
+        nodes: &[(Arc<GpuNode>, u64)],
+        usage_of: impl Fn(&str) -> NodeUsage,
+    ) -> Vec<Arc<NodeView>> {
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out = Vec::with_capacity(nodes.len());
+        for (gpunode, version) in nodes {
+            let name = gpunode.metadata.name.as_deref().unwrap_or_default();
+            let fresh = entries
+                .get(name)
+                .filter(|c| c.version == *version && Arc::ptr_eq(&c.gpunode, gpunode));
+            let view = match fresh {
+                Some(c) => c.view.clone(),
+                None => {
+                    let view = Arc::new(node_view(gpunode, &usage_of(name)));
+                    let entry = CachedView {
+                        gpunode: gpunode.clone(),
+                        version: *version,
+                        view: view.clone(),
+                    };
+                    entries.insert(name.to_string(), entry);
+                    view
+                }
+            };
+            out.push(view);
+        }
+        out
+    }
+
+    /// Drops the views of nodes for which `keep` is false (nodes that left the cluster).
+    pub fn retain(&self, keep: impl Fn(&str) -> bool) {
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        entries.retain(|name, _| keep(name));
+    }
+
+    /// How many views are cached.
+    pub fn len(&self) -> usize {
+        self.entries.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Whether no view is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 impl ReservationLoad for FitEngine {
     fn load(&self, reservation: &GpuReservation) -> Vec<(String, DeviceUsage)> {
         fit::reservation_usage(&reservation.spec)
@@ -55,19 +130,18 @@ impl Placer for FitEngine {
     fn choose(
         &self,
         request: &PodRequest,
-        nodes: &[(&GpuNode, NodeUsage)],
+        views: &[Arc<NodeView>],
         policies: Policies,
     ) -> NodeChoice {
-        let views: Vec<NodeView> = nodes.iter().map(|(n, u)| node_view(n, u)).collect();
         let defaults = Policy {
             node: policies.node,
             gpu: policies.gpu,
         };
-        let decision = fit::fit_pod(&views, request, &defaults);
+        let decision = fit::fit_pod(views, request, &defaults);
         NodeChoice {
             chosen: decision.placement.as_ref().map(|p| p.node_name.clone()),
             failed: decision
-                .failures(&views)
+                .failures(views)
                 .map(|(node, reason)| (node.to_string(), reason))
                 .collect(),
         }
@@ -211,7 +285,10 @@ mod tests {
     #[test]
     fn node_choice_follows_the_node_policy() {
         let (a, b) = (node("a", 1), node("b", 1));
-        let nodes = [(&a, used("GPU-a-0", 10000)), (&b, NodeUsage::new())];
+        let nodes = [
+            Arc::new(node_view(&a, &used("GPU-a-0", 10000))),
+            Arc::new(node_view(&b, &NodeUsage::new())),
+        ];
         let binpack = FitEngine.choose(&request(1000), &nodes, policies(SchedulerPolicy::Binpack));
         assert_eq!(binpack.chosen.as_deref(), Some("a"));
         let spread = FitEngine.choose(&request(1000), &nodes, policies(SchedulerPolicy::Spread));
@@ -224,5 +301,33 @@ mod tests {
         let none = FitEngine.choose(&request(25000), &nodes, policies(SchedulerPolicy::Binpack));
         assert_eq!(none.chosen, None);
         assert_eq!(none.failed.len(), 2);
+    }
+
+    #[test]
+    fn cached_views_follow_the_gpunode_and_the_ledger_version() {
+        let cache = NodeViewCache::default();
+        let a = Arc::new(node("a", 2));
+        let calls = std::cell::Cell::new(0);
+        let usage = |_: &str| {
+            calls.set(calls.get() + 1);
+            used("GPU-a-0", 1000 * calls.get())
+        };
+        let first = cache.views(&[(a.clone(), 1)], usage);
+        assert_eq!(first[0].usage[0].memory_mib, 1000);
+        // Same GpuNode object, same version: the same view, no usage read.
+        let again = cache.views(&[(a.clone(), 1)], usage);
+        assert!(Arc::ptr_eq(&first[0], &again[0]));
+        assert_eq!(calls.get(), 1);
+        // The ledger moved on: rebuilt with the new usage.
+        let moved = cache.views(&[(a.clone(), 2)], usage);
+        assert_eq!(moved[0].usage[0].memory_mib, 2000);
+        // A new GpuNode object (its status changed), even with equal content: rebuilt.
+        let a2 = Arc::new(node("a", 3));
+        let resized = cache.views(&[(a2.clone(), 2)], usage);
+        assert_eq!(resized[0].devices.len(), 3);
+        assert_eq!(calls.get(), 3);
+        assert_eq!(cache.len(), 1);
+        cache.retain(|n| n != "a");
+        assert!(cache.is_empty());
     }
 }

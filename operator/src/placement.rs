@@ -2,9 +2,12 @@
 //! fit engine (`crate::fit`): everything the plumbing asks of a fit goes through [`Placer`], so
 //! the engine's internals can change without touching the extender or the controllers.
 
+use std::sync::Arc;
+
 use gpuledger_crds::podapi::{PodRequest, SchedulerPolicy};
 use gpuledger_crds::{ContainerReservation, GpuNode};
 
+use crate::fit::NodeView;
 use crate::ledger::usage::{NodeUsage, ReservationLoad};
 
 /// Default policies, overridden per pod by its annotations.
@@ -36,12 +39,13 @@ pub struct NodeChoice {
 
 /// What the plumbing needs from the fit engine.
 pub trait Placer: ReservationLoad + Send + Sync {
-    /// Chooses among `nodes` (each with its current usage) under the node policy, like HAMi's
-    /// filter: one winner, reasons for the nodes that do not fit.
+    /// Chooses among `nodes` (the engine's views, usage applied; see
+    /// [`crate::fit_adapter::NodeViewCache`]) under the node policy, like HAMi's filter: one
+    /// winner, reasons for the nodes that do not fit.
     fn choose(
         &self,
         request: &PodRequest,
-        nodes: &[(&GpuNode, NodeUsage)],
+        nodes: &[Arc<NodeView>],
         policies: Policies,
     ) -> NodeChoice;
 

@@ -170,6 +170,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         gpunodes: gpunodes.clone(),
         policies,
         placer: Arc::new(FitEngine),
+        views: Default::default(),
         pod_api: PodApiConfig::default(),
         default_policies: Policies {
             node: config.node_policy,

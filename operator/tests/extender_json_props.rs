@@ -1,4 +1,5 @@
-//! Property tests of the scheduler extender against hostile input.
+//! Property tests of the scheduler extender against hostile input, and a check that `filter`'s
+//! node-view cache follows every ledger change.
 //!
 //! 1. `filter` on arbitrary pods (random GPU amounts and annotations, valid or not) and arbitrary
 //!    candidate lists: every candidate either survives or is refused with a non-empty reason,
@@ -17,13 +18,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gpuledger_crds::podapi::{PodApiConfig, SchedulerPolicy};
-use gpuledger_crds::{Alignment, GpuDevice, GpuNode, GpuNodeSpec, GpuNodeStatus};
+use gpuledger_crds::{
+    Alignment, ContainerReservation, GpuDevice, GpuNode, GpuNodeSpec, GpuNodeStatus,
+    GpuReservation, GpuReservationSpec, ReservedDevice,
+};
 use gpuledger_operator::context::{Context, reporter};
 use gpuledger_operator::extender::filter::{filter, prioritize};
 use gpuledger_operator::extender::server::router;
 use gpuledger_operator::extender::wire::{ExtenderArgs, MAX_EXTENDER_PRIORITY};
 use gpuledger_operator::fit_adapter::FitEngine;
-use gpuledger_operator::ledger::{LedgerIndex, LedgerWriter, NodeLocks};
+use gpuledger_operator::ledger::{LedgerIndex, LedgerWriter, NodeLocks, ReservationKey};
 use gpuledger_operator::placement::Policies;
 use gpuledger_operator::telemetry::{Health, Metrics};
 use kube::runtime::events::Recorder;
@@ -84,6 +88,7 @@ fn context(leader: bool) -> Arc<Context> {
         gpunodes,
         policies,
         placer: Arc::new(FitEngine),
+        views: Default::default(),
         pod_api: PodApiConfig::default(),
         default_policies: Policies {
             node: SchedulerPolicy::Binpack,
@@ -230,6 +235,67 @@ proptest! {
         let out = rt.block_on(filter(&ctx, args));
         prop_assert!(out.error.contains("leader"), "{out:?}");
     }
+}
+
+/// A reservation of `memory_mib` on GPU 0 of `node` for pod `name`.
+fn reservation_on(node: &str, name: &str, memory_mib: u64) -> GpuReservation {
+    let mut r = GpuReservation::new(
+        name,
+        GpuReservationSpec {
+            pod_name: name.into(),
+            pod_uid: format!("uid-{name}"),
+            node_name: node.into(),
+            containers: vec![ContainerReservation {
+                index: 0,
+                name: "main".into(),
+                init: false,
+                devices: vec![ReservedDevice {
+                    uuid: format!("GPU-{node}-0"),
+                    memory_mib,
+                    cores: 10,
+                    numa_node: Some(0),
+                }],
+            }],
+            ..Default::default()
+        },
+    );
+    r.metadata.namespace = Some("default".into());
+    r.metadata.resource_version = Some("100".into());
+    r
+}
+
+/// `filter` keeps node views between calls; every ledger change must still reach the next
+/// decision. gpu-a's only healthy GPU is GPU 0, so one big reservation there fills it.
+#[test]
+fn filter_follows_every_ledger_change_between_calls() {
+    let rt = runtime();
+    let _in_runtime = rt.enter();
+    let ctx = context(true);
+    let pod = json!({
+        "metadata": {"name": "big", "namespace": "default", "uid": "uid-big"},
+        "spec": {"containers": [{"name": "main", "resources": {"limits": {
+            "nvidia.com/gpu": "1", "nvidia.com/gpumem": "80000"}}}]},
+    });
+    let args: ExtenderArgs =
+        serde_json::from_value(json!({"Pod": pod, "NodeNames": GPU_NODES})).unwrap();
+    let chosen = |ctx: &Context| {
+        let out = rt.block_on(filter(ctx, args.clone()));
+        (out.node_names.unwrap_or_default(), out.failed_nodes)
+    };
+    // Binpack over equally empty nodes: the smallest name.
+    assert_eq!(chosen(&ctx).0, ["gpu-a"]);
+    ctx.index
+        .record_write(reservation_on("gpu-a", "other", 80000));
+    let (fit, failed) = chosen(&ctx);
+    assert_eq!(fit, ["gpu-b"], "gpu-a is full now");
+    assert!(failed["gpu-a"].contains("Insufficient"), "{failed:?}");
+    ctx.index
+        .record_delete(&ReservationKey::new("default", "other"), Some(101));
+    assert_eq!(chosen(&ctx).0, ["gpu-a"], "freed again");
+    // The pod's own reservation (a retried bind) does not count against it.
+    ctx.index
+        .record_write(reservation_on("gpu-a", "big", 80000));
+    assert_eq!(chosen(&ctx).0, ["gpu-a"], "its own reservation is left out");
 }
 
 /// One HTTP/1.1 request; `(status, body)`.

@@ -3,6 +3,7 @@
 //! an over-commit.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 use gpuledger_crds::podapi::{self, PodRequest};
@@ -10,6 +11,8 @@ use k8s_openapi::api::core::v1::Pod;
 
 use super::wire::{ExtenderArgs, ExtenderFilterResult, HostPriority};
 use crate::context::{Context, pod_ref};
+use crate::fit_adapter::node_view;
+use crate::ledger::ReservationKey;
 use crate::placement::{Placement, Policies, scale_scores};
 
 /// Reason given for nodes without a GpuNode.
@@ -38,6 +41,19 @@ pub fn fit_on(ctx: &Context, pod: &Pod, req: &PodRequest, node: &str) -> Result<
     let usage = ctx.index.node_usage(node, uid, ctx.placer.as_ref());
     ctx.placer
         .place(req, &gpunode, &usage, policies_for(ctx, req))
+}
+
+/// The node of the pod's own reservation, if it holds one (same name and pod UID).
+fn own_reservation_node(ctx: &Context, pod: &Pod) -> Option<String> {
+    let uid = pod.metadata.uid.as_deref()?;
+    let key = ReservationKey::new(
+        pod.metadata.namespace.clone().unwrap_or_default(),
+        pod.metadata.name.clone().unwrap_or_default(),
+    );
+    ctx.index
+        .get(&key)
+        .filter(|r| r.spec.pod_uid == uid)
+        .map(|r| r.spec.node_name.clone())
 }
 
 /// The `filter` verb.
@@ -70,24 +86,36 @@ pub async fn filter(ctx: &Context, args: ExtenderArgs) -> ExtenderFilterResult {
     };
     // Like HAMi, filter answers with the one node the fit engine chooses under the node
     // policy: kube-scheduler's own scoring cannot then override binpack/spread.
-    let uid = args.pod.metadata.uid.as_deref();
     let mut failed = BTreeMap::new();
     let mut candidates = Vec::new();
     for node in args.candidate_names() {
         match ctx.gpunode(&node) {
             Some(gpunode) => {
-                let usage = ctx.index.node_usage(&node, uid, ctx.placer.as_ref());
-                candidates.push((gpunode, usage));
+                let version = ctx.index.node_version(&node);
+                candidates.push((gpunode, version));
             }
             None => {
                 failed.insert(node, NO_INVENTORY.to_string());
             }
         }
     }
-    let views: Vec<_> = candidates
-        .iter()
-        .map(|(n, u)| (n.as_ref(), u.clone()))
-        .collect();
+    let mut views = ctx.views.views(&candidates, |node| {
+        ctx.index.node_usage(node, None, ctx.placer.as_ref())
+    });
+    // A pod that already holds a reservation (a retried bind) must not compete with itself:
+    // its node's view is built without it, outside the cache.
+    if let Some(own) = own_reservation_node(ctx, &args.pod) {
+        let uid = args.pod.metadata.uid.as_deref();
+        for (view, (gpunode, _)) in views.iter_mut().zip(&candidates) {
+            if gpunode.metadata.name.as_deref() == Some(own.as_str()) {
+                let usage = ctx.index.node_usage(&own, uid, ctx.placer.as_ref());
+                *view = Arc::new(node_view(gpunode, &usage));
+            }
+        }
+    }
+    if ctx.views.len() > 2 * ctx.gpunodes.state().len().max(1) {
+        ctx.views.retain(|name| ctx.gpunode(name).is_some());
+    }
     let policies = policies_for(ctx, &req);
     let choice = ctx.placer.choose(&req, &views, policies);
     failed.extend(choice.failed);

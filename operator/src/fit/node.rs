@@ -11,6 +11,7 @@
 //! equal scores to goroutine and map order; here the smaller node name wins, so a decision
 //! depends only on its inputs.
 
+use std::borrow::Borrow;
 use std::cmp::Ordering;
 
 use gpuledger_crds::podapi::{ContainerRequest, PodRequest, SchedulerPolicy};
@@ -69,13 +70,13 @@ pub struct PodDecision {
 
 impl PodDecision {
     /// `(node name, HAMi reason string)` for every node that does not fit.
-    pub fn failures<'n>(
+    pub fn failures<'n, N: Borrow<NodeView>>(
         &self,
-        nodes: &'n [NodeView],
-    ) -> impl Iterator<Item = (&'n str, String)> + use<'_, 'n> {
+        nodes: &'n [N],
+    ) -> impl Iterator<Item = (&'n str, String)> + use<'_, 'n, N> {
         self.outcomes.iter().filter_map(move |o| match o.result {
             Ok(_) => None,
-            Err(f) => Some((nodes[o.node].name.as_str(), f.to_string())),
+            Err(f) => Some((nodes[o.node].borrow().name.as_str(), f.to_string())),
         })
     }
 }
@@ -212,7 +213,11 @@ fn better(
 
 /// Decides where `pod` goes among `nodes`: each node's fit or failure, and the chosen node with
 /// its devices. Allocates only the outcome list and the final placement.
-pub fn fit_pod(nodes: &[NodeView], pod: &PodRequest, defaults: &Policy) -> PodDecision {
+pub fn fit_pod<N: Borrow<NodeView>>(
+    nodes: &[N],
+    pod: &PodRequest,
+    defaults: &Policy,
+) -> PodDecision {
     let policy = defaults.for_pod(pod);
     if !pod.wants_gpus() {
         return PodDecision {
@@ -222,18 +227,25 @@ pub fn fit_pod(nodes: &[NodeView], pod: &PodRequest, defaults: &Policy) -> PodDe
             placement: None,
         };
     }
-    let widest = nodes.iter().map(|n| n.devices.len()).max().unwrap_or(0);
+    let widest = nodes
+        .iter()
+        .map(|n| n.borrow().devices.len())
+        .max()
+        .unwrap_or(0);
     let all: Vec<u32> = (0..widest as u32).collect();
     let mut scratch = NodeScratch::default();
     let mut outcomes = Vec::with_capacity(nodes.len());
     let mut best: Option<(usize, f32)> = None;
     for (i, node) in nodes.iter().enumerate() {
+        let node = node.borrow();
         let candidates = &all[..node.devices.len()];
         let result = fit_node(node, candidates, pod, policy.gpu, &mut scratch, None);
         if let Ok(score) = result {
             let wins = match best {
                 None => true,
-                Some((b, bs)) => better(policy.node, score, &node.name, bs, &nodes[b].name),
+                Some((b, bs)) => {
+                    better(policy.node, score, &node.name, bs, &nodes[b].borrow().name)
+                }
             };
             if wins {
                 best = Some((i, score));
@@ -242,7 +254,7 @@ pub fn fit_pod(nodes: &[NodeView], pod: &PodRequest, defaults: &Policy) -> PodDe
         outcomes.push(NodeOutcome { node: i, result });
     }
     let placement = best.and_then(|(i, _)| {
-        let node = &nodes[i];
+        let node = nodes[i].borrow();
         place(
             node,
             i,

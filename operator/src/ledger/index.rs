@@ -68,6 +68,11 @@ struct Inner {
     local_writes: HashMap<ReservationKey, Instant>,
     /// Objects of a relist in progress (between `Init` and `InitDone`).
     relist: Option<HashMap<ReservationKey, Arc<GpuReservation>>>,
+    /// Per node, the `clock` value of the last change to its reservations: a cache of
+    /// anything derived from a node's reservations is valid while this stays the same.
+    node_versions: HashMap<String, u64>,
+    /// Counts changes; never goes back, so a version is never reused.
+    clock: u64,
 }
 
 /// The index. Cheap to share (`Arc`).
@@ -95,12 +100,25 @@ fn supersedes(incoming: &GpuReservation, current: &GpuReservation) -> bool {
 }
 
 impl Inner {
+    /// Marks `node`'s reservations as changed.
+    fn touch(&mut self, node: &str) {
+        self.clock += 1;
+        match self.node_versions.get_mut(node) {
+            Some(v) => *v = self.clock,
+            None => {
+                self.node_versions.insert(node.to_string(), self.clock);
+            }
+        }
+    }
+
     /// Inserts into `live`, keeping `by_node` in step.
     fn put_live(&mut self, key: ReservationKey, obj: Arc<GpuReservation>) {
         let node = obj.spec.node_name.clone();
+        self.touch(&node);
         if let Some(old) = self.live.insert(key.clone(), obj)
             && old.spec.node_name != node
         {
+            self.touch(&old.spec.node_name);
             self.unindex(&old.spec.node_name, &key);
         }
         self.by_node.entry(node).or_default().insert(key);
@@ -109,6 +127,7 @@ impl Inner {
     /// Removes from `live`, keeping `by_node` in step.
     fn take_live(&mut self, key: &ReservationKey) {
         if let Some(old) = self.live.remove(key) {
+            self.touch(&old.spec.node_name);
             self.unindex(&old.spec.node_name, key);
         }
     }
@@ -124,6 +143,14 @@ impl Inner {
 
     /// Replaces `live` wholesale (after a relist) and rebuilds `by_node`.
     fn replace_live(&mut self, live: HashMap<ReservationKey, Arc<GpuReservation>>) {
+        // Every node that had or has reservations may have changed.
+        let before: Vec<String> = self.by_node.keys().cloned().collect();
+        for node in &before {
+            self.touch(node);
+        }
+        for obj in live.values() {
+            self.touch(&obj.spec.node_name);
+        }
         self.by_node.clear();
         for (key, obj) in &live {
             self.by_node
@@ -289,6 +316,12 @@ impl LedgerIndex {
         self.read().live.values().cloned().collect()
     }
 
+    /// The version of `node`'s reservations: it changes whenever one of them is added, changed
+    /// or removed (0 for a node that never had any).
+    pub fn node_version(&self, node: &str) -> u64 {
+        self.read().node_versions.get(node).copied().unwrap_or(0)
+    }
+
     /// Every reservation on `node`.
     pub fn on_node(&self, node: &str) -> Vec<Arc<GpuReservation>> {
         let inner = self.read();
@@ -359,6 +392,51 @@ mod tests {
 
     fn version_of(idx: &LedgerIndex, name: &str) -> Option<String> {
         idx.get(&key(name)).and_then(|r| r.resource_version())
+    }
+
+    #[test]
+    fn node_versions_change_with_the_nodes_reservations_only() {
+        let idx = LedgerIndex::new();
+        assert_eq!(idx.node_version("n1"), 0);
+        idx.apply_event(Event::Apply(obj("a", "1", "n1")));
+        let (v1, v2) = (idx.node_version("n1"), idx.node_version("n2"));
+        assert!(v1 > 0);
+        assert_eq!(v2, 0);
+        idx.apply_event(Event::Apply(obj("b", "2", "n2")));
+        assert_eq!(
+            idx.node_version("n1"),
+            v1,
+            "n2's reservation leaves n1 alone"
+        );
+        // An older event that the index ignores changes nothing either.
+        idx.apply_event(Event::Apply(obj("a", "0", "n1")));
+        assert_eq!(idx.node_version("n1"), v1);
+        // Moving a reservation changes both nodes; deleting changes its node.
+        idx.apply_event(Event::Apply(obj("a", "3", "n2")));
+        let (m1, m2) = (idx.node_version("n1"), idx.node_version("n2"));
+        assert!(m1 > v1 && m2 > v2);
+        idx.record_delete(&key("b"), Some(4));
+        assert!(idx.node_version("n2") > m2);
+        assert_eq!(idx.node_version("n1"), m1);
+        // A relist may change anything: every node it or the old content names moves on.
+        let m2 = idx.node_version("n2");
+        idx.apply_event(Event::Init);
+        idx.apply_event(Event::InitApply(obj("c", "9", "n3")));
+        idx.apply_event(Event::InitDone);
+        assert!(idx.node_version("n2") > m2 && idx.node_version("n3") > 0);
+    }
+
+    #[test]
+    fn managed_fields_are_not_kept() {
+        let idx = LedgerIndex::new();
+        let mut r = obj("a", "1", "n1");
+        r.metadata.managed_fields = Some(vec![Default::default()]);
+        idx.apply_event(Event::Apply(r.clone()));
+        assert_eq!(idx.get(&key("a")).unwrap().metadata.managed_fields, None);
+        idx.apply_event(Event::Init);
+        idx.apply_event(Event::InitApply(r));
+        idx.apply_event(Event::InitDone);
+        assert_eq!(idx.get(&key("a")).unwrap().metadata.managed_fields, None);
     }
 
     #[test]
