@@ -108,6 +108,8 @@ fn context(names: &[String]) -> Arc<Context> {
         policies,
         placer: Arc::new(FitEngine),
         views: Default::default(),
+        lease_turns: Default::default(),
+        holds: Default::default(),
         pod_api: PodApiConfig::default(),
         default_policies: Policies {
             node: SchedulerPolicy::Binpack,

@@ -13,7 +13,7 @@ use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Client, Resource, ResourceExt};
 
 use crate::fit_adapter::NodeViewCache;
-use crate::ledger::{LedgerIndex, LedgerWriter, NodeLocks};
+use crate::ledger::{Holds, LedgerIndex, LedgerWriter, NodeLocks};
 use crate::placement::{Placer, Policies};
 use crate::telemetry::{Health, Metrics};
 
@@ -29,6 +29,8 @@ pub struct Context {
     pub writer: LedgerWriter,
     /// Per-node serialisation shared by bind, init shrink and refits.
     pub node_locks: Arc<NodeLocks>,
+    /// Per-node queue of binds waiting for the node's allocation Lease (one polls at a time).
+    pub lease_turns: NodeLocks,
     /// GpuNode cache.
     pub gpunodes: Store<GpuNode>,
     /// NumaPolicy cache.
@@ -37,6 +39,8 @@ pub struct Context {
     pub placer: Arc<dyn Placer>,
     /// The fit engine's views of nodes, kept between filter calls.
     pub views: NodeViewCache,
+    /// Filter's answers whose binds have not written a reservation yet.
+    pub holds: Holds,
     /// Pod API defaults.
     pub pod_api: PodApiConfig,
     /// Default scheduling policies.

@@ -110,18 +110,36 @@ impl NodeViewCache {
     }
 }
 
+/// The ledger's form of the engine's per-GPU usage.
+fn device_usage(u: Usage) -> DeviceUsage {
+    DeviceUsage {
+        memory_mib: u.memory_mib,
+        cores: u64::from(u.cores),
+        sharers: u.sharers,
+    }
+}
+
+/// `view` with `extra` usage added (filter's holds on that node).
+pub fn with_extra_usage(view: &NodeView, extra: &NodeUsage) -> NodeView {
+    let mut view = view.clone();
+    for (uuid, u) in extra {
+        view.add_usage(
+            uuid,
+            Usage {
+                sharers: u.sharers,
+                memory_mib: u.memory_mib,
+                cores: u32::try_from(u.cores).unwrap_or(u32::MAX),
+            },
+        );
+    }
+    view
+}
+
 impl ReservationLoad for FitEngine {
     fn load(&self, reservation: &GpuReservation) -> Vec<(String, DeviceUsage)> {
         fit::reservation_usage(&reservation.spec)
             .into_iter()
-            .map(|share| {
-                let u = DeviceUsage {
-                    memory_mib: share.usage.memory_mib,
-                    cores: u64::from(share.usage.cores),
-                    sharers: share.usage.sharers,
-                };
-                (share.uuid, u)
-            })
+            .map(|share| (share.uuid, device_usage(share.usage)))
             .collect()
     }
 }
@@ -138,8 +156,20 @@ impl Placer for FitEngine {
             gpu: policies.gpu,
         };
         let decision = fit::fit_pod(views, request, &defaults);
+        let load = decision
+            .placement
+            .as_ref()
+            .map(|p| {
+                let shares = fit::placement_shares(p);
+                fit::effective_usage(shares.iter().map(|(i, d)| (*i, d.as_slice())), false)
+                    .into_iter()
+                    .map(|share| (share.uuid, device_usage(share.usage)))
+                    .collect()
+            })
+            .unwrap_or_default();
         NodeChoice {
             chosen: decision.placement.as_ref().map(|p| p.node_name.clone()),
+            load,
             failed: decision
                 .failures(views)
                 .map(|(node, reason)| (node.to_string(), reason))

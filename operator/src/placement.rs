@@ -8,7 +8,7 @@ use gpuledger_crds::podapi::{PodRequest, SchedulerPolicy};
 use gpuledger_crds::{ContainerReservation, GpuNode};
 
 use crate::fit::NodeView;
-use crate::ledger::usage::{NodeUsage, ReservationLoad};
+use crate::ledger::usage::{DeviceUsage, NodeUsage, ReservationLoad};
 
 /// Default policies, overridden per pod by its annotations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -35,6 +35,8 @@ pub struct NodeChoice {
     pub chosen: Option<String>,
     /// Nodes that do not fit, with the reason.
     pub failed: Vec<(String, String)>,
+    /// What the pod would load on the chosen node's GPUs, keyed by UUID (empty without one).
+    pub load: Vec<(String, DeviceUsage)>,
 }
 
 /// What the plumbing needs from the fit engine.

@@ -9,6 +9,7 @@ use axum::Router;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::get;
+use axum::serve::ListenerExt;
 use gpuledger_crds::podapi::PodApiConfig;
 use gpuledger_crds::{GpuNode, GpuReservation, NumaPolicy};
 use k8s_openapi::api::core::v1::Namespace;
@@ -171,6 +172,8 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         policies,
         placer: Arc::new(FitEngine),
         views: Default::default(),
+        lease_turns: Default::default(),
+        holds: Default::default(),
         pod_api: PodApiConfig::default(),
         default_policies: Policies {
             node: config.node_policy,
@@ -219,8 +222,15 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
             });
         }
         None => {
+            // Answers go out as soon as they are written: with Nagle, a response written in
+            // parts can wait for the scheduler's delayed ACK.
+            let listener = ext_listener.tap_io(|tcp| {
+                if let Err(e) = tcp.set_nodelay(true) {
+                    tracing::debug!(error = %e, "could not disable Nagle");
+                }
+            });
             tasks.spawn(async move {
-                if let Err(e) = axum::serve(ext_listener, ext_app).await {
+                if let Err(e) = axum::serve(listener, ext_app).await {
                     tracing::error!(error = %e, "extender server failed");
                 }
             });

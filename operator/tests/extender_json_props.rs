@@ -89,6 +89,8 @@ fn context(leader: bool) -> Arc<Context> {
         policies,
         placer: Arc::new(FitEngine),
         views: Default::default(),
+        lease_turns: Default::default(),
+        holds: Default::default(),
         pod_api: PodApiConfig::default(),
         default_policies: Policies {
             node: SchedulerPolicy::Binpack,
@@ -296,6 +298,47 @@ fn filter_follows_every_ledger_change_between_calls() {
     ctx.index
         .record_write(reservation_on("gpu-a", "big", 80000));
     assert_eq!(chosen(&ctx).0, ["gpu-a"], "its own reservation is left out");
+}
+
+/// Filter counts its own earlier answers until their binds write them (holds): a burst of
+/// pods is spread over the nodes that fit instead of all being sent to the first one.
+#[test]
+fn filter_counts_answers_whose_bind_has_not_come_yet() {
+    let rt = runtime();
+    let _in_runtime = rt.enter();
+    let ctx = context(true);
+    let args = |name: &str, nodes: &[&str]| -> ExtenderArgs {
+        let pod = json!({
+            "metadata": {"name": name, "namespace": "default", "uid": format!("uid-{name}")},
+            "spec": {"containers": [{"name": "main", "resources": {"limits": {
+                "nvidia.com/gpu": "1", "nvidia.com/gpumem": "80000"}}}]},
+        });
+        serde_json::from_value(json!({"Pod": pod, "NodeNames": nodes})).unwrap()
+    };
+    let chosen = |name: &str, nodes: &[&str]| {
+        rt.block_on(filter(&ctx, args(name, nodes)))
+            .node_names
+            .unwrap_or_default()
+    };
+    assert_eq!(chosen("p1", &GPU_NODES), ["gpu-a"]);
+    assert_eq!(
+        chosen("p1", &GPU_NODES),
+        ["gpu-a"],
+        "asking again, p1 does not compete with its own answer"
+    );
+    assert_eq!(
+        chosen("p2", &GPU_NODES),
+        ["gpu-b"],
+        "gpu-a's one healthy GPU is promised to p1"
+    );
+    assert_eq!(ctx.holds.len(), 2);
+    assert!(
+        chosen("p3", &["gpu-a"]).is_empty(),
+        "gpu-a is still promised"
+    );
+    // p1's bind failed (or wrote its reservation, which the ledger then counts): the hold goes.
+    ctx.holds.release("uid-p1");
+    assert_eq!(chosen("p3", &["gpu-a"]), ["gpu-a"]);
 }
 
 /// One HTTP/1.1 request; `(status, body)`.

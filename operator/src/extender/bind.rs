@@ -77,7 +77,10 @@ pub enum BindError {
 pub async fn bind(ctx: &Context, args: ExtenderBindingArgs) -> ExtenderBindingResult {
     let started = Instant::now();
     let target = pod_ref_by_name(&args.pod_namespace, &args.pod_name, &args.pod_uid);
-    match bind_pod(ctx, &args).await {
+    let result = bind_pod(ctx, &args).await;
+    // Written or failed: either way filter's hold for this pod has done its job.
+    ctx.holds.release(&args.pod_uid);
+    match result {
         Ok(Some(summary)) => {
             ctx.metrics.decision("bind", "bound", started);
             tracing::info!(pod = %format!("{}/{}", args.pod_namespace, args.pod_name), node = %args.node, devices = %summary, "bound");
@@ -144,7 +147,10 @@ async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Option<St
             reason,
         })?;
         let desired = reservation_for(&pod, &args.node, &placement, &alignment);
-        write_fresh(ctx, &desired).await?
+        let written = write_fresh(ctx, &desired).await?;
+        // The ledger counts the pod now; its hold would count it twice.
+        ctx.holds.release(&args.pod_uid);
+        written
     };
 
     let holder = lease_holder(&args.pod_namespace, &args.pod_name, &args.pod_uid);
@@ -231,9 +237,20 @@ async fn write_fresh(ctx: &Context, desired: &GpuReservation) -> Result<GpuReser
 }
 
 /// Takes the Lease, waiting up to `lease_wait` for another pod's admission to finish.
+///
+/// Binds for one node wait their turn in this process first, so only one of them polls the
+/// API server at a time: with a burst of forty binds queued on a node, forty pollers every
+/// 200 ms were most of the API server's load and slowed every admission down.
 async fn take_lease(ctx: &Context, node: &str, holder: &str) -> Result<(), LeaseError> {
     let deadline = Instant::now() + ctx.lease_wait;
-    let mut pause = Duration::from_millis(50);
+    let turn = tokio::time::timeout_at(deadline.into(), ctx.lease_turns.lock(node)).await;
+    let Ok(_turn) = turn else {
+        return Err(LeaseError::Queued {
+            node: node.to_string(),
+            waited: ctx.lease_wait,
+        });
+    };
+    let mut pause = Duration::from_millis(20);
     loop {
         match lease::try_take(&ctx.client, &ctx.namespace, node, holder).await {
             Ok(_) => return Ok(()),
@@ -245,7 +262,7 @@ async fn take_lease(ctx: &Context, node: &str, holder: &str) -> Result<(), Lease
             Err(e) => return Err(e),
         }
         tokio::time::sleep(pause).await;
-        pause = (pause * 2).min(Duration::from_millis(200));
+        pause = (pause * 2).min(Duration::from_millis(100));
     }
 }
 

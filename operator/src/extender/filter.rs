@@ -11,7 +11,7 @@ use k8s_openapi::api::core::v1::Pod;
 
 use super::wire::{ExtenderArgs, ExtenderFilterResult, HostPriority};
 use crate::context::{Context, pod_ref};
-use crate::fit_adapter::node_view;
+use crate::fit_adapter::{node_view, with_extra_usage};
 use crate::ledger::ReservationKey;
 use crate::placement::{Placement, Policies, scale_scores};
 
@@ -104,8 +104,8 @@ pub async fn filter(ctx: &Context, args: ExtenderArgs) -> ExtenderFilterResult {
     });
     // A pod that already holds a reservation (a retried bind) must not compete with itself:
     // its node's view is built without it, outside the cache.
+    let uid = args.pod.metadata.uid.as_deref();
     if let Some(own) = own_reservation_node(ctx, &args.pod) {
-        let uid = args.pod.metadata.uid.as_deref();
         for (view, (gpunode, _)) in views.iter_mut().zip(&candidates) {
             if gpunode.metadata.name.as_deref() == Some(own.as_str()) {
                 let usage = ctx.index.node_usage(&own, uid, ctx.placer.as_ref());
@@ -116,8 +116,21 @@ pub async fn filter(ctx: &Context, args: ExtenderArgs) -> ExtenderFilterResult {
     if ctx.views.len() > 2 * ctx.gpunodes.state().len().max(1) {
         ctx.views.retain(|name| ctx.gpunode(name).is_some());
     }
+    // Count what earlier answers promised and their binds have not written yet (holds).
+    let now = Instant::now();
+    let held = ctx.holds.usage_by_node(uid, now);
+    if !held.is_empty() {
+        for view in &mut views {
+            if let Some(extra) = held.get(&view.name) {
+                *view = Arc::new(with_extra_usage(view, extra));
+            }
+        }
+    }
     let policies = policies_for(ctx, &req);
     let choice = ctx.placer.choose(&req, &views, policies);
+    if let (Some(node), Some(uid)) = (&choice.chosen, uid) {
+        ctx.holds.hold(uid, node, choice.load.clone(), now);
+    }
     failed.extend(choice.failed);
     // Every candidate gets an answer: the nodes that would fit but lost to the chosen one are
     // refused with that reason, so kube-scheduler's "0/N nodes" messages stay complete.

@@ -25,6 +25,16 @@ pub enum LeaseError {
         /// The current holder.
         holder: String,
     },
+    /// Other binds of the node were still waiting for its Lease when this one gave up.
+    #[error(
+        "node {node} is busy: earlier binds were still waiting for its allocation Lease after {waited:?}"
+    )]
+    Queued {
+        /// The node.
+        node: String,
+        /// How long this bind waited.
+        waited: std::time::Duration,
+    },
     /// The Lease changed between read and write; the caller may retry at once.
     #[error("allocation Lease of node {node} changed concurrently")]
     Raced {

@@ -91,6 +91,9 @@ impl axum::serve::Listener for TlsListener {
                     continue;
                 }
             };
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::debug!(peer = %addr, error = %e, "could not disable Nagle");
+            }
             match tokio::time::timeout(HANDSHAKE_TIMEOUT, self.acceptor.accept(tcp)).await {
                 Ok(Ok(tls)) => return (tls, addr),
                 Ok(Err(e)) => tracing::debug!(peer = %addr, error = %e, "TLS handshake failed"),

@@ -4,11 +4,13 @@
 //! resourceVersion preconditions.
 
 pub mod feed;
+pub mod holds;
 pub mod index;
 pub mod node_lock;
 pub mod usage;
 pub mod writer;
 
+pub use holds::Holds;
 pub use index::{LedgerIndex, ReservationKey};
 pub use node_lock::NodeLocks;
 pub use usage::{DeviceUsage, NodeUsage};

@@ -1,0 +1,141 @@
+//! Placements that filter has answered but bind has not written yet.
+//!
+//! kube-scheduler answers one pod's bind asynchronously and goes on filtering the next pods.
+//! Until a bind writes its reservation, the ledger does not show it, so every filter in that
+//! window sees the same free capacity and sends the whole burst to the same node; most of those
+//! binds then find the node full and are retried. A hold is filter's note of its own answer
+//! (kube-scheduler calls the same thing "assuming" a pod): later filters count it, bind drops it
+//! once the reservation is written or the bind fails, and it expires on its own if no bind
+//! comes. Holds only steer filter; bind still fits on the ledger alone, under the node lock, so
+//! a stale hold can cost a detour, never an over-commit.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use super::usage::{DeviceUsage, NodeUsage};
+
+/// How long a hold lasts without its bind: far longer than kube-scheduler takes from a
+/// filter answer to the bind call, short enough that a pod that never binds frees the node soon.
+pub const HOLD_TTL: Duration = Duration::from_secs(10);
+
+#[derive(Debug)]
+struct Hold {
+    node: String,
+    load: Vec<(String, DeviceUsage)>,
+    until: Instant,
+}
+
+/// Filter's answered-but-unbound placements, by pod UID.
+#[derive(Debug, Default)]
+pub struct Holds {
+    inner: Mutex<HashMap<String, Hold>>,
+}
+
+impl Holds {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Hold>> {
+        // Each update is a single insert or remove: nothing half-done survives a panic.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records that pod `pod_uid` was sent to `node`, where it will load `load`; replaces the
+    /// pod's earlier hold.
+    pub fn hold(&self, pod_uid: &str, node: &str, load: Vec<(String, DeviceUsage)>, now: Instant) {
+        let hold = Hold {
+            node: node.to_string(),
+            load,
+            until: now + HOLD_TTL,
+        };
+        self.lock().insert(pod_uid.to_string(), hold);
+    }
+
+    /// Drops the pod's hold (its reservation is written, or its bind failed).
+    pub fn release(&self, pod_uid: &str) {
+        self.lock().remove(pod_uid);
+    }
+
+    /// The usage that live holds add per node, leaving out pod `except_uid`'s own; expired
+    /// holds are dropped on the way.
+    pub fn usage_by_node(
+        &self,
+        except_uid: Option<&str>,
+        now: Instant,
+    ) -> HashMap<String, NodeUsage> {
+        let mut holds = self.lock();
+        holds.retain(|_, h| h.until > now);
+        let mut out: HashMap<String, NodeUsage> = HashMap::new();
+        for (uid, h) in holds.iter() {
+            if except_uid == Some(uid.as_str()) {
+                continue;
+            }
+            let node = out.entry(h.node.clone()).or_default();
+            for (uuid, u) in &h.load {
+                node.entry(uuid.clone()).or_default().add(*u);
+            }
+        }
+        out
+    }
+
+    /// How many holds are live (expired ones may still be counted until the next read).
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(uuid: &str, mem: u64) -> Vec<(String, DeviceUsage)> {
+        vec![(
+            uuid.to_string(),
+            DeviceUsage {
+                memory_mib: mem,
+                cores: 10,
+                sharers: 1,
+            },
+        )]
+    }
+
+    #[test]
+    fn holds_add_up_per_node_and_leave_out_the_asking_pod() {
+        let holds = Holds::default();
+        let t = Instant::now();
+        holds.hold("p1", "n1", load("GPU-0", 1000), t);
+        holds.hold("p2", "n1", load("GPU-0", 500), t);
+        holds.hold("p3", "n2", load("GPU-9", 700), t);
+        let all = holds.usage_by_node(None, t);
+        assert_eq!(all["n1"]["GPU-0"].memory_mib, 1500);
+        assert_eq!(all["n1"]["GPU-0"].sharers, 2);
+        assert_eq!(all["n2"]["GPU-9"].memory_mib, 700);
+        let for_p1 = holds.usage_by_node(Some("p1"), t);
+        assert_eq!(
+            for_p1["n1"]["GPU-0"].memory_mib, 500,
+            "its own hold does not count"
+        );
+        // A pod filtered again moves its hold.
+        holds.hold("p1", "n2", load("GPU-9", 100), t);
+        let moved = holds.usage_by_node(None, t);
+        assert_eq!(moved["n1"]["GPU-0"].memory_mib, 500);
+        assert_eq!(moved["n2"]["GPU-9"].memory_mib, 800);
+        holds.release("p2");
+        holds.release("p1");
+        assert!(!holds.usage_by_node(None, t).contains_key("n1"));
+        assert_eq!(holds.len(), 1);
+    }
+
+    #[test]
+    fn holds_expire_without_their_bind() {
+        let holds = Holds::default();
+        let t = Instant::now();
+        holds.hold("p1", "n1", load("GPU-0", 1000), t);
+        assert_eq!(holds.usage_by_node(None, t + HOLD_TTL / 2).len(), 1);
+        assert!(holds.usage_by_node(None, t + HOLD_TTL).is_empty());
+        assert!(holds.is_empty(), "expired holds are dropped when read");
+    }
+}
