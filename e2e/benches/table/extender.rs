@@ -101,6 +101,14 @@ async fn run() -> Result<Vec<Row>, String> {
         (Some(lo), Some(hi)) => format!("{lo}-{hi} names/call"),
         _ => "no calls".into(),
     };
+    // The operator's own count of its decisions, for the log: how many binds it refused, why.
+    for line in op.metrics().await.lines() {
+        if line.starts_with("gpuledger_extender_decisions_total")
+            || line.starts_with("gpuledger_ledger_conflicts_total")
+        {
+            eprintln!("[bench] operator: {line}");
+        }
+    }
     let direct = direct_filter(operator_port, &fleet.names, 200).await?;
     allocator.abort();
     drop(op);

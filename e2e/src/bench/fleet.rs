@@ -258,16 +258,16 @@ pub fn spawn_allocator_after(
             if !lease.name_any().starts_with(ALLOCATION_LEASE_PREFIX) {
                 continue;
             }
-            if delay.is_zero() {
-                allocate(&client, &leases, &lease).await;
-            } else {
-                let (client, leases) = (client.clone(), leases.clone());
-                pending.spawn(async move {
+            // Each node has its own kubelet and plugin: allocations on different nodes run
+            // side by side, not one after another behind a single loop.
+            let (client, leases) = (client.clone(), leases.clone());
+            pending.spawn(async move {
+                if !delay.is_zero() {
                     tokio::time::sleep(delay).await;
-                    allocate(&client, &leases, &lease).await;
-                });
-                while pending.try_join_next().is_some() {}
-            }
+                }
+                allocate(&client, &leases, &lease).await;
+            });
+            while pending.try_join_next().is_some() {}
         }
     })
 }

@@ -13,7 +13,6 @@ use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::task::JoinHandle;
 
 /// Samples per path, and the number of candidate nodes of each `/filter` request.
 #[derive(Debug, Default)]
@@ -25,33 +24,56 @@ struct Recorded {
 type Samples = Arc<Mutex<Recorded>>;
 
 /// A running proxy; stops when dropped.
+///
+/// It runs on a thread and runtime of its own: on the bench's runtime, a sample could include
+/// the time the proxy's task waited behind the harness's other work (the allocator, the pod
+/// watch), which is not the operator's latency.
 #[derive(Debug)]
 pub struct TimingProxy {
     port: u16,
     samples: Samples,
-    task: JoinHandle<()>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
 }
 
 impl TimingProxy {
     /// Listens on `127.0.0.1:<port>` (0 for any) and forwards to `127.0.0.1:<upstream_port>`.
     pub async fn start(port: u16, upstream_port: u16) -> std::io::Result<TimingProxy> {
-        let listener = TcpListener::bind(("127.0.0.1", port)).await?;
+        let listener = std::net::TcpListener::bind(("127.0.0.1", port))?;
+        listener.set_nonblocking(true)?;
         let port = listener.local_addr()?.port();
         let samples: Samples = Arc::default();
         let recorder = samples.clone();
-        let task = tokio::spawn(async move {
-            while let Ok((conn, _)) = listener.accept().await {
-                let recorder = recorder.clone();
-                tokio::spawn(async move {
-                    // A broken connection ends only that connection; the scheduler retries.
-                    let _ = serve(conn, upstream_port, recorder).await;
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        std::thread::Builder::new()
+            .name("timing-proxy".into())
+            .spawn(move || {
+                runtime.block_on(async move {
+                    let Ok(listener) = TcpListener::from_std(listener) else {
+                        return;
+                    };
+                    let accept = async {
+                        while let Ok((conn, _)) = listener.accept().await {
+                            let recorder = recorder.clone();
+                            tokio::spawn(async move {
+                                // A broken connection ends only that connection; the
+                                // scheduler retries.
+                                let _ = serve(conn, upstream_port, recorder).await;
+                            });
+                        }
+                    };
+                    tokio::select! {
+                        () = accept => {}
+                        _ = stopped => {}
+                    }
                 });
-            }
-        });
+            })?;
         Ok(TimingProxy {
             port,
             samples,
-            task,
+            stop: Some(stop),
         })
     }
 
@@ -80,11 +102,15 @@ impl TimingProxy {
 
 impl Drop for TimingProxy {
     fn drop(&mut self) {
-        self.task.abort();
+        if let Some(stop) = self.stop.take() {
+            // Ending the runtime's main future drops it, and with it every connection task.
+            let _ = stop.send(());
+        }
     }
 }
 
 async fn serve(mut down: TcpStream, upstream_port: u16, samples: Samples) -> std::io::Result<()> {
+    down.set_nodelay(true)?;
     let mut up: Option<TcpStream> = None;
     loop {
         let Some((head, body)) = read_message(&mut down).await? else {
@@ -97,11 +123,17 @@ async fn serve(mut down: TcpStream, upstream_port: u16, samples: Samples) -> std
             .to_string();
         let conn = match up.as_mut() {
             Some(c) => c,
-            None => up.insert(TcpStream::connect(("127.0.0.1", upstream_port)).await?),
+            None => {
+                let c = TcpStream::connect(("127.0.0.1", upstream_port)).await?;
+                c.set_nodelay(true)?;
+                up.insert(c)
+            }
         };
+        // One write per message, without Nagle: a head and a body written separately would
+        // wait for the peer's delayed ACK (up to 40 ms), a stall of the proxy, not the operator.
+        let request = [head.as_bytes(), &body].concat();
         let started = Instant::now();
-        conn.write_all(head.as_bytes()).await?;
-        conn.write_all(&body).await?;
+        conn.write_all(&request).await?;
         let Some((answer_head, answer_body)) = read_message(conn).await? else {
             return Ok(());
         };
@@ -112,8 +144,8 @@ async fn serve(mut down: TcpStream, upstream_port: u16, samples: Samples) -> std
             recorded.filter_sizes.extend(size.flatten());
             recorded.latency.entry(path).or_default().push(took);
         }
-        down.write_all(answer_head.as_bytes()).await?;
-        down.write_all(&answer_body).await?;
+        down.write_all(&[answer_head.as_bytes(), &answer_body].concat())
+            .await?;
     }
 }
 
