@@ -24,9 +24,14 @@ pub fn node_view(node: &GpuNode, usage: &NodeUsage) -> NodeView {
     let name = node.metadata.name.clone().unwrap_or_default();
     let status = node.status.clone().unwrap_or_default();
     let split = status.split_count.unwrap_or(DEFAULT_SPLIT_COUNT);
-    let mut view = NodeView::from_gpu_node(name, &status.devices, split, &node.spec.cordoned);
+    let view = NodeView::from_gpu_node(name, &status.devices, split, &node.spec.cordoned);
+    with_usage(view, usage)
+}
+
+/// `view` with `usage` added. Usage on a GPU the inventory no longer lists cannot be placed
+/// against; it is ignored.
+fn with_usage(mut view: NodeView, usage: &NodeUsage) -> NodeView {
     for (uuid, u) in usage {
-        // Usage on a GPU the inventory no longer lists cannot be placed against; ignore it.
         view.add_usage(
             uuid,
             Usage {
@@ -119,20 +124,9 @@ fn device_usage(u: Usage) -> DeviceUsage {
     }
 }
 
-/// `view` with `extra` usage added (filter's holds on that node).
+/// A copy of `view` with `extra` usage added (filter's holds on that node).
 pub fn with_extra_usage(view: &NodeView, extra: &NodeUsage) -> NodeView {
-    let mut view = view.clone();
-    for (uuid, u) in extra {
-        view.add_usage(
-            uuid,
-            Usage {
-                sharers: u.sharers,
-                memory_mib: u.memory_mib,
-                cores: u32::try_from(u.cores).unwrap_or(u32::MAX),
-            },
-        );
-    }
-    view
+    with_usage(view.clone(), extra)
 }
 
 impl ReservationLoad for FitEngine {

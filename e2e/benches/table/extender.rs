@@ -101,10 +101,14 @@ async fn run() -> Result<Vec<Row>, String> {
         (Some(lo), Some(hi)) => format!("{lo}-{hi} names/call"),
         _ => "no calls".into(),
     };
-    // The operator's own count of its decisions, for the log: how many binds it refused, why.
+    // The operator's own count of its decisions, for the log: how many binds it refused, and
+    // its own filter latency histogram (inside the process, to compare with the proxy's).
     for line in op.metrics().await.lines() {
+        let filter_latency = line.starts_with("gpuledger_extender_latency_seconds")
+            && line.contains(r#"verb="filter""#);
         if line.starts_with("gpuledger_extender_decisions_total")
             || line.starts_with("gpuledger_ledger_conflicts_total")
+            || filter_latency
         {
             eprintln!("[bench] operator: {line}");
         }
