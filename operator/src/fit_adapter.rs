@@ -98,7 +98,8 @@ impl NodeViewCache {
         out
     }
 
-    /// Drops the views of nodes for which `keep` is false (nodes that left the cluster).
+    /// Drops the views of nodes for which `keep` is false (nodes that left the cluster; the
+    /// GpuNode usage loop calls it every `--usage-interval`).
     pub fn retain(&self, keep: impl Fn(&str) -> bool) {
         let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
         entries.retain(|name, _| keep(name));

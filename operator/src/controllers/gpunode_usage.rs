@@ -50,6 +50,8 @@ pub async fn run(ctx: Arc<Context>, interval: Duration) {
     let api: Api<GpuNode> = Api::all(ctx.client.clone());
     loop {
         tokio::time::sleep(interval).await;
+        // Housekeeping on the same beat: forget filter's views of nodes that left.
+        ctx.views.retain(|name| ctx.gpunode(name).is_some());
         if !ctx.may_write() {
             continue;
         }

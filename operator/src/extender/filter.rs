@@ -113,9 +113,6 @@ pub async fn filter(ctx: &Context, args: ExtenderArgs) -> ExtenderFilterResult {
             }
         }
     }
-    if ctx.views.len() > 2 * ctx.gpunodes.state().len().max(1) {
-        ctx.views.retain(|name| ctx.gpunode(name).is_some());
-    }
     // Count what earlier answers promised and their binds have not written yet (holds).
     let now = Instant::now();
     let held = ctx.holds.usage_by_node(uid, now);
