@@ -5,22 +5,16 @@
 
 use std::hint::black_box;
 use std::sync::Arc;
-use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use gpuledger_crds::podapi::{PodApiConfig, SchedulerPolicy};
 use gpuledger_crds::{
     Alignment, ContainerReservation, GpuDevice, GpuNode, GpuNodeSpec, GpuNodeStatus,
     GpuReservation, GpuReservationSpec, ReservedDevice,
 };
-use gpuledger_operator::context::{Context, reporter};
+use gpuledger_operator::context::Context;
 use gpuledger_operator::extender::filter::filter;
 use gpuledger_operator::extender::wire::ExtenderArgs;
-use gpuledger_operator::fit_adapter::FitEngine;
-use gpuledger_operator::ledger::{LedgerIndex, LedgerWriter, NodeLocks};
-use gpuledger_operator::placement::Policies;
-use gpuledger_operator::telemetry::{Health, Metrics};
-use kube::runtime::events::Recorder;
+use gpuledger_operator::ledger::LedgerIndex;
 use kube::runtime::{reflector, watcher};
 use serde_json::json;
 
@@ -95,33 +89,7 @@ fn context(names: &[String]) -> Arc<Context> {
     for name in names {
         writer.apply_watcher_event(&watcher::Event::Apply(gpunode(name)));
     }
-    let (policies, _) = reflector::store();
-    let health = Arc::new(Health::default());
-    health.set_leader(true);
-    Arc::new(Context {
-        client: client.clone(),
-        namespace: "gpuledger-system".into(),
-        writer: LedgerWriter::new(client.clone(), index.clone()),
-        index,
-        node_locks: Arc::new(NodeLocks::new()),
-        gpunodes,
-        policies,
-        placer: Arc::new(FitEngine),
-        views: Default::default(),
-        lease_turns: Default::default(),
-        holds: Default::default(),
-        pod_api: PodApiConfig::default(),
-        default_policies: Policies {
-            node: SchedulerPolicy::Binpack,
-            gpu: SchedulerPolicy::Spread,
-        },
-        default_alignment: Alignment::None,
-        lease_wait: Duration::from_millis(50),
-        allocating_timeout: Duration::from_secs(60),
-        metrics: Arc::new(Metrics::new()),
-        health,
-        recorder: Recorder::new(client, reporter("bench")),
-    })
+    Arc::new(Context::detached(client, index, gpunodes, true))
 }
 
 fn args(names: &[String]) -> ExtenderArgs {

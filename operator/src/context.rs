@@ -68,6 +68,45 @@ pub fn reporter(identity: &str) -> Reporter {
 }
 
 impl Context {
+    /// A context that decides from `index` and `gpunodes` alone, with the operator's default
+    /// policies and no NumaPolicies: for benches and tests of the extender that run without an
+    /// API server (give it a `client` that reaches nothing, and writes fail fast). `leader`
+    /// sets whether it may decide.
+    pub fn detached(
+        client: Client,
+        index: Arc<LedgerIndex>,
+        gpunodes: Store<GpuNode>,
+        leader: bool,
+    ) -> Context {
+        let (policies, _) = kube::runtime::reflector::store();
+        let health = Arc::new(Health::default());
+        health.set_leader(leader);
+        Context {
+            client: client.clone(),
+            namespace: gpuledger_crds::names::DEFAULT_NAMESPACE.into(),
+            writer: LedgerWriter::new(client.clone(), index.clone()),
+            index,
+            node_locks: Arc::new(NodeLocks::new()),
+            lease_turns: NodeLocks::new(),
+            gpunodes,
+            policies,
+            placer: Arc::new(crate::fit_adapter::FitEngine),
+            views: NodeViewCache::default(),
+            holds: Holds::default(),
+            pod_api: PodApiConfig::default(),
+            default_policies: Policies {
+                node: gpuledger_crds::podapi::SchedulerPolicy::Binpack,
+                gpu: gpuledger_crds::podapi::SchedulerPolicy::Spread,
+            },
+            default_alignment: Alignment::None,
+            lease_wait: std::time::Duration::from_millis(50),
+            allocating_timeout: std::time::Duration::from_secs(60),
+            metrics: Arc::new(Metrics::new()),
+            health,
+            recorder: Recorder::new(client, reporter("detached")),
+        }
+    }
+
     /// Whether this replica may decide and write: it leads and its ledger index is complete.
     pub fn may_write(&self) -> bool {
         self.health.is_leader() && self.index.is_synced()

@@ -15,22 +15,16 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
-use std::time::Duration;
 
-use gpuledger_crds::podapi::{PodApiConfig, SchedulerPolicy};
 use gpuledger_crds::{
-    Alignment, ContainerReservation, GpuDevice, GpuNode, GpuNodeSpec, GpuNodeStatus,
-    GpuReservation, GpuReservationSpec, ReservedDevice,
+    ContainerReservation, GpuDevice, GpuNode, GpuNodeSpec, GpuNodeStatus, GpuReservation,
+    GpuReservationSpec, ReservedDevice,
 };
-use gpuledger_operator::context::{Context, reporter};
+use gpuledger_operator::context::Context;
 use gpuledger_operator::extender::filter::{filter, prioritize};
 use gpuledger_operator::extender::server::router;
 use gpuledger_operator::extender::wire::{ExtenderArgs, MAX_EXTENDER_PRIORITY};
-use gpuledger_operator::fit_adapter::FitEngine;
-use gpuledger_operator::ledger::{LedgerIndex, LedgerWriter, NodeLocks, ReservationKey};
-use gpuledger_operator::placement::Policies;
-use gpuledger_operator::telemetry::{Health, Metrics};
-use kube::runtime::events::Recorder;
+use gpuledger_operator::ledger::{LedgerIndex, ReservationKey};
 use kube::runtime::reflector;
 use kube::runtime::watcher;
 use proptest::prelude::*;
@@ -76,33 +70,7 @@ fn context(leader: bool) -> Arc<Context> {
     for (i, name) in GPU_NODES.iter().enumerate() {
         writer.apply_watcher_event(&watcher::Event::Apply(gpunode(name, 2 + 2 * i as u32)));
     }
-    let (policies, _) = reflector::store();
-    let health = Arc::new(Health::default());
-    health.set_leader(leader);
-    Arc::new(Context {
-        client: client.clone(),
-        namespace: "gpuledger-system".into(),
-        writer: LedgerWriter::new(client.clone(), index.clone()),
-        index,
-        node_locks: Arc::new(NodeLocks::new()),
-        gpunodes,
-        policies,
-        placer: Arc::new(FitEngine),
-        views: Default::default(),
-        lease_turns: Default::default(),
-        holds: Default::default(),
-        pod_api: PodApiConfig::default(),
-        default_policies: Policies {
-            node: SchedulerPolicy::Binpack,
-            gpu: SchedulerPolicy::Spread,
-        },
-        default_alignment: Alignment::None,
-        lease_wait: Duration::from_millis(50),
-        allocating_timeout: Duration::from_secs(60),
-        metrics: Arc::new(Metrics::new()),
-        health,
-        recorder: Recorder::new(client, reporter("props")),
-    })
+    Arc::new(Context::detached(client, index, gpunodes, leader))
 }
 
 fn amount() -> impl Strategy<Value = String> {
