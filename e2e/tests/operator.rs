@@ -199,6 +199,24 @@ async fn pods_land_where_the_fit_says_and_the_ledger_follows_their_lives() {
     let numa = c.devices[0].numa_node.unwrap().to_string();
     assert_eq!(status.numa.as_deref(), Some(numa.as_str()));
 
+    // A late second bind of a bound pod (kube-scheduler gave up on the first and retried) is
+    // refused and leaves the pod's reservation alone.
+    let late = serde_json::json!({
+        "PodName": "typed", "PodNamespace": NS,
+        "PodUID": typed_pod.uid().unwrap(), "Node": "t4-node",
+    });
+    let (code, body) = http(op.extender_port, "POST", "/bind", &late.to_string())
+        .await
+        .unwrap();
+    assert_eq!(code, 200);
+    assert!(body.contains("already bound to node a100-node"), "{body}");
+    let kept = Api::<GpuReservation>::namespaced(client.clone(), NS)
+        .get("typed")
+        .await
+        .unwrap();
+    assert_eq!(kept.metadata.uid, r.metadata.uid, "same reservation object");
+    assert_eq!(kept.spec.node_name, "a100-node");
+
     // Two GPUs fit on both nodes; binpack and the ledger decide, and the extender agrees with
     // the fit engine on node and devices.
     let big = gpu_pod("big", 2, 14000, 20);

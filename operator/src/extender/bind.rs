@@ -54,6 +54,28 @@ pub enum BindError {
         /// Why.
         reason: String,
     },
+    /// The pod is already bound (an earlier bind of it finished after kube-scheduler gave up
+    /// on it); its reservation stays as it is.
+    #[error("pod {pod} is already bound to node {node}")]
+    AlreadyBound {
+        /// namespace/name.
+        pod: String,
+        /// Where it is bound.
+        node: String,
+    },
+    /// The bind ran past its deadline before posting the Binding: kube-scheduler has given up
+    /// on this call (extender `httpTimeout`) and retries the pod, so it must not be bound now.
+    #[error(
+        "gave up binding pod {pod} to node {node} after {waited:?}, before kube-scheduler's timeout; it will retry"
+    )]
+    TooLate {
+        /// namespace/name.
+        pod: String,
+        /// Node.
+        node: String,
+        /// How long the bind had run.
+        waited: Duration,
+    },
     /// Ledger write failed.
     #[error(transparent)]
     Ledger(#[from] WriteError),
@@ -72,6 +94,12 @@ pub enum BindError {
         source: kube::Error,
     },
 }
+
+/// How long a bind may run beyond `--lease-wait` before it must post the Binding. kube-scheduler
+/// gives up on an extender call after its `httpTimeout` (5 s in config/scheduler) and retries
+/// the pod; a Binding posted after that would race the retry. Keep `--lease-wait` + this below
+/// the scheduler's timeout.
+const BIND_SLACK: Duration = Duration::from_secs(1);
 
 /// The `bind` verb.
 pub async fn bind(ctx: &Context, args: ExtenderBindingArgs) -> ExtenderBindingResult {
@@ -112,6 +140,8 @@ async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Option<St
     if !ctx.may_write() {
         return Err(BindError::NotLeader);
     }
+    let started = Instant::now();
+    let deadline = started + ctx.lease_wait + BIND_SLACK;
     let pod_id = format!("{}/{}", args.pod_namespace, args.pod_name);
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &args.pod_namespace);
     let pod = pods
@@ -127,6 +157,10 @@ async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Option<St
             pod: pod_id.clone(),
             uid: args.pod_uid.clone(),
         })?;
+    if let Some(node) = pod.spec.as_ref().and_then(|s| s.node_name.clone()) {
+        // Writing a fresh reservation now would replace the one the pod is bound with.
+        return Err(BindError::AlreadyBound { pod: pod_id, node });
+    }
     let bad = |reason: String| BindError::BadRequest {
         pod: pod_id.clone(),
         reason,
@@ -154,9 +188,17 @@ async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Option<St
     };
 
     let holder = lease_holder(&args.pod_namespace, &args.pod_name, &args.pod_uid);
-    if let Err(e) = take_lease(ctx, &args.node, &holder).await {
+    if let Err(e) = take_lease(ctx, &args.node, &holder, deadline).await {
         undo(ctx, &reservation, None).await;
         return Err(e.into());
+    }
+    if Instant::now() > deadline {
+        undo(ctx, &reservation, Some(&holder)).await;
+        return Err(BindError::TooLate {
+            pod: pod_id,
+            node: args.node.clone(),
+            waited: started.elapsed(),
+        });
     }
     if let Err(e) = post_binding(ctx, args).await {
         undo(ctx, &reservation, Some(&holder)).await;
@@ -236,18 +278,25 @@ async fn write_fresh(ctx: &Context, desired: &GpuReservation) -> Result<GpuReser
     .into())
 }
 
-/// Takes the Lease, waiting up to `lease_wait` for another pod's admission to finish.
+/// Takes the Lease, waiting up to `lease_wait` (and never past the bind's deadline) for another
+/// pod's admission to finish.
 ///
 /// Binds for one node wait their turn in this process first, so only one of them polls the
 /// API server at a time: with a burst of forty binds queued on a node, forty pollers every
 /// 200 ms were most of the API server's load and slowed every admission down.
-async fn take_lease(ctx: &Context, node: &str, holder: &str) -> Result<(), LeaseError> {
-    let deadline = Instant::now() + ctx.lease_wait;
+async fn take_lease(
+    ctx: &Context,
+    node: &str,
+    holder: &str,
+    bind_deadline: Instant,
+) -> Result<(), LeaseError> {
+    let asked = Instant::now();
+    let deadline = (asked + ctx.lease_wait).min(bind_deadline);
     let turn = tokio::time::timeout_at(deadline.into(), ctx.lease_turns.lock(node)).await;
     let Ok(_turn) = turn else {
         return Err(LeaseError::Queued {
             node: node.to_string(),
-            waited: ctx.lease_wait,
+            waited: asked.elapsed(),
         });
     };
     let mut pause = Duration::from_millis(20);
