@@ -8,9 +8,11 @@ use std::sync::Arc;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use gpuledger_crds::{
-    Alignment, ContainerReservation, GpuDevice, GpuNode, GpuNodeSpec, GpuNodeStatus,
-    GpuReservation, GpuReservationSpec, ReservedDevice,
+    Alignment, ContainerReservation, GpuNode, GpuNodeSpec, GpuNodeStatus, GpuReservation,
+    GpuReservationSpec, ReservedDevice,
 };
+use gpuledger_e2e::bench::GpuShape;
+use gpuledger_e2e::bench::fleet::devices;
 use gpuledger_operator::context::Context;
 use gpuledger_operator::extender::filter::filter;
 use gpuledger_operator::extender::wire::ExtenderArgs;
@@ -19,26 +21,17 @@ use kube::runtime::{reflector, watcher};
 use serde_json::json;
 
 const NODES: usize = 1000;
+/// GPUs per node, as in [`GpuShape::default`].
 const GPUS: u32 = 8;
 const PER_NODE: usize = 4;
 
+/// A GpuNode like the e2e fleet's: 8 × A100 80 GB, split 10, half on each NUMA node.
 fn gpunode(name: &str) -> GpuNode {
+    let shape = GpuShape::default();
     let mut node = GpuNode::new(name, GpuNodeSpec::default());
     let mut status = GpuNodeStatus {
-        devices: (0..GPUS)
-            .map(|i| GpuDevice {
-                uuid: format!("GPU-{name}-{i}"),
-                index: i,
-                model: "NVIDIA A100-SXM4-80GB".into(),
-                memory_mib: 81920,
-                cores: 100,
-                numa_node: Some(u32::from(i >= GPUS / 2)),
-                pci_bus_id: None,
-                mig: false,
-                healthy: true,
-            })
-            .collect(),
-        split_count: Some(10),
+        devices: devices(name, shape),
+        split_count: Some(shape.split),
         ..Default::default()
     };
     status.summarize();
