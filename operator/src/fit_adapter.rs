@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use gpuledger_crds::podapi::{PodRequest, SchedulerPolicy};
 use gpuledger_crds::{ContainerReservation, GpuNode, GpuReservation, ReservedDevice};
 
-use crate::fit::{self, NodeView, Policy, Usage};
+use crate::fit::{self, FitFailure, NodeView, Policy, Usage};
 use crate::ledger::usage::{DeviceUsage, NodeUsage, ReservationLoad};
 use crate::placement::{NodeChoice, Placement, Placer, Policies};
 
@@ -44,6 +44,72 @@ fn with_usage(mut view: NodeView, usage: &NodeUsage) -> NodeView {
     view
 }
 
+/// What a remembered fit outcome was computed for: the pod's parsed request and the GPU policy
+/// applied to it. The node policy is not part of it: it only ranks nodes, it does not change
+/// one node's outcome.
+#[derive(Debug, PartialEq)]
+pub struct FitKey {
+    request: PodRequest,
+    gpu: SchedulerPolicy,
+}
+
+/// Outcomes remembered per view: the last few distinct requests (a scheduling burst is mostly
+/// replicas of a few pod shapes).
+const REMEMBERED: usize = 4;
+
+/// One remembered outcome: the node's score, or why the request does not fit.
+type Remembered = (Arc<FitKey>, Result<f32, FitFailure>);
+
+/// A node's engine view, and the outcomes of the last requests fitted on it.
+///
+/// A view never changes (a change of the node or its reservations makes a new one), so an
+/// outcome remembered on it stays true: in a burst of identical pods, filter fits only the
+/// nodes that changed since the last call instead of every candidate again.
+#[derive(Debug)]
+pub struct FitView {
+    view: NodeView,
+    remembered: Mutex<Vec<Remembered>>,
+}
+
+impl FitView {
+    /// A view with nothing remembered.
+    pub fn new(view: NodeView) -> Self {
+        FitView {
+            view,
+            remembered: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The engine's view.
+    pub fn view(&self) -> &NodeView {
+        &self.view
+    }
+
+    /// The node's name.
+    pub fn name(&self) -> &str {
+        &self.view.name
+    }
+
+    fn recall(&self, key: &FitKey) -> Option<Result<f32, FitFailure>> {
+        let remembered = self.remembered.lock().unwrap_or_else(|e| e.into_inner());
+        remembered
+            .iter()
+            .find(|(k, _)| **k == *key)
+            .map(|(_, outcome)| *outcome)
+    }
+
+    fn remember(&self, key: &Arc<FitKey>, outcome: Result<f32, FitFailure>) {
+        let mut remembered = self.remembered.lock().unwrap_or_else(|e| e.into_inner());
+        if remembered.iter().any(|(k, _)| **k == **key) {
+            return;
+        }
+        if remembered.len() == REMEMBERED {
+            drop(remembered.remove(0));
+        }
+        remembered.push((key.clone(), outcome));
+    }
+}
+
 /// A cached view and what it was built from.
 struct CachedView {
     /// The GpuNode object it was built from (the cache compares identity: the GpuNode store
@@ -51,7 +117,7 @@ struct CachedView {
     gpunode: Arc<GpuNode>,
     /// [`crate::ledger::LedgerIndex::node_version`] when its usage was read.
     version: u64,
-    view: Arc<NodeView>,
+    view: Arc<FitView>,
 }
 
 /// Engine views of nodes, built once per change instead of once per filter call.
@@ -72,7 +138,7 @@ impl NodeViewCache {
         &self,
         nodes: &[(Arc<GpuNode>, u64)],
         usage_of: impl Fn(&str) -> NodeUsage,
-    ) -> Vec<Arc<NodeView>> {
+    ) -> Vec<Arc<FitView>> {
         let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
         let mut out = Vec::with_capacity(nodes.len());
         for (gpunode, version) in nodes {
@@ -83,7 +149,7 @@ impl NodeViewCache {
             let view = match fresh {
                 Some(c) => c.view.clone(),
                 None => {
-                    let view = Arc::new(node_view(gpunode, &usage_of(name)));
+                    let view = Arc::new(FitView::new(node_view(gpunode, &usage_of(name))));
                     let entry = CachedView {
                         gpunode: gpunode.clone(),
                         version: *version,
@@ -125,9 +191,9 @@ fn device_usage(u: Usage) -> DeviceUsage {
     }
 }
 
-/// A copy of `view` with `extra` usage added (filter's holds on that node).
-pub fn with_extra_usage(view: &NodeView, extra: &NodeUsage) -> NodeView {
-    with_usage(view.clone(), extra)
+/// A copy of `view` with `extra` usage added (filter's holds on that node), nothing remembered.
+pub fn with_extra_usage(view: &FitView, extra: &NodeUsage) -> FitView {
+    FitView::new(with_usage(view.view().clone(), extra))
 }
 
 impl ReservationLoad for FitEngine {
@@ -143,14 +209,22 @@ impl Placer for FitEngine {
     fn choose(
         &self,
         request: &PodRequest,
-        views: &[Arc<NodeView>],
+        views: &[Arc<FitView>],
         policies: Policies,
     ) -> NodeChoice {
         let defaults = Policy {
             node: policies.node,
             gpu: policies.gpu,
         };
-        let decision = fit::fit_pod(views, request, &defaults);
+        let key = Arc::new(FitKey {
+            request: request.clone(),
+            gpu: defaults.for_pod(request).gpu,
+        });
+        let nodes: Vec<&NodeView> = views.iter().map(|v| v.view()).collect();
+        let decision = fit::fit_pod_known(&nodes, request, &defaults, |i| views[i].recall(&key));
+        for (view, outcome) in views.iter().zip(&decision.outcomes) {
+            view.remember(&key, outcome.result);
+        }
         let load = decision
             .placement
             .as_ref()
@@ -165,10 +239,14 @@ impl Placer for FitEngine {
         NodeChoice {
             chosen: decision.placement.as_ref().map(|p| p.node_name.clone()),
             load,
-            failed: decision
-                .failures(views)
-                .map(|(node, reason)| (node.to_string(), reason))
-                .collect(),
+            // Reasons only matter when no node fits (kube-scheduler reads them only then).
+            failed: match decision.placement {
+                Some(_) => Vec::new(),
+                None => decision
+                    .failures(&nodes)
+                    .map(|(node, reason)| (node.to_string(), reason))
+                    .collect(),
+            },
         }
     }
 
@@ -311,21 +389,26 @@ mod tests {
     fn node_choice_follows_the_node_policy() {
         let (a, b) = (node("a", 1), node("b", 1));
         let nodes = [
-            Arc::new(node_view(&a, &used("GPU-a-0", 10000))),
-            Arc::new(node_view(&b, &NodeUsage::new())),
+            Arc::new(FitView::new(node_view(&a, &used("GPU-a-0", 10000)))),
+            Arc::new(FitView::new(node_view(&b, &NodeUsage::new()))),
         ];
         let binpack = FitEngine.choose(&request(1000), &nodes, policies(SchedulerPolicy::Binpack));
         assert_eq!(binpack.chosen.as_deref(), Some("a"));
         let spread = FitEngine.choose(&request(1000), &nodes, policies(SchedulerPolicy::Spread));
         assert_eq!(spread.chosen.as_deref(), Some("b"));
-        // Only b has 15000 MiB free: a is a failed node with its reason.
+        // Only b has 15000 MiB free: chosen, and no reasons (nobody reads them then).
         let only_b = FitEngine.choose(&request(15000), &nodes, policies(SchedulerPolicy::Binpack));
         assert_eq!(only_b.chosen.as_deref(), Some("b"));
-        assert_eq!(only_b.failed.len(), 1, "{:?}", only_b.failed);
-        assert_eq!(only_b.failed[0].0, "a");
+        assert!(only_b.failed.is_empty(), "{:?}", only_b.failed);
+        // Nothing fits: every node with its reason.
         let none = FitEngine.choose(&request(25000), &nodes, policies(SchedulerPolicy::Binpack));
         assert_eq!(none.chosen, None);
         assert_eq!(none.failed.len(), 2);
+        assert!(
+            none.failed[0].1.contains("CardInsufficientMemory"),
+            "{:?}",
+            none.failed
+        );
     }
 
     #[test]
@@ -338,21 +421,60 @@ mod tests {
             used("GPU-a-0", 1000 * calls.get())
         };
         let first = cache.views(&[(a.clone(), 1)], usage);
-        assert_eq!(first[0].usage[0].memory_mib, 1000);
+        assert_eq!(first[0].view().usage[0].memory_mib, 1000);
         // Same GpuNode object, same version: the same view, no usage read.
         let again = cache.views(&[(a.clone(), 1)], usage);
         assert!(Arc::ptr_eq(&first[0], &again[0]));
         assert_eq!(calls.get(), 1);
         // The ledger moved on: rebuilt with the new usage.
         let moved = cache.views(&[(a.clone(), 2)], usage);
-        assert_eq!(moved[0].usage[0].memory_mib, 2000);
+        assert_eq!(moved[0].view().usage[0].memory_mib, 2000);
         // A new GpuNode object (its status changed), even with equal content: rebuilt.
         let a2 = Arc::new(node("a", 3));
         let resized = cache.views(&[(a2.clone(), 2)], usage);
-        assert_eq!(resized[0].devices.len(), 3);
+        assert_eq!(resized[0].view().devices.len(), 3);
         assert_eq!(calls.get(), 3);
         assert_eq!(cache.len(), 1);
         cache.retain(|n| n != "a");
         assert!(cache.is_empty());
+    }
+    #[test]
+    fn remembered_outcomes_are_per_request_and_per_view() {
+        let a = node("a", 1);
+        let view = Arc::new(FitView::new(node_view(&a, &NodeUsage::new())));
+        let binpack = policies(SchedulerPolicy::Binpack);
+        let first = FitEngine.choose(&request(15000), std::slice::from_ref(&view), binpack);
+        assert_eq!(first.chosen.as_deref(), Some("a"));
+        let key = |mem| FitKey {
+            request: request(mem),
+            gpu: binpack.gpu,
+        };
+        assert!(view.recall(&key(15000)).is_some_and(|o| o.is_ok()));
+        // Another request is not answered from the first one's outcome.
+        assert_eq!(view.recall(&key(25000)), None);
+        // Nor under another GPU policy.
+        let other_policy = FitKey {
+            request: request(15000),
+            gpu: SchedulerPolicy::Binpack,
+        };
+        assert_eq!(view.recall(&other_policy), None);
+        let none = FitEngine.choose(&request(25000), std::slice::from_ref(&view), binpack);
+        assert_eq!(none.chosen, None);
+        assert!(view.recall(&key(25000)).is_some_and(|o| o.is_err()));
+        // The memory is used: a planted outcome decides the node without a fit...
+        let planted = Arc::new(key(1000));
+        view.remember(&planted, Err(FitFailure::NodeInsufficientDevice));
+        let fooled = FitEngine.choose(&request(1000), std::slice::from_ref(&view), binpack);
+        assert_eq!(fooled.chosen, None, "the remembered outcome was not used");
+        // ...but only the last few requests are kept.
+        for mem in 2000..2000 + REMEMBERED as u64 {
+            FitEngine.choose(&request(mem), std::slice::from_ref(&view), binpack);
+        }
+        assert_eq!(view.recall(&key(1000)), None);
+        let fresh = FitEngine.choose(&request(1000), std::slice::from_ref(&view), binpack);
+        assert_eq!(fresh.chosen.as_deref(), Some("a"));
+        // A new view (the node or its ledger changed) starts with nothing remembered.
+        let rebuilt = FitView::new(node_view(&a, &used("GPU-a-0", 19000)));
+        assert_eq!(rebuilt.recall(&key(1000)), None);
     }
 }

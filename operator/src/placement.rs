@@ -7,7 +7,7 @@ use std::sync::Arc;
 use gpuledger_crds::podapi::{PodRequest, SchedulerPolicy};
 use gpuledger_crds::{ContainerReservation, GpuNode};
 
-use crate::fit::NodeView;
+use crate::fit_adapter::FitView;
 use crate::ledger::usage::{DeviceUsage, NodeUsage, ReservationLoad};
 
 /// Default policies, overridden per pod by its annotations.
@@ -33,7 +33,7 @@ pub struct Placement {
 pub struct NodeChoice {
     /// The node the pod should go to, when any fits.
     pub chosen: Option<String>,
-    /// Nodes that do not fit, with the reason.
+    /// Nodes that do not fit, with the reason; only filled when no node fits.
     pub failed: Vec<(String, String)>,
     /// What the pod would load on the chosen node's GPUs, keyed by UUID (empty without one).
     pub load: Vec<(String, DeviceUsage)>,
@@ -47,7 +47,7 @@ pub trait Placer: ReservationLoad + Send + Sync {
     fn choose(
         &self,
         request: &PodRequest,
-        nodes: &[Arc<NodeView>],
+        nodes: &[Arc<FitView>],
         policies: Policies,
     ) -> NodeChoice;
 

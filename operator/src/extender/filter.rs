@@ -11,7 +11,7 @@ use k8s_openapi::api::core::v1::Pod;
 
 use super::wire::{ExtenderArgs, ExtenderFilterResult, HostPriority};
 use crate::context::{Context, pod_ref};
-use crate::fit_adapter::{node_view, with_extra_usage};
+use crate::fit_adapter::{FitView, node_view, with_extra_usage};
 use crate::ledger::ReservationKey;
 use crate::placement::{Placement, Policies, scale_scores};
 
@@ -87,18 +87,21 @@ pub async fn filter(ctx: &Context, args: ExtenderArgs) -> ExtenderFilterResult {
     // Like HAMi, filter answers with the one node the fit engine chooses under the node
     // policy: kube-scheduler's own scoring cannot then override binpack/spread.
     let mut failed = BTreeMap::new();
-    let mut candidates = Vec::new();
+    let mut inventory = Vec::new();
     for node in args.candidate_names() {
         match ctx.gpunode(&node) {
-            Some(gpunode) => {
-                let version = ctx.index.node_version(&node);
-                candidates.push((gpunode, version));
-            }
+            Some(gpunode) => inventory.push(gpunode),
             None => {
                 failed.insert(node, NO_INVENTORY.to_string());
             }
         }
     }
+    let versions = ctx.index.node_versions(
+        inventory
+            .iter()
+            .map(|n| n.metadata.name.as_deref().unwrap_or_default()),
+    );
+    let candidates: Vec<_> = inventory.into_iter().zip(versions).collect();
     let mut views = ctx.views.views(&candidates, |node| {
         ctx.index.node_usage(node, None, ctx.placer.as_ref())
     });
@@ -109,7 +112,7 @@ pub async fn filter(ctx: &Context, args: ExtenderArgs) -> ExtenderFilterResult {
         for (view, (gpunode, _)) in views.iter_mut().zip(&candidates) {
             if gpunode.metadata.name.as_deref() == Some(own.as_str()) {
                 let usage = ctx.index.node_usage(&own, uid, ctx.placer.as_ref());
-                *view = Arc::new(node_view(gpunode, &usage));
+                *view = Arc::new(FitView::new(node_view(gpunode, &usage)));
             }
         }
     }
@@ -118,7 +121,7 @@ pub async fn filter(ctx: &Context, args: ExtenderArgs) -> ExtenderFilterResult {
     let held = ctx.holds.usage_by_node(uid, now);
     if !held.is_empty() {
         for view in &mut views {
-            if let Some(extra) = held.get(&view.name) {
+            if let Some(extra) = held.get(view.name()) {
                 *view = Arc::new(with_extra_usage(view, extra));
             }
         }
@@ -128,22 +131,14 @@ pub async fn filter(ctx: &Context, args: ExtenderArgs) -> ExtenderFilterResult {
     if let (Some(node), Some(uid)) = (&choice.chosen, uid) {
         ctx.holds.hold(uid, node, choice.load.clone(), now);
     }
-    failed.extend(choice.failed);
-    // Every candidate gets an answer: the nodes that would fit but lost to the chosen one are
-    // refused with that reason, so kube-scheduler's "0/N nodes" messages stay complete.
-    if let Some(chosen) = &choice.chosen {
-        for (gpunode, _) in &candidates {
-            let name = gpunode.metadata.name.as_deref().unwrap_or_default();
-            if name != chosen && !failed.contains_key(name) {
-                failed.insert(
-                    name.to_string(),
-                    format!(
-                        "fits, but the {} node policy prefers node {chosen}",
-                        policies.node.as_str()
-                    ),
-                );
-            }
-        }
+    // Like HAMi, a chosen node is the whole answer: kube-scheduler reads the other nodes'
+    // reasons only when no node passes, so they are written only then (a 1000-node answer
+    // used to carry a reason for each of the 999 others, formatted, sent and parsed for
+    // nothing).
+    if choice.chosen.is_some() {
+        failed.clear();
+    } else {
+        failed.extend(choice.failed);
     }
     let fit: Vec<String> = choice.chosen.into_iter().collect();
     if fit.is_empty() {

@@ -31,7 +31,9 @@ mod restricted;
 mod usage;
 
 pub use model::{Device, NodeView, Pick, Policy, Usage};
-pub use node::{ContainerPlacement, NodeOutcome, Placement, PodDecision, fit_on_node, fit_pod};
+pub use node::{
+    ContainerPlacement, NodeOutcome, Placement, PodDecision, fit_on_node, fit_pod, fit_pod_known,
+};
 pub use reason::{FitFailure, Reason, ReasonCounts};
 pub use restricted::{RefitOutcome, RefitRefusal, fit_pod_restricted, refit, refit_reservation};
 pub use usage::{DeviceShare, effective_usage, placement_shares, reservation_usage};

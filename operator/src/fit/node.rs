@@ -218,6 +218,19 @@ pub fn fit_pod<N: Borrow<NodeView>>(
     pod: &PodRequest,
     defaults: &Policy,
 ) -> PodDecision {
+    fit_pod_known(nodes, pod, defaults, |_| None)
+}
+
+/// [`fit_pod`] with some nodes' outcomes already known: `known(i)` returns node `i`'s result
+/// when the caller remembers it from an earlier decision for the same request and GPU policy on
+/// the same view (the extender's view cache); that node is then not fitted again. The chosen
+/// node is always placed afresh, so a wrong memory can cost a wrong choice, never wrong devices.
+pub fn fit_pod_known<N: Borrow<NodeView>>(
+    nodes: &[N],
+    pod: &PodRequest,
+    defaults: &Policy,
+    known: impl Fn(usize) -> Option<Result<f32, FitFailure>>,
+) -> PodDecision {
     let policy = defaults.for_pod(pod);
     if !pod.wants_gpus() {
         return PodDecision {
@@ -238,8 +251,13 @@ pub fn fit_pod<N: Borrow<NodeView>>(
     let mut best: Option<(usize, f32)> = None;
     for (i, node) in nodes.iter().enumerate() {
         let node = node.borrow();
-        let candidates = &all[..node.devices.len()];
-        let result = fit_node(node, candidates, pod, policy.gpu, &mut scratch, None);
+        let result = match known(i) {
+            Some(result) => result,
+            None => {
+                let candidates = &all[..node.devices.len()];
+                fit_node(node, candidates, pod, policy.gpu, &mut scratch, None)
+            }
+        };
         if let Ok(score) = result {
             let wins = match best {
                 None => true,

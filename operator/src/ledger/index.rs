@@ -322,6 +322,16 @@ impl LedgerIndex {
         self.read().node_versions.get(node).copied().unwrap_or(0)
     }
 
+    /// [`Self::node_version`] of each of `nodes`, read together (one lock for a whole filter
+    /// call instead of one per candidate).
+    pub fn node_versions<'a>(&self, nodes: impl IntoIterator<Item = &'a str>) -> Vec<u64> {
+        let inner = self.read();
+        nodes
+            .into_iter()
+            .map(|node| inner.node_versions.get(node).copied().unwrap_or(0))
+            .collect()
+    }
+
     /// Every reservation on `node`.
     pub fn on_node(&self, node: &str) -> Vec<Arc<GpuReservation>> {
         let inner = self.read();
