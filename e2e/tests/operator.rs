@@ -591,7 +591,7 @@ async fn with_two_replicas_only_the_leader_writes_and_the_other_takes_over() {
     .await;
     // Only the leader decided and wrote: the follower reports itself as such and bound nothing.
     // The bind handler counts its outcome when it returns, which may be after the allocation
-    // it caused (it still marks the reservation Allocating after posting the Binding).
+    // it caused (it still sends the pod its Bound event after posting the Binding).
     let a_metrics = wait_for("the leader counts its bind", WAIT, || async {
         let (_, text) = http(a.metrics_port, "GET", "/metrics", "").await?;
         Ok::<_, std::io::Error>(text.contains(r#"outcome="bound"} 1"#).then_some(text))

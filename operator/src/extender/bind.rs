@@ -1,16 +1,21 @@
-//! `bind`: fit on the chosen node under that node's lock, write the GpuReservation, take the
-//! node's allocation Lease, POST the Binding, mark the reservation `Allocating`. The ledger
-//! write happens before the Binding, so capacity is never promised twice; any failure after it
-//! is undone (reservation deleted, Lease freed) and the scheduler retries the pod.
+//! `bind`: wait for the node's turn (binds of one node go one at a time), fit on the chosen
+//! node under that node's lock, write the GpuReservation, take the node's allocation Lease,
+//! POST the Binding. The ledger write happens before the Binding, so capacity is never promised
+//! twice; any failure after it is undone (reservation deleted, Lease freed) and the scheduler
+//! retries the pod. The lifecycle controller moves the reservation on to `Allocating` once it
+//! sees the pod bound.
+//!
+//! Nothing is written while a bind waits for its turn: in a burst that sends more pods to a
+//! node than it admits within `--lease-wait`, the binds that give up cost the API server no
+//! reservation to create and delete again.
 
 use std::time::{Duration, Instant};
 
 use gpuledger_crds::alignment::ResolvedAlignment;
 use gpuledger_crds::names::{NODE_LABEL, lease_holder, reservation_name};
-use gpuledger_crds::{GpuReservation, GpuReservationSpec, ReservationPhase, ReservedDevice};
+use gpuledger_crds::{GpuReservation, GpuReservationSpec, ReservedDevice};
 use k8s_openapi::api::core::v1::{Binding, ObjectReference, Pod};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference, Time};
-use k8s_openapi::jiff::Timestamp;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::ResourceExt;
 use kube::api::{Api, PostParams};
 
@@ -18,7 +23,7 @@ use super::filter::{fit_on, gpu_request};
 use super::lease::{self, LeaseError};
 use super::wire::{ExtenderBindingArgs, ExtenderBindingResult};
 use crate::context::{Context, pod_ref_by_name};
-use crate::ledger::writer::OperatorStatus;
+use crate::ledger::node_lock::NodeGuard;
 use crate::ledger::{ReservationKey, WriteError};
 use crate::placement::Placement;
 
@@ -173,6 +178,7 @@ async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Option<St
         .resolve_alignment(&pod)
         .map_err(|e| bad(e.to_string()))?;
 
+    let turn = wait_turn(ctx, &args.node, deadline).await?;
     let reservation = {
         let _node = ctx.node_locks.lock(&args.node).await;
         let placement = fit_on(ctx, &pod, &req, &args.node).map_err(|reason| BindError::NoFit {
@@ -192,6 +198,8 @@ async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Option<St
         undo(ctx, &reservation, None).await;
         return Err(e.into());
     }
+    // The Lease is ours: the next bind of the node may write its reservation and wait for it.
+    drop(turn);
     if Instant::now() > deadline {
         undo(ctx, &reservation, Some(&holder)).await;
         return Err(BindError::TooLate {
@@ -204,13 +212,7 @@ async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Option<St
         undo(ctx, &reservation, Some(&holder)).await;
         return Err(e);
     }
-    let summary = devices_summary(ctx, &reservation);
-    // The pod is bound: a failure here must not fail the bind. The lifecycle controller moves
-    // a Reserved reservation of a pod bound to its node on to Allocating.
-    if let Err(e) = mark_allocating(ctx, reservation).await {
-        tracing::warn!(pod = %pod_id, error = %e, "bound, but could not mark the reservation Allocating");
-    }
-    Ok(Some(summary))
+    Ok(Some(devices_summary(ctx, &reservation)))
 }
 
 /// The reservation bind writes for `pod` on `node`.
@@ -278,27 +280,35 @@ async fn write_fresh(ctx: &Context, desired: &GpuReservation) -> Result<GpuReser
     .into())
 }
 
-/// Takes the Lease, waiting up to `lease_wait` (and never past the bind's deadline) for another
-/// pod's admission to finish.
-///
-/// Binds for one node wait their turn in this process first, so only one of them polls the
-/// API server at a time: with a burst of forty binds queued on a node, forty pollers every
-/// 200 ms were most of the API server's load and slowed every admission down.
+/// Waits for `node`'s turn: binds of one node take its Lease one after another, queued in
+/// this process, so only one of them polls the API server at a time (with forty binds queued
+/// on a node, forty pollers were most of the API server's load) and only one has written a
+/// reservation that waits for the Lease. Gives up after `--lease-wait` (never past the bind's
+/// deadline) with nothing written.
+async fn wait_turn(
+    ctx: &Context,
+    node: &str,
+    bind_deadline: Instant,
+) -> Result<NodeGuard, LeaseError> {
+    let asked = Instant::now();
+    let deadline = (asked + ctx.lease_wait).min(bind_deadline);
+    tokio::time::timeout_at(deadline.into(), ctx.lease_turns.lock(node))
+        .await
+        .map_err(|_| LeaseError::Queued {
+            node: node.to_string(),
+            waited: asked.elapsed(),
+        })
+}
+
+/// Takes the Lease (the caller has the node's turn), waiting up to `--lease-wait` (never past
+/// the bind's deadline) for the previous pod's admission to finish.
 async fn take_lease(
     ctx: &Context,
     node: &str,
     holder: &str,
     bind_deadline: Instant,
 ) -> Result<(), LeaseError> {
-    let asked = Instant::now();
-    let deadline = (asked + ctx.lease_wait).min(bind_deadline);
-    let turn = tokio::time::timeout_at(deadline.into(), ctx.lease_turns.lock(node)).await;
-    let Ok(_turn) = turn else {
-        return Err(LeaseError::Queued {
-            node: node.to_string(),
-            waited: asked.elapsed(),
-        });
-    };
+    let deadline = (Instant::now() + ctx.lease_wait).min(bind_deadline);
     let mut pause = Duration::from_millis(20);
     loop {
         match lease::try_take(&ctx.client, &ctx.namespace, node, holder).await {
@@ -403,41 +413,4 @@ pub fn numa_summary(r: &GpuReservation) -> String {
             .collect::<Vec<_>>()
             .join(",")
     }
-}
-
-/// Moves a freshly bound reservation to `Allocating` (re-reading on a conflict: the device
-/// plugin may already have written an allocation).
-async fn mark_allocating(ctx: &Context, mut current: GpuReservation) -> Result<(), BindError> {
-    let key = ReservationKey::of(&current);
-    for _ in 0..5 {
-        let mut status = OperatorStatus::of(&current);
-        if status
-            .phase
-            .is_some_and(|p| p != ReservationPhase::Reserved)
-        {
-            // The lifecycle controller already moved it on.
-            return Ok(());
-        }
-        status.phase = Some(ReservationPhase::Allocating);
-        status.phase_since = Some(Time(Timestamp::now()));
-        status.devices = Some(devices_summary(ctx, &current));
-        status.numa = Some(numa_summary(&current));
-        status.observed_generation = current.metadata.generation;
-        match ctx.writer.apply_status(&current, &status).await {
-            Ok(_) => return Ok(()),
-            Err(WriteError::Conflict { .. }) => {
-                ctx.metrics.conflicts.inc();
-                match ctx.writer.reread(&key).await? {
-                    Some(r) => current = r,
-                    None => return Err(WriteError::NotFound { key }.into()),
-                }
-            }
-            Err(e) => return Err(e.into()),
-        }
-    }
-    Err(WriteError::Conflict {
-        key,
-        expected: None,
-    }
-    .into())
 }
