@@ -44,10 +44,17 @@ pub enum Step {
 }
 
 impl Step {
-    /// Whether executing the step writes to the API server. The controller decides such steps
-    /// again on a freshly read pod: its cached pod facts may lag the watch.
-    pub fn writes(&self) -> bool {
-        !matches!(self, Step::Idle | Step::WaitFor(_))
+    /// Whether the step must be decided again on a freshly read pod before it is carried out.
+    ///
+    /// The cached pod facts may lag the watch, so they can show an older state of the pod,
+    /// never a newer one. For the pod instance the reservation names (same UID) every fact only
+    /// moves forward (bound stays bound, finished stays finished, init done stays done), so a
+    /// step taken on older facts is one the pod has really passed: moving the phase on,
+    /// recording a misalignment, releasing finished init containers. Only a deletion can rest
+    /// on something the cache merely has not seen yet (a pod created, recreated or bound a
+    /// moment ago); it alone costs a GET.
+    pub fn needs_fresh_pod(&self) -> bool {
+        matches!(self, Step::Delete { .. })
     }
 }
 
@@ -284,21 +291,47 @@ mod tests {
     }
 
     #[test]
-    fn only_idle_and_waiting_skip_the_fresh_read() {
-        assert!(!Step::Idle.writes());
-        assert!(!Step::WaitFor(Duration::from_secs(1)).writes());
-        assert!(Step::Delete { why: "x" }.writes());
-        assert!(Step::ShrinkInit.writes());
-        assert!(Step::Misaligned { message: None }.writes());
+    fn only_a_deletion_waits_for_a_fresh_read() {
+        assert!(Step::Delete { why: "x" }.needs_fresh_pod());
+        assert!(!Step::Idle.needs_fresh_pod());
+        assert!(!Step::WaitFor(Duration::from_secs(1)).needs_fresh_pod());
+        assert!(!Step::ShrinkInit.needs_fresh_pod());
+        assert!(!Step::Misaligned { message: None }.needs_fresh_pod());
         assert!(
-            Step::Phase {
+            !Step::Phase {
                 phase: ReservationPhase::Released,
                 free_lease: true
             }
-            .writes()
+            .needs_fresh_pod()
         );
     }
 
+    #[test]
+    fn a_lagging_cache_can_only_ask_for_a_deletion_that_a_fresh_read_overrules() {
+        // The pod was bound a moment ago; the cache has not seen it yet, or not even the pod,
+        // or still holds an older pod of the same name.
+        let r = reservation(None, 0);
+        let now = t(5);
+        let timeout = Duration::from_secs(60);
+        let bound = pod("uid-1", Some("n1"), "Pending");
+        assert_eq!(
+            step(&r, Some(&bound), now, timeout),
+            Step::Phase {
+                phase: ReservationPhase::Allocating,
+                free_lease: false
+            }
+        );
+        let unbound = pod("uid-1", None, "Pending");
+        let late = t(BIND_GRACE.as_secs() as i64 + 1);
+        for lagging in [
+            None,
+            Some(&unbound),
+            Some(&pod("older-uid", Some("n1"), "Running")),
+        ] {
+            let s = step(&r, lagging, late, timeout);
+            assert!(s.needs_fresh_pod(), "{lagging:?} gave {s:?}");
+        }
+    }
     #[test]
     fn missing_or_recreated_pod_deletes_the_reservation() {
         let r = reservation(Some(ReservationPhase::Allocated), 0);

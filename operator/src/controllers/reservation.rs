@@ -119,8 +119,9 @@ fn error_policy(r: Arc<GpuReservation>, e: &ReconcileError, lc: Arc<Lifecycle>) 
     Action::requeue(Duration::from_secs(5))
 }
 
-/// The step for reservation `key`: decided on the cached pod facts when that means doing
-/// nothing, else decided again on the pod as the API server has it now.
+/// The step for reservation `key`: decided on the cached pod facts, and once more on the pod
+/// as the API server has it now when the cached facts call for a deletion
+/// ([`Step::needs_fresh_pod`]).
 async fn decide(
     lc: &Lifecycle,
     key: &ReservationKey,
@@ -129,7 +130,7 @@ async fn decide(
     let ctx = &lc.ctx;
     let cached = lc.pods.get(key);
     let step = next_step(r, cached.as_ref(), Timestamp::now(), ctx.allocating_timeout);
-    if !step.writes() {
+    if !step.needs_fresh_pod() {
         return Ok(step);
     }
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &key.namespace);
