@@ -87,8 +87,9 @@ pub struct RunConfig {
     /// How long bind waits for a node's allocation Lease held by another pod being admitted.
     #[arg(long, env = "GPULEDGER_LEASE_WAIT", default_value = "3s", value_parser = parse_duration)]
     pub lease_wait: Duration,
-    /// Minimum interval between two writes of one GpuNode's status.usage.
-    #[arg(long, env = "GPULEDGER_USAGE_INTERVAL", default_value = "2s", value_parser = parse_duration)]
+    /// Minimum interval between two writes of one GpuNode's status.usage (a display field for
+    /// `kubectl get gpunodes`: under churn every busy node costs one write per interval).
+    #[arg(long, env = "GPULEDGER_USAGE_INTERVAL", default_value = "5s", value_parser = parse_duration)]
     pub usage_interval: Duration,
     /// How long answered RefitRequests are kept (for `kubectl get refit`) before deletion.
     #[arg(long, env = "GPULEDGER_REFIT_TTL", default_value = "10m", value_parser = parse_duration)]

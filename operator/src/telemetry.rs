@@ -21,6 +21,15 @@ use prometheus_client::registry::Registry;
 /// How long a watch may keep failing before `/healthz` reports it.
 pub const WATCH_STALL_LIMIT: Duration = Duration::from_secs(90);
 
+/// Buckets of the extender's latencies: fine around kube-scheduler's budget (the filter's
+/// target is a p99 under 5 ms), coarse beyond it up to the bind's seconds.
+fn extender_buckets() -> Histogram {
+    Histogram::new([
+        0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.006, 0.008, 0.01,
+        0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    ])
+}
+
 /// Labels of an extender decision.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DecisionLabels {
@@ -56,8 +65,10 @@ pub struct Metrics {
     registry: Registry,
     /// Extender decisions by verb and outcome.
     pub decisions: Family<DecisionLabels, Counter>,
-    /// Extender call latency by verb.
+    /// Extender decision latency by verb.
     pub latency: Family<VerbLabels, Histogram>,
+    /// Extender request latency by verb, body decoding and answer encoding included.
+    pub http: Family<VerbLabels, Histogram>,
     /// Reservations by phase (refreshed at scrape time from the index).
     pub reservations: Family<PhaseLabels, Gauge>,
     /// NUMA refits by outcome (written by the refit controller).
@@ -88,13 +99,17 @@ impl Metrics {
             "Scheduler extender decisions by verb and outcome",
             decisions.clone(),
         );
-        let latency = Family::<VerbLabels, Histogram>::new_with_constructor(|| {
-            Histogram::new(exponential_buckets(0.0005, 2.0, 14))
-        });
+        let latency = Family::<VerbLabels, Histogram>::new_with_constructor(extender_buckets);
         registry.register(
             "extender_latency_seconds",
-            "Scheduler extender call latency",
+            "Scheduler extender decision latency (the verb's own work, JSON decoded)",
             latency.clone(),
+        );
+        let http = Family::<VerbLabels, Histogram>::new_with_constructor(extender_buckets);
+        registry.register(
+            "extender_http_seconds",
+            "Scheduler extender request latency in the operator: request head read to answer encoded",
+            http.clone(),
         );
         let reservations = Family::<PhaseLabels, Gauge>::default();
         registry.register(
@@ -132,6 +147,7 @@ impl Metrics {
             registry,
             decisions,
             latency,
+            http,
             reservations,
             refits,
             refit_latency,
