@@ -12,6 +12,7 @@ use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Client, Resource, ResourceExt};
 
+use crate::extender::turns::Turns;
 use crate::fit_adapter::NodeViewCache;
 use crate::ledger::{Holds, LedgerIndex, LedgerWriter, NodeLocks};
 use crate::placement::{Placer, Policies};
@@ -29,8 +30,8 @@ pub struct Context {
     pub writer: LedgerWriter,
     /// Per-node serialisation shared by bind, init shrink and refits.
     pub node_locks: Arc<NodeLocks>,
-    /// Per-node queue of binds waiting for the node's allocation Lease (one polls at a time).
-    pub lease_turns: NodeLocks,
+    /// Binds waiting for their node's turn at its allocation Lease, and the pace turns pass at.
+    pub turns: Turns,
     /// GpuNode cache.
     pub gpunodes: Store<GpuNode>,
     /// NumaPolicy cache.
@@ -87,7 +88,7 @@ impl Context {
             writer: LedgerWriter::new(client.clone(), index.clone()),
             index,
             node_locks: Arc::new(NodeLocks::new()),
-            lease_turns: NodeLocks::new(),
+            turns: Turns::default(),
             gpunodes,
             policies,
             placer: Arc::new(crate::fit_adapter::FitEngine),

@@ -172,7 +172,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         policies,
         placer: Arc::new(FitEngine),
         views: Default::default(),
-        lease_turns: Default::default(),
+        turns: Default::default(),
         holds: Default::default(),
         pod_api: PodApiConfig::default(),
         default_policies: Policies {

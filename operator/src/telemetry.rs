@@ -79,6 +79,8 @@ pub struct Metrics {
     pub misaligned: Counter,
     /// Ledger writes that lost a resourceVersion race and were re-decided.
     pub conflicts: Counter,
+    /// Filter answers chosen without the candidates whose bind queue was full.
+    pub busy_skips: Counter,
     /// 1 on the leader.
     pub leader: Gauge,
 }
@@ -137,6 +139,12 @@ impl Metrics {
             "Ledger writes rejected by a resourceVersion precondition",
             conflicts.clone(),
         );
+        let busy_skips = Counter::default();
+        registry.register(
+            "extender_busy_node_skips",
+            "Filter answers chosen without the candidates whose bind queue was full (more binds waiting than pass the allocation Lease within --lease-wait)",
+            busy_skips.clone(),
+        );
         let leader = Gauge::default();
         registry.register(
             "leader",
@@ -153,6 +161,7 @@ impl Metrics {
             refit_latency,
             misaligned,
             conflicts,
+            busy_skips,
             leader,
         }
     }

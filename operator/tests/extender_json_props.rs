@@ -15,6 +15,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use gpuledger_crds::{
     ContainerReservation, GpuDevice, GpuNode, GpuNodeSpec, GpuNodeStatus, GpuReservation,
@@ -335,6 +336,57 @@ fn filter_counts_answers_whose_bind_has_not_come_yet() {
     // p1's bind failed (or wrote its reservation, which the ledger then counts): the hold goes.
     ctx.holds.release("uid-p1");
     assert_eq!(chosen("p3", &["gpu-a"]), ["gpu-a"]);
+}
+
+/// Once binds have shown how fast turns pass, filter leaves out a node whose bind queue is
+/// full (its next bind would give up waiting), unless no other node fits.
+#[test]
+fn filter_passes_over_a_node_with_a_full_bind_queue() {
+    let rt = runtime();
+    let _in_runtime = rt.enter();
+    let ctx = context(true);
+    let args = |name: &str, nodes: &[&str]| -> ExtenderArgs {
+        let pod = json!({
+            "metadata": {"name": name, "namespace": "default", "uid": format!("uid-{name}")},
+            "spec": {"containers": [{"name": "main", "resources": {"limits": {
+                "nvidia.com/gpu": "1", "nvidia.com/gpumem": "1000"}}}]},
+        });
+        serde_json::from_value(json!({"Pod": pod, "NodeNames": nodes})).unwrap()
+    };
+    let chosen = |name: &str, nodes: &[&str]| {
+        rt.block_on(filter(&ctx, args(name, nodes)))
+            .node_names
+            .unwrap_or_default()
+    };
+    // No pace measured yet: binpack sends both pods to the same node.
+    assert_eq!(chosen("p1", &GPU_NODES), ["gpu-a"]);
+    assert_eq!(chosen("p2", &GPU_NODES), ["gpu-a"]);
+    ctx.holds.release("uid-p2");
+    // One turn took 60 ms; the detached context waits 50 ms for a Lease: one bind per node.
+    let turn = rt
+        .block_on(
+            ctx.turns
+                .wait("elsewhere", Instant::now() + Duration::from_secs(1)),
+        )
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(60));
+    turn.passed();
+    assert_eq!(ctx.turns.queue_limit(ctx.lease_wait), Some(1));
+    assert_eq!(
+        chosen("p2", &GPU_NODES),
+        ["gpu-b"],
+        "gpu-a already waits on p1's bind"
+    );
+    let metrics = ctx.metrics.encode().unwrap();
+    assert!(
+        metrics.contains("gpuledger_extender_busy_node_skips_total 1"),
+        "{metrics}"
+    );
+    assert_eq!(
+        chosen("p3", &["gpu-a"]),
+        ["gpu-a"],
+        "a full queue is still better than no node"
+    );
 }
 
 /// One HTTP/1.1 request; `(status, body)`.

@@ -21,9 +21,9 @@ use kube::api::{Api, PostParams};
 
 use super::filter::{fit_on, gpu_request};
 use super::lease::{self, LeaseError};
+use super::turns::Turn;
 use super::wire::{ExtenderBindingArgs, ExtenderBindingResult};
 use crate::context::{Context, pod_ref_by_name};
-use crate::ledger::node_lock::NodeGuard;
 use crate::ledger::{ReservationKey, WriteError};
 use crate::placement::Placement;
 
@@ -199,7 +199,7 @@ async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Option<St
         return Err(e.into());
     }
     // The Lease is ours: the next bind of the node may write its reservation and wait for it.
-    drop(turn);
+    turn.passed();
     if Instant::now() > deadline {
         undo(ctx, &reservation, Some(&holder)).await;
         return Err(BindError::TooLate {
@@ -280,21 +280,21 @@ async fn write_fresh(ctx: &Context, desired: &GpuReservation) -> Result<GpuReser
     .into())
 }
 
-/// Waits for `node`'s turn: binds of one node take its Lease one after another, queued in
-/// this process, so only one of them polls the API server at a time (with forty binds queued
-/// on a node, forty pollers were most of the API server's load) and only one has written a
-/// reservation that waits for the Lease. Gives up after `--lease-wait` (never past the bind's
-/// deadline) with nothing written.
-async fn wait_turn(
-    ctx: &Context,
+/// Waits for `node`'s turn ([`super::turns::Turns`]): only one bind per node writes its reservation and
+/// polls the API server for the Lease at a time (with forty binds queued on a node, forty
+/// pollers were most of the API server's load). Gives up after `--lease-wait` (never past the
+/// bind's deadline) with nothing written.
+async fn wait_turn<'a>(
+    ctx: &'a Context,
     node: &str,
     bind_deadline: Instant,
-) -> Result<NodeGuard, LeaseError> {
+) -> Result<Turn<'a>, LeaseError> {
     let asked = Instant::now();
     let deadline = (asked + ctx.lease_wait).min(bind_deadline);
-    tokio::time::timeout_at(deadline.into(), ctx.lease_turns.lock(node))
+    ctx.turns
+        .wait(node, deadline)
         .await
-        .map_err(|_| LeaseError::Queued {
+        .ok_or_else(|| LeaseError::Queued {
             node: node.to_string(),
             waited: asked.elapsed(),
         })

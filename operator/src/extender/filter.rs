@@ -2,7 +2,7 @@
 //! reserved here; bind fits again under the node's lock, so a stale answer costs a retry, never
 //! an over-commit.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -12,8 +12,8 @@ use k8s_openapi::api::core::v1::Pod;
 use super::wire::{ExtenderArgs, ExtenderFilterResult, HostPriority};
 use crate::context::{Context, pod_ref};
 use crate::fit_adapter::{FitView, node_view, with_extra_usage};
-use crate::ledger::ReservationKey;
-use crate::placement::{Placement, Policies, scale_scores};
+use crate::ledger::{Held, ReservationKey};
+use crate::placement::{NodeChoice, Placement, Policies, scale_scores};
 
 /// Reason given for nodes without a GpuNode.
 const NO_INVENTORY: &str = "node has no GpuNode inventory (no gpuledger device plugin)";
@@ -54,6 +54,38 @@ fn own_reservation_node(ctx: &Context, pod: &Pod) -> Option<String> {
         .get(&key)
         .filter(|r| r.spec.pod_uid == uid)
         .map(|r| r.spec.node_name.clone())
+}
+
+/// The fit engine's choice, first among the nodes that can still admit another pod within
+/// `--lease-wait`, then among all: a node already waiting on more binds than pass its
+/// allocation Lease in that time would only see this one give up and be retried. That keeps a
+/// binpack burst packing (the fullest free node wins) without queueing past the wait on one
+/// node. Before the first bind has measured the pace, every node is free.
+fn choose_among_free(
+    ctx: &Context,
+    req: &PodRequest,
+    views: &[Arc<FitView>],
+    held: &HashMap<String, Held>,
+    policies: Policies,
+) -> NodeChoice {
+    let Some(limit) = ctx.turns.queue_limit(ctx.lease_wait) else {
+        return ctx.placer.choose(req, views, policies);
+    };
+    let queued = |view: &Arc<FitView>| held.get(view.name()).map_or(0, |h| h.pods);
+    if views.iter().all(|v| queued(v) < limit) {
+        return ctx.placer.choose(req, views, policies);
+    }
+    let free: Vec<Arc<FitView>> = views
+        .iter()
+        .filter(|v| queued(v) < limit)
+        .cloned()
+        .collect();
+    let choice = ctx.placer.choose(req, &free, policies);
+    if choice.chosen.is_some() {
+        ctx.metrics.busy_skips.inc();
+        return choice;
+    }
+    ctx.placer.choose(req, views, policies)
 }
 
 /// The `filter` verb.
@@ -118,16 +150,16 @@ pub async fn filter(ctx: &Context, args: ExtenderArgs) -> ExtenderFilterResult {
     }
     // Count what earlier answers promised and their binds have not written yet (holds).
     let now = Instant::now();
-    let held = ctx.holds.usage_by_node(uid, now);
+    let held = ctx.holds.by_node(uid, now);
     if !held.is_empty() {
         for view in &mut views {
             if let Some(extra) = held.get(view.name()) {
-                *view = Arc::new(with_extra_usage(view, extra));
+                *view = Arc::new(with_extra_usage(view, &extra.usage));
             }
         }
     }
     let policies = policies_for(ctx, &req);
-    let choice = ctx.placer.choose(&req, &views, policies);
+    let choice = choose_among_free(ctx, &req, &views, &held, policies);
     if let (Some(node), Some(uid)) = (&choice.chosen, uid) {
         ctx.holds.hold(uid, node, choice.load.clone(), now);
     }

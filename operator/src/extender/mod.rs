@@ -5,4 +5,5 @@ pub mod filter;
 pub mod lease;
 pub mod server;
 pub mod tls;
+pub mod turns;
 pub mod wire;

@@ -26,6 +26,15 @@ struct Hold {
     until: Instant,
 }
 
+/// What the holds on one node add up to.
+#[derive(Debug, Default, PartialEq)]
+pub struct Held {
+    /// Their usage per GPU.
+    pub usage: NodeUsage,
+    /// How many pods' binds are still to come (or waiting for the node's turn).
+    pub pods: usize,
+}
+
 /// Filter's answered-but-unbound placements, by pod UID.
 #[derive(Debug, Default)]
 pub struct Holds {
@@ -54,23 +63,20 @@ impl Holds {
         self.lock().remove(pod_uid);
     }
 
-    /// The usage that live holds add per node, leaving out pod `except_uid`'s own; expired
-    /// holds are dropped on the way.
-    pub fn usage_by_node(
-        &self,
-        except_uid: Option<&str>,
-        now: Instant,
-    ) -> HashMap<String, NodeUsage> {
+    /// What live holds add per node, leaving out pod `except_uid`'s own; expired holds are
+    /// dropped on the way.
+    pub fn by_node(&self, except_uid: Option<&str>, now: Instant) -> HashMap<String, Held> {
         let mut holds = self.lock();
         holds.retain(|_, h| h.until > now);
-        let mut out: HashMap<String, NodeUsage> = HashMap::new();
+        let mut out: HashMap<String, Held> = HashMap::new();
         for (uid, h) in holds.iter() {
             if except_uid == Some(uid.as_str()) {
                 continue;
             }
             let node = out.entry(h.node.clone()).or_default();
+            node.pods += 1;
             for (uuid, u) in &h.load {
-                node.entry(uuid.clone()).or_default().add(*u);
+                node.usage.entry(uuid.clone()).or_default().add(*u);
             }
         }
         out
@@ -109,23 +115,27 @@ mod tests {
         holds.hold("p1", "n1", load("GPU-0", 1000), t);
         holds.hold("p2", "n1", load("GPU-0", 500), t);
         holds.hold("p3", "n2", load("GPU-9", 700), t);
-        let all = holds.usage_by_node(None, t);
-        assert_eq!(all["n1"]["GPU-0"].memory_mib, 1500);
-        assert_eq!(all["n1"]["GPU-0"].sharers, 2);
-        assert_eq!(all["n2"]["GPU-9"].memory_mib, 700);
-        let for_p1 = holds.usage_by_node(Some("p1"), t);
+        let all = holds.by_node(None, t);
+        assert_eq!(all["n1"].usage["GPU-0"].memory_mib, 1500);
+        assert_eq!(all["n1"].usage["GPU-0"].sharers, 2);
+        assert_eq!(all["n1"].pods, 2);
+        assert_eq!(all["n2"].usage["GPU-9"].memory_mib, 700);
+        assert_eq!(all["n2"].pods, 1);
+        let for_p1 = holds.by_node(Some("p1"), t);
         assert_eq!(
-            for_p1["n1"]["GPU-0"].memory_mib, 500,
+            for_p1["n1"].usage["GPU-0"].memory_mib, 500,
             "its own hold does not count"
         );
+        assert_eq!(for_p1["n1"].pods, 1);
         // A pod filtered again moves its hold.
         holds.hold("p1", "n2", load("GPU-9", 100), t);
-        let moved = holds.usage_by_node(None, t);
-        assert_eq!(moved["n1"]["GPU-0"].memory_mib, 500);
-        assert_eq!(moved["n2"]["GPU-9"].memory_mib, 800);
+        let moved = holds.by_node(None, t);
+        assert_eq!(moved["n1"].usage["GPU-0"].memory_mib, 500);
+        assert_eq!(moved["n2"].usage["GPU-9"].memory_mib, 800);
+        assert_eq!((moved["n1"].pods, moved["n2"].pods), (1, 2));
         holds.release("p2");
         holds.release("p1");
-        assert!(!holds.usage_by_node(None, t).contains_key("n1"));
+        assert!(!holds.by_node(None, t).contains_key("n1"));
         assert_eq!(holds.len(), 1);
     }
 
@@ -134,8 +144,8 @@ mod tests {
         let holds = Holds::default();
         let t = Instant::now();
         holds.hold("p1", "n1", load("GPU-0", 1000), t);
-        assert_eq!(holds.usage_by_node(None, t + HOLD_TTL / 2).len(), 1);
-        assert!(holds.usage_by_node(None, t + HOLD_TTL).is_empty());
+        assert_eq!(holds.by_node(None, t + HOLD_TTL / 2).len(), 1);
+        assert!(holds.by_node(None, t + HOLD_TTL).is_empty());
         assert!(holds.is_empty(), "expired holds are dropped when read");
     }
 }

@@ -10,7 +10,7 @@ pub mod node_lock;
 pub mod usage;
 pub mod writer;
 
-pub use holds::Holds;
+pub use holds::{Held, Holds};
 pub use index::{LedgerIndex, ReservationKey};
 pub use node_lock::NodeLocks;
 pub use usage::{DeviceUsage, NodeUsage};
