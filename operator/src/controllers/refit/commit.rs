@@ -56,8 +56,14 @@ async fn bounded<T>(
 
 /// Whether request `name` is still unanswered on the API server. The controller decides on its
 /// cache; a cache that lags our own earlier answer must never lead to a second decision that
-/// commits a move the first answer refused. One linearizable read, on the move path only.
-async fn still_pending(ctx: &Context, namespace: &str, name: &str) -> Result<bool, ReconcileError> {
+/// commits a move the first answer refused. One linearizable read, made when the reconcile
+/// starts (after any earlier reconcile of the request has written its answer: the controller
+/// runs one reconcile per request at a time), beside the read of the pod.
+pub async fn still_pending(
+    ctx: &Context,
+    namespace: &str,
+    name: &str,
+) -> Result<bool, ReconcileError> {
     let api: Api<RefitRequest> = Api::namespaced(ctx.client.clone(), namespace);
     let live = tokio::time::timeout(LOCKED_CALL_BOUND, api.get_opt(name))
         .await
@@ -74,13 +80,12 @@ async fn still_pending(ctx: &Context, namespace: &str, name: &str) -> Result<boo
     }))
 }
 
-/// Decides and commits the refit of a validated request `name` whose container is not yet on
+/// Decides and commits the refit of a validated, still unanswered request whose container is not yet on
 /// allowed GPUs. Returns the answer for the request's status, and the move when one was
 /// written.
 pub async fn commit(
     ctx: &Context,
     namespace: &str,
-    name: &str,
     spec: &RefitRequestSpec,
     pod: &Pod,
 ) -> Result<(Answer, Option<Moved>), ReconcileError> {
@@ -128,9 +133,6 @@ pub async fn commit(
         // has already stopped waiting for.
         if expired(spec, Timestamp::now()) {
             return Ok((Answer::expired(), None));
-        }
-        if !still_pending(ctx, namespace, name).await? {
-            return Err(ReconcileError::AlreadyAnswered);
         }
         let mut updated = current.as_ref().clone();
         updated.spec = new_spec;

@@ -251,13 +251,20 @@ async fn decide(
     let ns = req.namespace().unwrap_or_default();
     let spec = &req.spec;
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
-    let pod = if spec.pod_name.is_empty() {
-        None
-    } else {
-        pods.get_opt(&spec.pod_name)
-            .await
-            .map_err(api_err("read pod", req))?
+    let read_pod = async {
+        if spec.pod_name.is_empty() {
+            Ok(None)
+        } else {
+            pods.get_opt(&spec.pod_name).await
+        }
     };
+    // Both reads at once: they are independent, and the refit's whole budget is two seconds.
+    let name = req.name_any();
+    let (pod, pending) = tokio::join!(read_pod, commit::still_pending(ctx, &ns, &name));
+    let pod = pod.map_err(api_err("read pod", req))?;
+    if !pending? {
+        return Err(ReconcileError::AlreadyAnswered);
+    }
     let key = ReservationKey::new(&ns, &spec.reservation);
     let mut current = ctx.index.get(&key);
     if current
@@ -286,7 +293,7 @@ async fn decide(
         return Ok((Answer::expired(), None));
     }
     match pod {
-        Some(pod) => commit::commit(ctx, &ns, &req.name_any(), spec, &pod).await,
+        Some(pod) => commit::commit(ctx, &ns, spec, &pod).await,
         None => Ok((Answer::refused("pod vanished".into(), false), None)),
     }
 }
