@@ -179,6 +179,7 @@ async fn run() -> Result<Vec<Row>, String> {
     settled(&client, nodes).await?;
     // Every node a candidate, straight to the operator, on the quiet cluster.
     let direct = direct_filter(operator_port, &fleet.names, 200).await?;
+    log_filter_histograms(&op, "direct").await;
 
     // Latency at a steady load the cluster sustains (well below the burst's throughput), then
     // throughput with every pod at once, when the API server, etcd and kube-scheduler saturate
