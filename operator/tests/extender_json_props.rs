@@ -297,6 +297,27 @@ fn filter_follows_every_ledger_change_between_calls() {
     assert_eq!(chosen(&ctx).0, ["gpu-a"], "its own reservation is left out");
 }
 
+/// The node filter answers for pod `name` (one GPU, `mib` MiB, UID `uid-<name>`) among
+/// `nodes`.
+fn chosen_for(
+    rt: &tokio::runtime::Runtime,
+    ctx: &Context,
+    name: &str,
+    nodes: &[&str],
+    mib: u64,
+) -> Vec<String> {
+    let pod = json!({
+        "metadata": {"name": name, "namespace": "default", "uid": format!("uid-{name}")},
+        "spec": {"containers": [{"name": "main", "resources": {"limits": {
+            "nvidia.com/gpu": "1", "nvidia.com/gpumem": mib.to_string()}}}]},
+    });
+    let args: ExtenderArgs =
+        serde_json::from_value(json!({"Pod": pod, "NodeNames": nodes})).unwrap();
+    rt.block_on(filter(ctx, args))
+        .node_names
+        .unwrap_or_default()
+}
+
 /// Filter counts its own earlier answers until their binds write them (holds): a burst of
 /// pods is spread over the nodes that fit instead of all being sent to the first one.
 #[test]
@@ -304,19 +325,7 @@ fn filter_counts_answers_whose_bind_has_not_come_yet() {
     let rt = runtime();
     let _in_runtime = rt.enter();
     let ctx = context(true);
-    let args = |name: &str, nodes: &[&str]| -> ExtenderArgs {
-        let pod = json!({
-            "metadata": {"name": name, "namespace": "default", "uid": format!("uid-{name}")},
-            "spec": {"containers": [{"name": "main", "resources": {"limits": {
-                "nvidia.com/gpu": "1", "nvidia.com/gpumem": "80000"}}}]},
-        });
-        serde_json::from_value(json!({"Pod": pod, "NodeNames": nodes})).unwrap()
-    };
-    let chosen = |name: &str, nodes: &[&str]| {
-        rt.block_on(filter(&ctx, args(name, nodes)))
-            .node_names
-            .unwrap_or_default()
-    };
+    let chosen = |name: &str, nodes: &[&str]| chosen_for(&rt, &ctx, name, nodes, 80000);
     assert_eq!(chosen("p1", &GPU_NODES), ["gpu-a"]);
     assert_eq!(
         chosen("p1", &GPU_NODES),
@@ -345,19 +354,7 @@ fn filter_passes_over_a_node_with_a_full_bind_queue() {
     let rt = runtime();
     let _in_runtime = rt.enter();
     let ctx = context(true);
-    let args = |name: &str, nodes: &[&str]| -> ExtenderArgs {
-        let pod = json!({
-            "metadata": {"name": name, "namespace": "default", "uid": format!("uid-{name}")},
-            "spec": {"containers": [{"name": "main", "resources": {"limits": {
-                "nvidia.com/gpu": "1", "nvidia.com/gpumem": "1000"}}}]},
-        });
-        serde_json::from_value(json!({"Pod": pod, "NodeNames": nodes})).unwrap()
-    };
-    let chosen = |name: &str, nodes: &[&str]| {
-        rt.block_on(filter(&ctx, args(name, nodes)))
-            .node_names
-            .unwrap_or_default()
-    };
+    let chosen = |name: &str, nodes: &[&str]| chosen_for(&rt, &ctx, name, nodes, 1000);
     // No pace measured yet: binpack sends both pods to the same node.
     assert_eq!(chosen("p1", &GPU_NODES), ["gpu-a"]);
     assert_eq!(chosen("p2", &GPU_NODES), ["gpu-a"]);

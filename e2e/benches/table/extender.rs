@@ -108,30 +108,46 @@ async fn log_api_requests(client: &Client) {
     }
 }
 
-/// Waits until the operator has written the usage of all `nodes` GpuNodes.
-async fn settled(client: &Client, nodes: usize) -> Result<(), String> {
-    let api: Api<GpuNode> = Api::all(client.clone());
+/// Lists `api` every half second until `count` of its objects pass `done`; gives up after
+/// `limit` with `what` in the error.
+async fn poll_until<K>(
+    api: &Api<K>,
+    count: usize,
+    limit: Duration,
+    what: &str,
+    done: impl Fn(&K) -> bool,
+) -> Result<(), String>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
     let started = Instant::now();
     loop {
         let list = api
             .list(&kube::api::ListParams::default())
             .await
-            .map_err(|e| format!("list GpuNodes: {e}"))?;
-        let written = list
-            .items
-            .iter()
-            .filter(|n| n.status.as_ref().is_some_and(|s| s.usage.is_some()))
-            .count();
-        if written >= nodes {
+            .map_err(|e| format!("list {what}: {e}"))?;
+        let passed = list.items.iter().filter(|o| done(o)).count();
+        if passed >= count {
             return Ok(());
         }
-        if started.elapsed() > Duration::from_secs(120) {
-            return Err(format!(
-                "operator wrote the usage of {written}/{nodes} GpuNodes in 120 s"
-            ));
+        if started.elapsed() > limit {
+            return Err(format!("{what}: {passed}/{count} after {limit:?}"));
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+}
+
+/// Waits until the operator has written the usage of all `nodes` GpuNodes.
+async fn settled(client: &Client, nodes: usize) -> Result<(), String> {
+    let api: Api<GpuNode> = Api::all(client.clone());
+    poll_until(
+        &api,
+        nodes,
+        Duration::from_secs(120),
+        "GpuNodes with usage",
+        |n| n.status.as_ref().is_some_and(|s| s.usage.is_some()),
+    )
+    .await
 }
 
 async fn run() -> Result<Vec<Row>, String> {
@@ -301,28 +317,11 @@ async fn paced(client: &Client, n: usize, rate: u32) -> Result<(), String> {
             .map_err(|e| e.to_string())?
             .map_err(|e| format!("create pod: {e}"))?;
     }
-    let started = Instant::now();
-    loop {
-        let list = api
-            .list(&kube::api::ListParams::default())
-            .await
-            .map_err(|e| format!("list pods: {e}"))?;
-        let bound = list
-            .items
-            .iter()
-            .filter(|p| p.name_any().starts_with("steady-"))
-            .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some())
-            .count();
-        if bound >= n {
-            return Ok(());
-        }
-        if started.elapsed() > SCHEDULING_LIMIT {
-            return Err(format!(
-                "{bound}/{n} steady pods bound in {SCHEDULING_LIMIT:?}"
-            ));
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    poll_until(&api, n, SCHEDULING_LIMIT, "steady pods bound", |p: &Pod| {
+        p.name_any().starts_with("steady-")
+            && p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some()
+    })
+    .await
 }
 
 type Times = BTreeMap<String, Instant>;
