@@ -17,6 +17,8 @@ use gpuledger_e2e::bench::{
     ChildOperator, Fleet, GpuShape, OperatorOptions, Row, TimingProxy, gpu_pod, spawn_allocator,
 };
 use gpuledger_e2e::cluster::{ControlPlane, ControlPlaneOptions, apply_path, ensure_namespace};
+use gpuledger_operator::audit::Options as AuditOptions;
+use gpuledger_operator::audit::cli::audit_cluster;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, PostParams};
 use kube::runtime::watcher;
@@ -221,6 +223,18 @@ async fn run() -> Result<Vec<Row>, String> {
     let names = proxy.take_filter_sizes();
     let names_note = names_range(&names);
     log_filter_histograms(&op, "steady + burst").await;
+    // The invariants right after the burst (DESIGN.md): no over-commit, no orphan, no bound
+    // GPU pod without its reservation.
+    let audit = match audit_cluster(&client, AuditOptions::default()).await {
+        Ok(findings) if findings.is_empty() => "clean".to_string(),
+        Ok(findings) => {
+            for f in &findings {
+                eprintln!("[bench] audit finding: {f:?}");
+            }
+            format!("{} findings (table.log)", findings.len())
+        }
+        Err(e) => format!("not run ({e})"),
+    };
     log_api_requests(&client).await;
     allocator.abort();
     drop(op);
@@ -269,7 +283,7 @@ async fn run() -> Result<Vec<Row>, String> {
             "pods/s",
             &[throughput],
             format!(
-                "one run, {:.1} s first create to last Bound",
+                "one run, {:.1} s first create to last Bound; ledger audit then: {audit}",
                 wall.as_secs_f64()
             ),
         ),
