@@ -310,8 +310,11 @@ async fn take_lease(
 ) -> Result<(), LeaseError> {
     let deadline = (Instant::now() + ctx.lease_wait).min(bind_deadline);
     let mut pause = Duration::from_millis(20);
+    let mut first = true;
     loop {
-        match lease::try_take(&ctx.client, &ctx.namespace, node, holder).await {
+        let attempt = lease::try_take(&ctx.client, &ctx.namespace, node, holder, first).await;
+        first = false;
+        match attempt {
             Ok(_) => return Ok(()),
             Err(LeaseError::Raced { .. }) => {}
             Err(held @ LeaseError::Held { .. }) if Instant::now() + pause > deadline => {

@@ -64,6 +64,14 @@ pub fn expired(spec: &LeaseSpec, now: Timestamp) -> bool {
     renewed.0 + SignedDuration::from_secs(duration) < now
 }
 
+/// How long the current holder has held the Lease (since it was taken or last renewed).
+fn held_for(spec: &LeaseSpec, now: Timestamp) -> SignedDuration {
+    spec.renew_time
+        .as_ref()
+        .or(spec.acquire_time.as_ref())
+        .map_or(SignedDuration::MAX, |t| now.duration_since(t.0))
+}
+
 fn is_conflict(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(s) if s.is_conflict() || s.is_already_exists())
 }
@@ -104,12 +112,20 @@ fn lease_spec(holder: &str, now: Timestamp) -> LeaseSpec {
     }
 }
 
-/// One attempt to take `node`'s Lease for `holder`.
+/// How long a holder keeps the Lease before a waiting bind asks whether the holder's pod is
+/// still there: a pod that took the Lease a moment ago is being admitted, and asking on every
+/// poll was a GET per poll.
+const HOLDER_CHECK_AFTER: SignedDuration = SignedDuration::from_secs(1);
+
+/// One attempt to take `node`'s Lease for `holder`. With `likely_free` (a bind's first try: the
+/// plugin deletes the Lease after each admission) it creates the Lease straight away and reads
+/// it only if it exists; otherwise it reads first.
 pub async fn try_take(
     client: &Client,
     namespace: &str,
     node: &str,
     holder: &str,
+    likely_free: bool,
 ) -> Result<Lease, LeaseError> {
     let api: Api<Lease> = Api::namespaced(client.clone(), namespace);
     let name = allocation_lease_name(node);
@@ -121,16 +137,23 @@ pub async fn try_take(
         node: node.to_string(),
     };
     let now = Timestamp::now();
+    let fresh = Lease {
+        metadata: ObjectMeta {
+            name: Some(name.clone()),
+            namespace: Some(namespace.to_string()),
+            ..Default::default()
+        },
+        spec: Some(lease_spec(holder, now)),
+    };
+    if likely_free {
+        match api.create(&PostParams::default(), &fresh).await {
+            Ok(l) => return Ok(l),
+            Err(e) if is_conflict(&e) => {}
+            Err(e) => return Err(api_err(e)),
+        }
+    }
     let current = api.get_opt(&name).await.map_err(api_err)?;
     let Some(mut lease) = current else {
-        let fresh = Lease {
-            metadata: ObjectMeta {
-                name: Some(name),
-                namespace: Some(namespace.to_string()),
-                ..Default::default()
-            },
-            spec: Some(lease_spec(holder, now)),
-        };
         return match api.create(&PostParams::default(), &fresh).await {
             Ok(l) => Ok(l),
             Err(e) if is_conflict(&e) => Err(raced()),
@@ -144,9 +167,10 @@ pub async fn try_take(
     }
     let free = current_holder.is_empty()
         || expired(&spec, now)
-        || holder_gone(client, &current_holder)
-            .await
-            .map_err(api_err)?;
+        || (held_for(&spec, now) >= HOLDER_CHECK_AFTER
+            && holder_gone(client, &current_holder)
+                .await
+                .map_err(api_err)?);
     if !free {
         return Err(LeaseError::Held {
             node: node.to_string(),
@@ -218,5 +242,17 @@ mod tests {
         assert!(!expired(&spec, t0 + SignedDuration::from_secs(299)));
         assert!(expired(&spec, t0 + SignedDuration::from_secs(301)));
         assert!(expired(&LeaseSpec::default(), t0));
+    }
+
+    #[test]
+    fn a_fresh_holder_is_not_asked_about() {
+        let t0: Timestamp = "2026-01-01T00:00:00Z".parse().unwrap();
+        let spec = lease_spec("default/p/uid", t0);
+        let soon = t0 + SignedDuration::from_millis(400);
+        assert!(held_for(&spec, soon) < HOLDER_CHECK_AFTER);
+        let later = t0 + SignedDuration::from_millis(1500);
+        assert!(held_for(&spec, later) >= HOLDER_CHECK_AFTER);
+        // A Lease that never says when it was taken: check its holder at once.
+        assert!(held_for(&LeaseSpec::default(), t0) >= HOLDER_CHECK_AFTER);
     }
 }
