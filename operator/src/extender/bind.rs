@@ -280,10 +280,10 @@ async fn write_fresh(ctx: &Context, desired: &GpuReservation) -> Result<GpuReser
     .into())
 }
 
-/// Waits for `node`'s turn ([`super::turns::Turns`]): only one bind per node writes its reservation and
-/// polls the API server for the Lease at a time (with forty binds queued on a node, forty
-/// pollers were most of the API server's load). Gives up after `--lease-wait` (never past the
-/// bind's deadline) with nothing written.
+/// Waits for `node`'s turn ([`super::turns::Turns`]): only one bind per node writes its
+/// reservation and polls the API server for the Lease at a time (with forty binds queued on a
+/// node, forty pollers were most of the API server's load). Gives up after `--lease-wait`
+/// (never past the bind's deadline) with nothing written.
 async fn wait_turn<'a>(
     ctx: &'a Context,
     node: &str,
