@@ -197,14 +197,12 @@ pub fn next_step(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::controllers::pod_facts::tests::terminated;
     use gpuledger_crds::{
         ContainerAllocation, ContainerReservation, GpuReservationSpec, GpuReservationStatus,
         ReservedDevice,
     };
-    use k8s_openapi::api::core::v1::{
-        Container, ContainerState, ContainerStateTerminated, ContainerStatus, Pod, PodSpec,
-        PodStatus,
-    };
+    use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, PodStatus};
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
     const TIMEOUT: Duration = Duration::from_secs(300);
@@ -451,17 +449,6 @@ mod tests {
         allocate(&mut r, 1, &["GPU-a"]);
         let mut p = pod("uid-1", Some("n1"), "Running");
         assert_eq!(step(&r, Some(&p), t(1), TIMEOUT), Step::Idle);
-        let terminated = |code| ContainerStatus {
-            name: "init".into(),
-            state: Some(ContainerState {
-                terminated: Some(ContainerStateTerminated {
-                    exit_code: code,
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }),
-            ..Default::default()
-        };
         p.status.as_mut().unwrap().init_container_statuses = Some(vec![terminated(1)]);
         assert_eq!(step(&r, Some(&p), t(1), TIMEOUT), Step::Idle);
         p.status.as_mut().unwrap().init_container_statuses = Some(vec![terminated(0)]);

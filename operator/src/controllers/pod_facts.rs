@@ -149,7 +149,7 @@ impl PodFactsCache {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::{
         Container, ContainerState, ContainerStateTerminated, ContainerStatus, PodSpec, PodStatus,
@@ -176,7 +176,9 @@ mod tests {
         }
     }
 
-    fn terminated(code: i32) -> ContainerStatus {
+    /// The status of an init container named `init` that exited with `code` (also used by
+    /// the lifecycle tests).
+    pub(crate) fn terminated(code: i32) -> ContainerStatus {
         ContainerStatus {
             name: "init".into(),
             state: Some(ContainerState {
