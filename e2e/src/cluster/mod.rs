@@ -18,6 +18,7 @@ pub mod binaries;
 pub mod config;
 mod control_plane;
 mod error;
+pub mod fault_proxy;
 mod identity;
 pub mod nodes;
 pub mod pki;
@@ -35,6 +36,7 @@ pub use control_plane::{
     client_from_kubeconfig,
 };
 pub use error::ClusterError;
+pub use fault_proxy::{FaultAction, FaultProxy, FaultRule, RuleId};
 pub use nodes::{FakeGpuNode, FakeNode};
 pub use pods::{delete_bound_pod, mark_pod_finished, mark_pod_running};
 pub use wait::{wait_for, wait_reservation};
