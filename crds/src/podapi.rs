@@ -341,6 +341,36 @@ pub fn parse_pod(pod: &Pod, config: &PodApiConfig) -> Result<PodRequest, PodApiE
     parse(&plain, config)
 }
 
+/// Whether `pod` holds GPU capacity once bound: what the extender schedules, the lifecycle
+/// controller repairs and the audit checks, so all three agree on "a GPU pod". A pod whose GPU
+/// request cannot be read still names GPU resources, so it counts: bound, it would run on GPUs
+/// the ledger cannot account for.
+pub fn pod_wants_gpus(pod: &Pod, config: &PodApiConfig) -> bool {
+    match parse_pod(pod, config) {
+        Ok(req) => req.wants_gpus(),
+        Err(_) => names_gpu_resources(pod),
+    }
+}
+
+/// Whether any container of `pod` names a gpuledger resource in its limits or requests.
+fn names_gpu_resources(pod: &Pod) -> bool {
+    let Some(spec) = pod.spec.as_ref() else {
+        return false;
+    };
+    spec.init_containers
+        .iter()
+        .flatten()
+        .chain(spec.containers.iter())
+        .filter_map(|c| c.resources.as_ref())
+        .flat_map(|r| {
+            r.limits
+                .iter()
+                .chain(r.requests.iter())
+                .flat_map(|m| m.keys())
+        })
+        .any(|k| [GPU, GPU_MEM, GPU_MEM_PERCENTAGE, GPU_CORES].contains(&k.as_str()))
+}
+
 fn plain_container(c: &Container) -> ContainerResources {
     let quantities =
         |m: Option<&BTreeMap<String, k8s_openapi::apimachinery::pkg::api::resource::Quantity>>| {

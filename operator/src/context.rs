@@ -8,10 +8,12 @@ use gpuledger_crds::numapolicy::matching_policies;
 use gpuledger_crds::podapi::PodApiConfig;
 use gpuledger_crds::{Alignment, AlignmentError, GpuNode, NumaPolicy};
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
-use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
+use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Client, Resource, ResourceExt};
 
+use crate::events::EventQueue;
+use crate::extender::in_flight::BindsInFlight;
 use crate::extender::turns::Turns;
 use crate::fit_adapter::NodeViewCache;
 use crate::ledger::{Holds, LedgerIndex, LedgerWriter, NodeLocks};
@@ -32,6 +34,8 @@ pub struct Context {
     pub node_locks: Arc<NodeLocks>,
     /// Binds waiting for their node's turn at its allocation Lease, and the pace turns pass at.
     pub turns: Turns,
+    /// Pods whose bind is running (one bind per pod at a time).
+    pub binds: BindsInFlight,
     /// GpuNode cache.
     pub gpunodes: Store<GpuNode>,
     /// NumaPolicy cache.
@@ -56,8 +60,8 @@ pub struct Context {
     pub metrics: Arc<Metrics>,
     /// Health and leadership.
     pub health: Arc<Health>,
-    /// Event recorder.
-    pub recorder: Recorder,
+    /// Events on pods, published off the decision path.
+    pub events: EventQueue,
 }
 
 /// The event reporter name of the operator.
@@ -82,6 +86,7 @@ impl Context {
         let (policies, _) = kube::runtime::reflector::store();
         let health = Arc::new(Health::default());
         health.set_leader(leader);
+        let metrics = Arc::new(Metrics::new());
         Context {
             client: client.clone(),
             namespace: gpuledger_crds::names::DEFAULT_NAMESPACE.into(),
@@ -89,6 +94,7 @@ impl Context {
             index,
             node_locks: Arc::new(NodeLocks::new()),
             turns: Turns::default(),
+            binds: BindsInFlight::default(),
             gpunodes,
             policies,
             placer: Arc::new(crate::fit_adapter::FitEngine),
@@ -102,9 +108,9 @@ impl Context {
             default_alignment: Alignment::None,
             lease_wait: std::time::Duration::from_millis(50),
             allocating_timeout: std::time::Duration::from_secs(60),
-            metrics: Arc::new(Metrics::new()),
+            events: EventQueue::start(Recorder::new(client, reporter("detached")), metrics.clone()),
+            metrics,
             health,
-            recorder: Recorder::new(client, reporter("detached")),
         }
     }
 
@@ -132,28 +138,9 @@ impl Context {
         alignment::resolve(pod.annotations(), &matched, self.default_alignment)
     }
 
-    /// Publishes an event on `pod`; failures are logged, never fatal (events are advisory).
-    pub async fn pod_event(
-        &self,
-        pod: &ObjectReference,
-        warning: bool,
-        reason: &str,
-        note: String,
-    ) {
-        let ev = KubeEvent {
-            type_: if warning {
-                EventType::Warning
-            } else {
-                EventType::Normal
-            },
-            reason: reason.to_string(),
-            note: Some(truncate(note, 1000)),
-            action: reason.to_string(),
-            secondary: None,
-        };
-        if let Err(e) = self.recorder.publish(&ev, pod).await {
-            tracing::warn!(error = %e, reason, "could not publish event");
-        }
+    /// Queues an event on `pod` ([`EventQueue`]: never waits for the API server).
+    pub fn pod_event(&self, pod: &ObjectReference, warning: bool, reason: &str, note: String) {
+        self.events.pod_event(pod, warning, reason, note);
     }
 }
 
@@ -172,16 +159,4 @@ pub fn pod_ref_by_name(namespace: &str, name: &str, uid: &str) -> ObjectReferenc
         uid: Some(uid.to_string()),
         ..Default::default()
     }
-}
-
-fn truncate(mut s: String, max: usize) -> String {
-    if s.len() > max {
-        let mut cut = max;
-        while !s.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        s.truncate(cut);
-        s.push('…');
-    }
-    s
 }

@@ -4,6 +4,7 @@ pub mod audit;
 pub mod config;
 pub mod context;
 pub mod controllers;
+pub mod events;
 pub mod extender;
 pub mod fit;
 pub mod fit_adapter;

@@ -22,6 +22,7 @@ use tokio::net::TcpListener;
 
 use crate::config::RunConfig;
 use crate::context::{Context, reporter};
+use crate::events::EventQueue;
 use crate::fit_adapter::FitEngine;
 use crate::ledger::feed::feed_index;
 use crate::ledger::usage::holds_capacity;
@@ -173,6 +174,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         placer: Arc::new(FitEngine),
         views: Default::default(),
         turns: Default::default(),
+        binds: Default::default(),
         holds: Default::default(),
         pod_api: PodApiConfig::default(),
         default_policies: Policies {
@@ -184,7 +186,10 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         allocating_timeout: config.allocating_timeout,
         metrics: metrics.clone(),
         health: health.clone(),
-        recorder: Recorder::new(client.clone(), reporter(&identity)),
+        events: EventQueue::start(
+            Recorder::new(client.clone(), reporter(&identity)),
+            metrics.clone(),
+        ),
     });
 
     // The lifecycle controller drives the reservation watch, so it starts before the wait for

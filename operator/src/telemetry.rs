@@ -81,6 +81,15 @@ pub struct Metrics {
     pub conflicts: Counter,
     /// Filter answers chosen without the candidates whose bind queue was full.
     pub busy_skips: Counter,
+    /// Bound GPU pods found without a reservation on their node, by what became of them
+    /// (`repaired`: a reservation was written; `unfit`: the node has no room for them).
+    pub repairs: Family<OutcomeLabels, Counter>,
+    /// Bound GPU pods that have no reservation on their node right now and could not be given
+    /// one (0 in a healthy cluster).
+    pub unreserved_pods: Gauge,
+    /// Events dropped because the publishing queue was full (the API server is the bottleneck;
+    /// events are advisory, decisions never wait for them).
+    pub events_dropped: Counter,
     /// 1 on the leader.
     pub leader: Gauge,
 }
@@ -145,6 +154,24 @@ impl Metrics {
             "Filter answers chosen without the candidates whose bind queue was full (more binds waiting than pass the allocation Lease within --lease-wait)",
             busy_skips.clone(),
         );
+        let repairs = Family::<OutcomeLabels, Counter>::default();
+        registry.register(
+            "ledger_repairs",
+            "Bound GPU pods found without a reservation on their node, by outcome (repaired or unfit)",
+            repairs.clone(),
+        );
+        let unreserved_pods = Gauge::default();
+        registry.register(
+            "ledger_unreserved_pods",
+            "Bound GPU pods without a reservation on their node that could not be given one",
+            unreserved_pods.clone(),
+        );
+        let events_dropped = Counter::default();
+        registry.register(
+            "events_dropped",
+            "Kubernetes Events not published because the publishing queue was full",
+            events_dropped.clone(),
+        );
         let leader = Gauge::default();
         registry.register(
             "leader",
@@ -162,6 +189,9 @@ impl Metrics {
             misaligned,
             conflicts,
             busy_skips,
+            repairs,
+            unreserved_pods,
+            events_dropped,
             leader,
         }
     }

@@ -455,3 +455,41 @@ fn plain_data_reads_the_fit_cli_json_shape() {
     assert_eq!(r.containers[0].gpu, gpu(1, MemoryRequest::Mib(4096), 0));
     assert!(r.numa_bind);
 }
+
+/// A Kubernetes pod with one container limited to `limits`.
+fn k8s_pod(limits: &[(&str, &str)]) -> Pod {
+    use k8s_openapi::api::core::v1::{PodSpec, ResourceRequirements};
+    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+    Pod {
+        spec: Some(PodSpec {
+            containers: vec![Container {
+                name: "main".into(),
+                resources: Some(ResourceRequirements {
+                    limits: Some(
+                        limits
+                            .iter()
+                            .map(|(k, v)| (k.to_string(), Quantity(v.to_string())))
+                            .collect(),
+                    ),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn a_gpu_pod_is_one_the_scheduler_would_place_or_one_that_names_gpus_unreadably() {
+    let cfg = PodApiConfig::default();
+    assert!(pod_wants_gpus(&k8s_pod(&[(GPU, "1")]), &cfg));
+    // Memory alone gets the default count, as HAMi's webhook gives it.
+    assert!(pod_wants_gpus(&k8s_pod(&[(GPU_MEM, "1000")]), &cfg));
+    assert!(!pod_wants_gpus(&k8s_pod(&[(GPU, "0")]), &cfg));
+    assert!(!pod_wants_gpus(&k8s_pod(&[("cpu", "1")]), &cfg));
+    // Unreadable, but it names a GPU resource: bound, it would hold GPUs.
+    assert!(pod_wants_gpus(&k8s_pod(&[(GPU, "1.5")]), &cfg));
+    assert!(!pod_wants_gpus(&Pod::default(), &cfg));
+}

@@ -9,6 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
 use gpuledger_crds::conditions::{self, types};
+use gpuledger_crds::podapi::{PodApiConfig, pod_wants_gpus};
 use gpuledger_crds::{GpuNode, GpuReservation, RefitPhase, RefitRequest, ReservationPhase};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
@@ -71,6 +72,17 @@ pub enum Finding {
         /// Its node.
         node: String,
     },
+    /// A reservation holds capacity on one node while its pod is bound to another: the GPUs the
+    /// pod uses are not counted, and the ones counted are not used.
+    #[serde(rename_all = "camelCase")]
+    ReservationOnOtherNode {
+        /// Reservation `ns/name`.
+        reservation: String,
+        /// The node the reservation holds capacity on.
+        reserved_node: String,
+        /// The node the pod is bound to.
+        pod_node: String,
+    },
     /// The kubelet's allocation names other GPUs than the reservation, with no `Misaligned`
     /// condition saying so.
     #[serde(rename_all = "camelCase")]
@@ -124,6 +136,14 @@ impl fmt::Display for Finding {
             Finding::PodWithoutReservation { pod, node } => write!(
                 f,
                 "pod without reservation: {pod} on {node} asks for nvidia.com/gpu but holds no GpuReservation"
+            ),
+            Finding::ReservationOnOtherNode {
+                reservation,
+                reserved_node,
+                pod_node,
+            } => write!(
+                f,
+                "reservation on another node: {reservation} holds capacity on {reserved_node}, its pod is bound to {pod_node}"
             ),
             Finding::SilentMisalignment {
                 reservation,
@@ -187,15 +207,10 @@ fn pod_is_terminal(p: &Pod) -> bool {
     )
 }
 
+/// The same predicate the extender and the lifecycle controller use, with the pod API's default
+/// configuration (the audit runs outside the operator).
 fn pod_requests_gpus(p: &Pod) -> bool {
-    let Some(spec) = &p.spec else { return false };
-    spec.init_containers
-        .iter()
-        .flatten()
-        .chain(spec.containers.iter())
-        .filter_map(|c| c.resources.as_ref()?.limits.as_ref())
-        .filter_map(|l| l.get(gpuledger_crds::resources::GPU))
-        .any(|q| q.0.trim() != "0")
+    pod_wants_gpus(p, &PodApiConfig::default())
 }
 
 /// Runs every check; findings come back sorted, so two audits of the same state print the same.
@@ -289,7 +304,8 @@ fn check_pods(snap: &Snapshot, out: &mut Vec<Finding>) {
             )
         })
         .collect();
-    let mut reserved_uids = BTreeSet::new();
+    // Pod UID -> its live reservation and the node that holds capacity on.
+    let mut reserved: BTreeMap<&str, (String, &str)> = BTreeMap::new();
     for r in snap.reservations.iter().filter(|r| holds_capacity(r)) {
         let name = key(r.metadata.namespace.as_ref(), r.metadata.name.as_ref());
         let pod_key = key(r.metadata.namespace.as_ref(), Some(&r.spec.pod_name));
@@ -309,7 +325,7 @@ fn check_pods(snap: &Snapshot, out: &mut Vec<Finding>) {
                 detail,
             }),
             None => {
-                reserved_uids.insert(r.spec.pod_uid.as_str());
+                reserved.insert(r.spec.pod_uid.as_str(), (name, r.spec.node_name.as_str()));
             }
         }
     }
@@ -320,11 +336,20 @@ fn check_pods(snap: &Snapshot, out: &mut Vec<Finding>) {
             continue;
         }
         let uid = p.metadata.uid.as_deref().unwrap_or("");
-        if !reserved_uids.contains(uid) {
-            out.push(Finding::PodWithoutReservation {
-                pod: key(p.metadata.namespace.as_ref(), p.metadata.name.as_ref()),
+        let pod = key(p.metadata.namespace.as_ref(), p.metadata.name.as_ref());
+        match reserved.get(uid) {
+            None => out.push(Finding::PodWithoutReservation {
+                pod,
                 node: node.to_string(),
-            });
+            }),
+            Some((reservation, reserved_node)) if *reserved_node != node => {
+                out.push(Finding::ReservationOnOtherNode {
+                    reservation: reservation.clone(),
+                    reserved_node: reserved_node.to_string(),
+                    pod_node: node.to_string(),
+                });
+            }
+            Some(_) => {}
         }
     }
 }

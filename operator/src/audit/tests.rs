@@ -223,6 +223,48 @@ fn bound_gpu_pod_without_reservation_is_reported_but_unbound_is_not() {
 }
 
 #[test]
+fn a_reservation_on_another_node_than_its_pod_is_reported_once() {
+    let mut snap = clean_snapshot();
+    snap.nodes
+        .push(node("n2", &[("GPU-a", 40000), ("GPU-b", 40000)]));
+    // The pod runs on n2; its reservation still holds capacity on n1.
+    snap.pods[1].spec.as_mut().unwrap().node_name = Some("n2".into());
+    let findings = audit(&snap, ts(1000), Options::default());
+    assert_eq!(
+        findings,
+        vec![Finding::ReservationOnOtherNode {
+            reservation: "ns/p2".into(),
+            reserved_node: "n1".into(),
+            pod_node: "n2".into(),
+        }]
+    );
+    assert!(findings[0].to_string().contains("bound to n2"));
+}
+
+#[test]
+fn a_memory_only_pod_is_a_gpu_pod_for_the_audit_as_for_the_scheduler() {
+    let mut snap = clean_snapshot();
+    let mut mem_only = pod("mem", "u9", Some("n1"), "Running", "1");
+    let limits = mem_only.spec.as_mut().unwrap().containers[0]
+        .resources
+        .as_mut()
+        .unwrap()
+        .limits
+        .as_mut()
+        .unwrap();
+    limits.clear();
+    limits.insert("nvidia.com/gpumem".into(), Quantity("1000".into()));
+    snap.pods.push(mem_only);
+    assert_eq!(
+        audit(&snap, ts(1000), Options::default()),
+        vec![Finding::PodWithoutReservation {
+            pod: "ns/mem".into(),
+            node: "n1".into()
+        }]
+    );
+}
+
+#[test]
 fn reservation_on_a_device_the_node_does_not_list_is_reported() {
     let mut snap = clean_snapshot();
     snap.reservations[0].spec.containers[0].devices[0].uuid = "GPU-zzz".into();

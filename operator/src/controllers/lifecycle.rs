@@ -137,14 +137,19 @@ pub fn next_step(
         };
     }
     let bound_to = pod.node_name.as_deref();
+    if bound_to.is_some_and(|n| n != r.spec.node_name) {
+        // Capacity counted where the pod does not run, and none where it does: the reservation
+        // goes, and the sweep for pods without one books the pod on its real node
+        // (`super::unreserved`).
+        return Step::Delete {
+            why: "pod bound to another node",
+        };
+    }
     match phase {
         ReservationPhase::Reserved => match bound_to {
-            Some(n) if n == r.spec.node_name => Step::Phase {
+            Some(_) => Step::Phase {
                 phase: ReservationPhase::Allocating,
                 free_lease: false,
-            },
-            Some(_) => Step::Delete {
-                why: "pod bound to another node",
             },
             None => {
                 let age = elapsed_since(r.metadata.creation_timestamp.as_ref().map(|t| t.0), now);
@@ -209,7 +214,8 @@ mod tests {
 
     /// [`next_step`] on the facts of a whole pod, as the controller calls it.
     fn step(r: &GpuReservation, pod: Option<&Pod>, now: Timestamp, timeout: Duration) -> Step {
-        next_step(r, pod.map(PodFacts::of).as_ref(), now, timeout)
+        let facts = pod.map(|p| PodFacts::of(p, &Default::default()));
+        next_step(r, facts.as_ref(), now, timeout)
     }
 
     fn t(secs: i64) -> Timestamp {
@@ -384,6 +390,25 @@ mod tests {
             step(&r, Some(&elsewhere), t(1), TIMEOUT),
             Step::Delete { .. }
         ));
+    }
+
+    #[test]
+    fn a_reservation_on_another_node_than_its_pod_goes_in_every_phase() {
+        let elsewhere = pod("uid-1", Some("n2"), "Running");
+        for phase in [
+            None,
+            Some(ReservationPhase::Allocating),
+            Some(ReservationPhase::Allocated),
+        ] {
+            let r = reservation(phase, 0);
+            assert_eq!(
+                step(&r, Some(&elsewhere), t(1), TIMEOUT),
+                Step::Delete {
+                    why: "pod bound to another node"
+                },
+                "{phase:?}"
+            );
+        }
     }
 
     #[test]

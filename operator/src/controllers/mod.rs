@@ -6,3 +6,4 @@ pub mod numapolicy;
 pub mod pod_facts;
 pub mod refit;
 pub mod reservation;
+pub mod unreserved;

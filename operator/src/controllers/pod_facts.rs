@@ -14,6 +14,7 @@
 use std::collections::HashMap;
 use std::sync::RwLock;
 
+use gpuledger_crds::podapi::{PodApiConfig, pod_wants_gpus};
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use kube::runtime::watcher::Event;
@@ -31,16 +32,19 @@ pub struct PodFacts {
     pub finished: bool,
     /// It has init containers and every one terminated with exit code 0.
     pub init_done: bool,
+    /// It holds GPU capacity once bound ([`pod_wants_gpus`], as the extender decides).
+    pub wants_gpus: bool,
 }
 
 impl PodFacts {
-    /// The facts of `pod`.
-    pub fn of(pod: &Pod) -> Self {
+    /// The facts of `pod`, read with the operator's pod-API defaults.
+    pub fn of(pod: &Pod, config: &PodApiConfig) -> Self {
         Self {
             uid: pod.uid().unwrap_or_default(),
             node_name: pod.spec.as_ref().and_then(|s| s.node_name.clone()),
             finished: pod_finished(pod),
             init_done: init_containers_done(pod),
+            wants_gpus: pod_wants_gpus(pod, config),
         }
     }
 }
@@ -86,6 +90,7 @@ struct Inner {
 #[derive(Default)]
 pub struct PodFactsCache {
     inner: RwLock<Inner>,
+    config: PodApiConfig,
 }
 
 fn key_of(pod: &Pod) -> ReservationKey {
@@ -93,6 +98,14 @@ fn key_of(pod: &Pod) -> ReservationKey {
 }
 
 impl PodFactsCache {
+    /// An empty cache that reads pods with `config`.
+    pub fn new(config: PodApiConfig) -> Self {
+        Self {
+            inner: RwLock::default(),
+            config,
+        }
+    }
+
     fn write(&self) -> std::sync::RwLockWriteGuard<'_, Inner> {
         // The maps stay consistent after a panic elsewhere: each update is one insert/remove.
         self.inner.write().unwrap_or_else(|e| e.into_inner())
@@ -104,10 +117,11 @@ impl PodFactsCache {
 
     /// Feeds one event of the pod watch.
     pub fn apply(&self, event: &Event<Pod>) {
+        let config = &self.config;
         let mut inner = self.write();
         match event {
             Event::Apply(pod) => {
-                inner.pods.insert(key_of(pod), PodFacts::of(pod));
+                inner.pods.insert(key_of(pod), PodFacts::of(pod, config));
             }
             Event::Delete(pod) => {
                 inner.pods.remove(&key_of(pod));
@@ -115,7 +129,7 @@ impl PodFactsCache {
             Event::Init => inner.relist = Some(HashMap::new()),
             Event::InitApply(pod) => {
                 if let Some(buf) = inner.relist.as_mut() {
-                    buf.insert(key_of(pod), PodFacts::of(pod));
+                    buf.insert(key_of(pod), PodFacts::of(pod, config));
                 }
             }
             Event::InitDone => {
@@ -130,6 +144,16 @@ impl PodFactsCache {
     /// The facts of pod `key`, `None` when the watch has not seen it (or saw it deleted).
     pub fn get(&self, key: &ReservationKey) -> Option<PodFacts> {
         self.read().pods.get(key).cloned()
+    }
+
+    /// Every bound pod that wants GPUs and has not finished, with its facts.
+    pub fn bound_gpu_pods(&self) -> Vec<(ReservationKey, PodFacts)> {
+        self.read()
+            .pods
+            .iter()
+            .filter(|(_, f)| f.wants_gpus && f.node_name.is_some() && !f.finished)
+            .map(|(k, f)| (k.clone(), f.clone()))
+            .collect()
     }
 
     /// Whether the first full list has been seen.
@@ -192,18 +216,22 @@ pub(crate) mod tests {
         }
     }
 
+    fn of(p: &Pod) -> PodFacts {
+        PodFacts::of(p, &PodApiConfig::default())
+    }
+
     #[test]
     fn facts_read_the_decisive_fields() {
         let p = pod("a", "u1", Some("n1"), "Running");
-        let f = PodFacts::of(&p);
+        let f = PodFacts::of(&p, &PodApiConfig::default());
         assert_eq!(f.uid, "u1");
         assert_eq!(f.node_name.as_deref(), Some("n1"));
         assert!(!f.finished && !f.init_done);
-        assert!(PodFacts::of(&pod("a", "u1", None, "Succeeded")).finished);
-        assert!(PodFacts::of(&pod("a", "u1", None, "Failed")).finished);
+        assert!(of(&pod("a", "u1", None, "Succeeded")).finished);
+        assert!(of(&pod("a", "u1", None, "Failed")).finished);
         let mut deleting = pod("a", "u1", Some("n1"), "Running");
         deleting.metadata.deletion_timestamp = Some(Time(Timestamp::UNIX_EPOCH));
-        assert!(PodFacts::of(&deleting).finished);
+        assert!(of(&deleting).finished);
     }
 
     #[test]
@@ -218,15 +246,12 @@ pub(crate) mod tests {
             }
         };
         set(&mut p, vec![terminated(0)]);
-        assert!(!PodFacts::of(&p).init_done, "one of two done");
+        assert!(!of(&p).init_done, "one of two done");
         set(&mut p, vec![terminated(0), terminated(1)]);
-        assert!(!PodFacts::of(&p).init_done, "one failed");
+        assert!(!of(&p).init_done, "one failed");
         set(&mut p, vec![terminated(0), terminated(0)]);
-        assert!(PodFacts::of(&p).init_done);
-        assert!(
-            !PodFacts::of(&pod("b", "u2", None, "Running")).init_done,
-            "no init"
-        );
+        assert!(of(&p).init_done);
+        assert!(!of(&pod("b", "u2", None, "Running")).init_done, "no init");
     }
 
     #[test]

@@ -76,7 +76,9 @@ where
 {
     let (keys, writer) = reflector::store::<GpuReservation>();
     let trigger = reservations.reflect(writer).touched_objects();
-    let facts = Arc::new(PodFactsCache::default());
+    let facts = Arc::new(PodFactsCache::new(ctx.pod_api));
+    // Bound GPU pods without a reservation are found in the same pod cache.
+    tokio::spawn(super::unreserved::run(ctx.clone(), facts.clone()));
     let pod_events = {
         let facts = facts.clone();
         watcher(
@@ -141,7 +143,7 @@ async fn decide(
             pod: key.to_string(),
             source,
         })?;
-    let fresh = pod.as_ref().map(PodFacts::of);
+    let fresh = pod.as_ref().map(|p| PodFacts::of(p, &ctx.pod_api));
     Ok(next_step(
         r,
         fresh.as_ref(),
@@ -186,8 +188,7 @@ async fn reconcile(obj: Arc<GpuReservation>, lc: Arc<Lifecycle>) -> Result<Actio
                     r.spec.node_name,
                     ctx.allocating_timeout.as_secs()
                 );
-                ctx.pod_event(&target, true, "AllocationTimeout", note)
-                    .await;
+                ctx.pod_event(&target, true, "AllocationTimeout", note);
             }
             Ok(Action::requeue(Duration::from_secs(1)))
         }
@@ -246,7 +247,7 @@ async fn add_misaligned(
             &r.spec.pod_name,
             &r.spec.pod_uid,
         );
-        ctx.pod_event(&target, true, "Misaligned", message).await;
+        ctx.pod_event(&target, true, "Misaligned", message);
     }
 }
 

@@ -1,14 +1,36 @@
 //! `bind`: wait for the node's turn (binds of one node go one at a time), fit on the chosen
 //! node under that node's lock, write the GpuReservation, take the node's allocation Lease,
 //! POST the Binding. The ledger write happens before the Binding, so capacity is never promised
-//! twice; any failure after it is undone (reservation deleted, Lease freed) and the scheduler
-//! retries the pod. The lifecycle controller moves the reservation on to `Allocating` once it
-//! sees the pod bound.
+//! twice. The lifecycle controller moves the reservation on to `Allocating` once it sees the pod
+//! bound.
+//!
+//! What keeps the ledger equal to the bindings when binds are slow (every API call taking
+//! seconds) and kube-scheduler retries a pod whose first bind is still running:
+//! - **One bind per pod at a time** ([`super::in_flight`]): a retry that arrives while the first
+//!   bind runs is refused before it reads or writes anything.
+//! - **A bind runs to its end on its own task**: kube-scheduler closing the connection after its
+//!   `httpTimeout` drops the HTTP handler, never the bind between its reservation and its
+//!   Binding.
+//! - **The deadline bounds every wait, not the writes**: reading the pod, the node's turn, the
+//!   node lock and a Lease held by another pod all give up at the deadline with nothing
+//!   written (or with the reservation undone). Once the reservation is written and the Lease
+//!   taken, the Binding is posted even if kube-scheduler has stopped waiting: with one bind per
+//!   pod nothing can race it, and abandoning finished work was what turned a slow API server
+//!   into a retry storm (each retry redid it all, and gave up again).
+//! - **Nothing of the pod's own is undone without reading the pod**: a reservation of the same
+//!   pod UID found under its name is kept when the pod is bound; after a failed or ambiguous
+//!   Binding (a lost answer) the pod is read again, and a pod bound to this node keeps its
+//!   reservation and Lease.
+//! - Whatever slips through (a Binding that lands after it was given up for lost) leaves a
+//!   bound GPU pod whose reservation is missing or on another node; the lifecycle controller
+//!   and [`crate::controllers::unreserved`] repair it, and the audit reports it.
 //!
 //! Nothing is written while a bind waits for its turn: in a burst that sends more pods to a
 //! node than it admits within `--lease-wait`, the binds that give up cost the API server no
 //! reservation to create and delete again.
 
+use std::future::Future;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpuledger_crds::alignment::ResolvedAlignment;
@@ -33,6 +55,12 @@ pub enum BindError {
     /// This replica may not write.
     #[error("not the leader (or ledger not yet synced)")]
     NotLeader,
+    /// An earlier bind of the same pod is still running.
+    #[error("an earlier bind of pod {pod} is still in progress; retry later")]
+    InFlight {
+        /// namespace/name.
+        pod: String,
+    },
     /// The pod is gone or was recreated.
     #[error("pod {pod} is gone or its UID is not {uid}")]
     PodChanged {
@@ -68,22 +96,25 @@ pub enum BindError {
         /// Where it is bound.
         node: String,
     },
-    /// The bind ran past its deadline before posting the Binding: kube-scheduler has given up
-    /// on this call (extender `httpTimeout`) and retries the pod, so it must not be bound now.
+    /// A wait before the Binding ran past the bind's deadline (kube-scheduler is about to give
+    /// up on the call); nothing of this bind is left behind.
     #[error(
-        "gave up binding pod {pod} to node {node} after {waited:?}, before kube-scheduler's timeout; it will retry"
+        "gave up binding pod {pod} to node {node} after {waited:?} waiting for {step}; it will retry"
     )]
     TooLate {
         /// namespace/name.
         pod: String,
         /// Node.
         node: String,
+        /// What the bind was waiting for.
+        step: &'static str,
         /// How long the bind had run.
         waited: Duration,
     },
-    /// Ledger write failed.
+    /// Ledger write failed (boxed: it carries a client error, and a bind's `Result` stays
+    /// small).
     #[error(transparent)]
-    Ledger(#[from] WriteError),
+    Ledger(Box<WriteError>),
     /// Lease could not be taken.
     #[error(transparent)]
     Lease(#[from] LeaseError),
@@ -100,37 +131,78 @@ pub enum BindError {
     },
 }
 
-/// How long a bind may run beyond `--lease-wait` before it must post the Binding. kube-scheduler
-/// gives up on an extender call after its `httpTimeout` (5 s in config/scheduler) and retries
-/// the pod; a Binding posted after that would race the retry. Keep `--lease-wait` + this below
-/// the scheduler's timeout.
+impl From<WriteError> for BindError {
+    fn from(e: WriteError) -> Self {
+        BindError::Ledger(Box::new(e))
+    }
+}
+
+/// How long a bind may wait beyond `--lease-wait` in all before it gives up. kube-scheduler
+/// gives up on an extender call after its `httpTimeout` (5 s in config/scheduler); keep
+/// `--lease-wait` + this below it, so a bind that cannot get through says so in time.
 const BIND_SLACK: Duration = Duration::from_secs(1);
 
-/// The `bind` verb.
-pub async fn bind(ctx: &Context, args: ExtenderBindingArgs) -> ExtenderBindingResult {
+/// How bind ended well.
+enum Bound {
+    /// The pod asks for no GPU: bound without a reservation.
+    NoGpus,
+    /// Bound now, with this reservation (its device summary).
+    Now(String),
+    /// An earlier bind of this pod bound it to this node, with its reservation: nothing to do.
+    Earlier,
+}
+
+/// The `bind` verb. The bind runs on its own task, so kube-scheduler giving up on the call
+/// (closing the connection drops this future) never cuts it off half-way.
+pub async fn bind(ctx: Arc<Context>, args: ExtenderBindingArgs) -> ExtenderBindingResult {
+    let pod = format!("{}/{}", args.pod_namespace, args.pod_name);
+    match tokio::spawn(bind_once(ctx, args)).await {
+        Ok(answer) => answer,
+        // Only a panic ends the task early; its guards have undone nothing it wrote, which the
+        // lifecycle controller settles like any bind cut short.
+        Err(e) => ExtenderBindingResult {
+            error: format!("bind of pod {pod} ended without an answer: {e}"),
+        },
+    }
+}
+
+async fn bind_once(ctx: Arc<Context>, args: ExtenderBindingArgs) -> ExtenderBindingResult {
     let started = Instant::now();
+    let pod = format!("{}/{}", args.pod_namespace, args.pod_name);
+    let Some(_only_bind) = ctx.binds.enter(&args.pod_uid) else {
+        // Refused before anything is read or written: cheap for the API server, no event.
+        ctx.metrics.decision("bind", "in_flight", started);
+        tracing::debug!(%pod, node = %args.node, "bind refused: an earlier bind of the pod is running");
+        return ExtenderBindingResult {
+            error: BindError::InFlight { pod }.to_string(),
+        };
+    };
     let target = pod_ref_by_name(&args.pod_namespace, &args.pod_name, &args.pod_uid);
-    let result = bind_pod(ctx, &args).await;
+    let result = bind_pod(&ctx, &args).await;
     // Written or failed: either way filter's hold for this pod has done its job.
     ctx.holds.release(&args.pod_uid);
     match result {
-        Ok(Some(summary)) => {
+        Ok(Bound::Now(summary)) => {
             ctx.metrics.decision("bind", "bound", started);
-            tracing::info!(pod = %format!("{}/{}", args.pod_namespace, args.pod_name), node = %args.node, devices = %summary, "bound");
+            tracing::info!(%pod, node = %args.node, devices = %summary, "bound");
             let note = format!("bound to node {} with GPUs {summary}", args.node);
-            ctx.pod_event(&target, false, "Bound", note).await;
+            ctx.pod_event(&target, false, "Bound", note);
             ExtenderBindingResult::default()
         }
-        Ok(None) => {
+        Ok(Bound::Earlier) => {
+            ctx.metrics.decision("bind", "already_bound", started);
+            tracing::info!(%pod, node = %args.node, "already bound by an earlier bind, with its reservation");
+            ExtenderBindingResult::default()
+        }
+        Ok(Bound::NoGpus) => {
             ctx.metrics.decision("bind", "passthrough", started);
             ExtenderBindingResult::default()
         }
         Err(e) => {
             ctx.metrics.decision("bind", "error", started);
-            tracing::warn!(pod = %format!("{}/{}", args.pod_namespace, args.pod_name), node = %args.node, error = %e, "bind failed");
+            tracing::warn!(%pod, node = %args.node, error = %e, "bind failed");
             if !matches!(e, BindError::NotLeader) {
-                ctx.pod_event(&target, true, "BindingFailed", e.to_string())
-                    .await;
+                ctx.pod_event(&target, true, "BindingFailed", e.to_string());
             }
             ExtenderBindingResult {
                 error: e.to_string(),
@@ -139,32 +211,37 @@ pub async fn bind(ctx: &Context, args: ExtenderBindingArgs) -> ExtenderBindingRe
     }
 }
 
-/// Binds the pod; `Ok(None)` for a pod without GPUs (bound without a reservation), otherwise
-/// the reserved devices' summary.
-async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Option<String>, BindError> {
+/// Runs `wait` until `deadline`; past it, the bind gives up with [`BindError::TooLate`].
+async fn within<T>(
+    deadline: Instant,
+    started: Instant,
+    args: &ExtenderBindingArgs,
+    step: &'static str,
+    wait: impl Future<Output = Result<T, BindError>>,
+) -> Result<T, BindError> {
+    tokio::time::timeout_at(deadline.into(), wait)
+        .await
+        .unwrap_or_else(|_| {
+            Err(BindError::TooLate {
+                pod: format!("{}/{}", args.pod_namespace, args.pod_name),
+                node: args.node.clone(),
+                step,
+                waited: started.elapsed(),
+            })
+        })
+}
+
+/// Binds the pod.
+async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Bound, BindError> {
     if !ctx.may_write() {
         return Err(BindError::NotLeader);
     }
     let started = Instant::now();
     let deadline = started + ctx.lease_wait + BIND_SLACK;
     let pod_id = format!("{}/{}", args.pod_namespace, args.pod_name);
-    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &args.pod_namespace);
-    let pod = pods
-        .get_opt(&args.pod_name)
-        .await
-        .map_err(|source| BindError::Api {
-            action: "read",
-            pod: pod_id.clone(),
-            source,
-        })?
-        .filter(|p| p.uid().as_deref() == Some(args.pod_uid.as_str()))
-        .ok_or_else(|| BindError::PodChanged {
-            pod: pod_id.clone(),
-            uid: args.pod_uid.clone(),
-        })?;
-    if let Some(node) = pod.spec.as_ref().and_then(|s| s.node_name.clone()) {
-        // Writing a fresh reservation now would replace the one the pod is bound with.
-        return Err(BindError::AlreadyBound { pod: pod_id, node });
+    let pod = within(deadline, started, args, "the pod", read_pod(ctx, args)).await?;
+    if let Some(node) = bound_node(&pod) {
+        return earlier_bind(ctx, args, node);
     }
     let bad = |reason: String| BindError::BadRequest {
         pod: pod_id.clone(),
@@ -172,7 +249,7 @@ async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Option<St
     };
     let Some(req) = gpu_request(ctx, &pod).map_err(bad)? else {
         post_binding(ctx, args).await?;
-        return Ok(None);
+        return Ok(Bound::NoGpus);
     };
     let alignment = ctx
         .resolve_alignment(&pod)
@@ -180,14 +257,18 @@ async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Option<St
 
     let turn = wait_turn(ctx, &args.node, deadline).await?;
     let reservation = {
-        let _node = ctx.node_locks.lock(&args.node).await;
+        let node_lock = async { Ok(ctx.node_locks.lock(&args.node).await) };
+        let _node = within(deadline, started, args, "the node lock", node_lock).await?;
         let placement = fit_on(ctx, &pod, &req, &args.node).map_err(|reason| BindError::NoFit {
             pod: pod_id.clone(),
             node: args.node.clone(),
             reason,
         })?;
         let desired = reservation_for(&pod, &args.node, &placement, &alignment);
-        let written = write_fresh(ctx, &desired).await?;
+        let written = match write_fresh(ctx, args, &desired).await? {
+            Fresh::Written(r) => *r,
+            Fresh::PodBound(node) => return earlier_bind(ctx, args, node),
+        };
         // The ledger counts the pod now; its hold would count it twice.
         ctx.holds.release(&args.pod_uid);
         written
@@ -200,19 +281,62 @@ async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Option<St
     }
     // The Lease is ours: the next bind of the node may write its reservation and wait for it.
     turn.passed();
-    if Instant::now() > deadline {
-        undo(ctx, &reservation, Some(&holder)).await;
-        return Err(BindError::TooLate {
-            pod: pod_id,
-            node: args.node.clone(),
-            waited: started.elapsed(),
-        });
+    // From here the bind completes whatever the time (see the module docs).
+    let summary = devices_summary(ctx, &reservation);
+    match post_binding(ctx, args).await {
+        Ok(()) => Ok(Bound::Now(summary)),
+        Err(e) => match settle_failed_binding(ctx, args, &reservation, &holder).await {
+            Settled::Bound => Ok(Bound::Now(summary)),
+            Settled::Undone | Settled::Unknown => Err(e),
+        },
     }
-    if let Err(e) = post_binding(ctx, args).await {
-        undo(ctx, &reservation, Some(&holder)).await;
-        return Err(e);
+}
+
+/// Reads the pod the scheduler asks to bind; [`BindError::PodChanged`] when it is gone or was
+/// recreated under its name.
+async fn read_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Pod, BindError> {
+    let pod_id = || format!("{}/{}", args.pod_namespace, args.pod_name);
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &args.pod_namespace);
+    pods.get_opt(&args.pod_name)
+        .await
+        .map_err(|source| BindError::Api {
+            action: "read",
+            pod: pod_id(),
+            source,
+        })?
+        .filter(|p| p.uid().as_deref() == Some(args.pod_uid.as_str()))
+        .ok_or_else(|| BindError::PodChanged {
+            pod: pod_id(),
+            uid: args.pod_uid.clone(),
+        })
+}
+
+fn bound_node(pod: &Pod) -> Option<String> {
+    pod.spec.as_ref().and_then(|s| s.node_name.clone())
+}
+
+/// The pod is bound already: by an earlier bind of it that finished after kube-scheduler gave
+/// up on that call. When it is bound to the node asked for and its reservation is there, the
+/// retry has nothing left to do and says so; otherwise it must not touch anything (a pod bound
+/// without its reservation on that node is repaired by the lifecycle controller and
+/// [`crate::controllers::unreserved`]).
+fn earlier_bind(
+    ctx: &Context,
+    args: &ExtenderBindingArgs,
+    node: String,
+) -> Result<Bound, BindError> {
+    let key = ReservationKey::new(args.pod_namespace.clone(), args.pod_name.clone());
+    let booked = ctx
+        .index
+        .get(&key)
+        .is_some_and(|r| r.spec.pod_uid == args.pod_uid && r.spec.node_name == node);
+    if node == args.node && booked {
+        return Ok(Bound::Earlier);
     }
-    Ok(Some(devices_summary(ctx, &reservation)))
+    Err(BindError::AlreadyBound {
+        pod: format!("{}/{}", args.pod_namespace, args.pod_name),
+        node,
+    })
 }
 
 /// The reservation bind writes for `pod` on `node`.
@@ -252,22 +376,42 @@ pub fn reservation_for(
     }
 }
 
-/// Creates `desired`; a reservation already under that name (a stale one of a pod recreated
-/// under the same name, or a leftover of an earlier failed bind of this pod) is deleted first,
-/// with its resourceVersion as precondition.
-async fn write_fresh(ctx: &Context, desired: &GpuReservation) -> Result<GpuReservation, BindError> {
+/// What [`write_fresh`] found.
+enum Fresh {
+    /// The reservation as written.
+    Written(Box<GpuReservation>),
+    /// The pod's own reservation was there and the pod is bound (to this node): an earlier
+    /// bind of it got through. Nothing was written.
+    PodBound(String),
+}
+
+/// Creates `desired`. A reservation already under that name is either stale (a pod recreated
+/// under the same name) and deleted, with its resourceVersion as precondition; or this pod's own,
+/// from an earlier bind of it that has ended (only one runs at a time): it is deleted only after
+/// reading the pod again shows that bind did not bind it.
+async fn write_fresh(
+    ctx: &Context,
+    args: &ExtenderBindingArgs,
+    desired: &GpuReservation,
+) -> Result<Fresh, BindError> {
     let key = ReservationKey::of(desired);
     for _ in 0..3 {
         match ctx.writer.create(desired).await {
-            Ok(created) => return Ok(created),
+            Ok(created) => return Ok(Fresh::Written(Box::new(created))),
             Err(WriteError::Conflict { .. }) => {
                 ctx.metrics.conflicts.inc();
-                if let Some(old) = ctx.writer.reread(&key).await? {
-                    tracing::info!(reservation = %key, old_uid = %old.spec.pod_uid, "replacing previous reservation");
-                    match ctx.writer.delete(&old).await {
-                        Ok(()) | Err(WriteError::Conflict { .. }) => {}
-                        Err(e) => return Err(e.into()),
-                    }
+                let Some(old) = ctx.writer.reread(&key).await? else {
+                    continue;
+                };
+                if old.spec.pod_uid == args.pod_uid
+                    && let Some(node) = bound_node(&read_pod(ctx, args).await?)
+                {
+                    return Ok(Fresh::PodBound(node));
+                }
+                tracing::info!(reservation = %key, old_uid = %old.spec.pod_uid, "replacing previous reservation");
+                match ctx.writer.delete(&old).await {
+                    Ok(()) | Err(WriteError::Conflict { .. }) => {}
+                    Err(e) => return Err(e.into()),
                 }
             }
             Err(e) => return Err(e.into()),
@@ -359,7 +503,57 @@ async fn post_binding(ctx: &Context, args: &ExtenderBindingArgs) -> Result<(), B
     })
 }
 
-/// Best-effort rollback of a bind: free the Lease, delete the reservation.
+/// What reading the pod again after a failed Binding showed.
+enum Settled {
+    /// The Binding took effect (its answer was lost): the pod is bound to this node.
+    Bound,
+    /// The pod is not bound here: the reservation and the Lease were undone.
+    Undone,
+    /// The pod could not be read: nothing was undone. The lifecycle controller settles it
+    /// (the reservation moves on once the pod shows bound, and goes after its bind grace if
+    /// it never does).
+    Unknown,
+}
+
+/// Reads of the pod after a failed Binding, and the pause between them.
+const SETTLE_READS: u32 = 3;
+const SETTLE_PAUSE: Duration = Duration::from_millis(250);
+
+/// A Binding that failed may still have happened: its answer can be lost on the way back, or
+/// the call can time out after the API server applied it. Undo only what provably did not
+/// happen: read the pod, and keep the reservation and the Lease when it is bound to this node.
+async fn settle_failed_binding(
+    ctx: &Context,
+    args: &ExtenderBindingArgs,
+    reservation: &GpuReservation,
+    holder: &str,
+) -> Settled {
+    for attempt in 0..SETTLE_READS {
+        if attempt > 0 {
+            tokio::time::sleep(SETTLE_PAUSE).await;
+        }
+        match read_pod(ctx, args).await {
+            Ok(pod) if bound_node(&pod).as_deref() == Some(args.node.as_str()) => {
+                tracing::warn!(pod = %format!("{}/{}", args.pod_namespace, args.pod_name), node = %args.node,
+                    "the Binding's answer was lost, but the pod is bound: keeping its reservation");
+                return Settled::Bound;
+            }
+            Ok(_) | Err(BindError::PodChanged { .. }) => {
+                undo(ctx, reservation, Some(holder)).await;
+                return Settled::Undone;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, attempt, "reading the pod after a failed Binding");
+            }
+        }
+    }
+    Settled::Unknown
+}
+
+/// Rollback of a bind whose pod is not bound to the reservation's node: free the Lease, delete
+/// the reservation. The delete carries the reservation's UID and resourceVersion as written:
+/// it removes this bind's own reservation and nothing newer (a reservation the lifecycle
+/// controller has moved on, because it saw the pod bound, is left alone).
 async fn undo(ctx: &Context, reservation: &GpuReservation, holder: Option<&str>) {
     if let Some(holder) = holder
         && let Err(e) = lease::release(

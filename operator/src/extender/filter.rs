@@ -108,8 +108,7 @@ pub async fn filter(ctx: &Context, args: ExtenderArgs) -> ExtenderFilterResult {
                 .into_iter()
                 .map(|n| (n, reason.clone()))
                 .collect();
-            ctx.pod_event(&pod_ref(&args.pod), true, "FilteringFailed", reason)
-                .await;
+            ctx.pod_event(&pod_ref(&args.pod), true, "FilteringFailed", reason);
             ctx.metrics.decision("filter", "invalid", started);
             let mut out = ExtenderFilterResult::verdict(&args, Vec::new(), BTreeMap::new());
             out.failed_and_unresolvable_nodes = failed;
@@ -184,8 +183,7 @@ pub async fn filter(ctx: &Context, args: ExtenderArgs) -> ExtenderFilterResult {
             true,
             "FilteringFailed",
             format!("no node fits the GPU request: {note}"),
-        )
-        .await;
+        );
         ctx.metrics.decision("filter", "nofit", started);
     } else {
         ctx.metrics.decision("filter", "fit", started);

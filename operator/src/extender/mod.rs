@@ -2,6 +2,7 @@
 
 pub mod bind;
 pub mod filter;
+pub mod in_flight;
 pub mod lease;
 pub mod server;
 pub mod tls;

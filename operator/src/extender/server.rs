@@ -67,5 +67,5 @@ async fn bind_handler(
     State(ctx): State<Arc<Context>>,
     Json(args): Json<ExtenderBindingArgs>,
 ) -> Json<ExtenderBindingResult> {
-    Json(bind::bind(&ctx, args).await)
+    Json(bind::bind(ctx, args).await)
 }

@@ -377,8 +377,7 @@ async fn publish_event(ctx: &Context, req: &RefitRequest, answer: &Answer, moved
                 m.from.join(","),
                 m.to.join(",")
             );
-            ctx.pod_event(&target, false, "NumaRefitSucceeded", note)
-                .await;
+            ctx.pod_event(&target, false, "NumaRefitSucceeded", note);
         }
         (
             Answer::Failed {
@@ -392,7 +391,7 @@ async fn publish_event(ctx: &Context, req: &RefitRequest, answer: &Answer, moved
                 "NUMA refit of container {} ({}) refused: {reason}",
                 req.spec.container_index, req.spec.container_name
             );
-            ctx.pod_event(&target, true, "NumaRefitFailed", note).await;
+            ctx.pod_event(&target, true, "NumaRefitFailed", note);
         }
         // No event for the no-op success, nor for refusals before the pod was identified.
         _ => {}

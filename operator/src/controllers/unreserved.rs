@@ -1,0 +1,198 @@
+//! Bound GPU pods without a reservation on their node: found, repaired, or reported.
+//!
+//! Bind writes a pod's reservation before its Binding, so a bound GPU pod always has one, on its
+//! node, unless something went around that order: a Binding that landed after bind had given it
+//! up for lost, a pod bound by someone else, a reservation deleted by hand, or one the lifecycle
+//! controller removed because it named another node than the pod's. Such a pod runs on GPUs the
+//! ledger does not count, which is worse than no ledger. Every [`SWEEP_EVERY`] this looks at the
+//! pods the lifecycle controller's pod watch knows and, for each bound GPU pod that has had no
+//! reservation on its node for [`REPAIR_AFTER`], decides once more on fresh reads under the node
+//! lock (the same lock bind and refits take) and either writes the reservation the pod's request
+//! fits to on that node, or, when the node has no room for it, says so loudly: a Warning event
+//! on the pod, `gpuledger_ledger_repairs_total{outcome="unfit"}`, the
+//! `gpuledger_ledger_unreserved_pods` gauge, and the audit's `PodWithoutReservation` finding.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use gpuledger_crds::GpuReservation;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::Api;
+
+use super::pod_facts::{PodFacts, PodFactsCache};
+use crate::context::{Context, pod_ref};
+use crate::extender::bind::{devices_summary, reservation_for};
+use crate::extender::filter::{fit_on, gpu_request};
+use crate::ledger::{ReservationKey, WriteError};
+use crate::telemetry::OutcomeLabels;
+
+/// How often the pods are looked at.
+pub const SWEEP_EVERY: Duration = Duration::from_secs(2);
+
+/// How long a bound GPU pod must have gone without a reservation on its node before it is
+/// repaired: far longer than the ledger index lags the operator's own writes (not at all) or
+/// the reservation watch (milliseconds), so a pod bound a moment ago is never booked twice.
+pub const REPAIR_AFTER: Duration = Duration::from_secs(5);
+
+/// Why a repair could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum RepairError {
+    /// Reading the pod failed.
+    #[error("read pod {pod}: {source}")]
+    ReadPod {
+        /// namespace/name.
+        pod: String,
+        /// The client error.
+        #[source]
+        source: kube::Error,
+    },
+    /// A ledger read or write failed.
+    #[error(transparent)]
+    Ledger(#[from] WriteError),
+}
+
+/// What a repair found.
+#[derive(Debug)]
+enum Repair {
+    /// Fresh reads show nothing to repair (the pod moved on, or the cache lagged).
+    NotNeeded,
+    /// A reservation was written: its device summary.
+    Written(String),
+    /// The pod's request does not fit on its node (or cannot be read): why.
+    Unfit(String),
+}
+
+/// The bound GPU pods whose reservation is missing from the index or names another node or pod.
+fn unreserved(ctx: &Context, pods: &PodFactsCache) -> Vec<(ReservationKey, PodFacts)> {
+    pods.bound_gpu_pods()
+        .into_iter()
+        .filter(|(key, facts)| {
+            !ctx.index.get(key).is_some_and(|r| {
+                r.spec.pod_uid == facts.uid
+                    && Some(r.spec.node_name.as_str()) == facts.node_name.as_deref()
+            })
+        })
+        .collect()
+}
+
+/// Runs the sweep until the process ends.
+pub async fn run(ctx: Arc<Context>, pods: Arc<PodFactsCache>) {
+    // Pod UID -> when it was first seen bound without a reservation.
+    let mut missing_since: HashMap<String, Instant> = HashMap::new();
+    // Pods already reported as unfit (one event each, not one per sweep).
+    let mut reported: HashSet<String> = HashSet::new();
+    let mut tick = tokio::time::interval(SWEEP_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if !ctx.may_write() || !pods.is_synced() {
+            missing_since.clear();
+            continue;
+        }
+        let now = Instant::now();
+        let found = unreserved(&ctx, &pods);
+        let uids: HashSet<&str> = found.iter().map(|(_, f)| f.uid.as_str()).collect();
+        missing_since.retain(|uid, _| uids.contains(uid.as_str()));
+        reported.retain(|uid| uids.contains(uid.as_str()));
+        let mut unfit = 0;
+        for (key, facts) in &found {
+            let since = *missing_since.entry(facts.uid.clone()).or_insert(now);
+            if now.duration_since(since) < REPAIR_AFTER {
+                continue;
+            }
+            match repair(&ctx, key, facts).await {
+                Ok(Repair::NotNeeded) => {}
+                Ok(Repair::Written(devices)) => {
+                    missing_since.remove(&facts.uid);
+                    count(&ctx, "repaired");
+                    tracing::warn!(pod = %key, node = ?facts.node_name, %devices,
+                        "bound GPU pod had no reservation on its node; wrote one");
+                }
+                Ok(Repair::Unfit(why)) => {
+                    unfit += 1;
+                    if reported.insert(facts.uid.clone()) {
+                        count(&ctx, "unfit");
+                        tracing::error!(pod = %key, node = ?facts.node_name, %why,
+                            "bound GPU pod has no reservation and does not fit on its node");
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(pod = %key, error = %e, "repairing a pod without reservation")
+                }
+            }
+        }
+        ctx.metrics.unreserved_pods.set(unfit);
+    }
+}
+
+fn count(ctx: &Context, outcome: &str) {
+    ctx.metrics
+        .repairs
+        .get_or_create(&OutcomeLabels {
+            outcome: outcome.to_string(),
+        })
+        .inc();
+}
+
+/// Decides on fresh reads, under the node lock, and writes the pod's reservation if it fits.
+async fn repair(
+    ctx: &Context,
+    key: &ReservationKey,
+    facts: &PodFacts,
+) -> Result<Repair, RepairError> {
+    let Some(node) = facts.node_name.as_deref() else {
+        return Ok(Repair::NotNeeded);
+    };
+    let _node = ctx.node_locks.lock(node).await;
+    let pod = Api::<Pod>::namespaced(ctx.client.clone(), &key.namespace)
+        .get_opt(&key.name)
+        .await
+        .map_err(|source| RepairError::ReadPod {
+            pod: key.to_string(),
+            source,
+        })?;
+    let Some(pod) = pod.filter(|p| PodFacts::of(p, &ctx.pod_api) == *facts) else {
+        // Gone, recreated, finished or changed since the cache saw it: decide next sweep.
+        return Ok(Repair::NotNeeded);
+    };
+    match ctx.writer.reread(key).await? {
+        Some(r) if is_the_pods(&r, facts, node) => return Ok(Repair::NotNeeded),
+        // A stale reservation under the pod's name (an earlier pod's, or one naming another
+        // node): the lifecycle controller would delete it too; it is in the way of this one.
+        Some(stale) => ctx.writer.delete(&stale).await?,
+        None => {}
+    }
+    let fitted = gpu_request(ctx, &pod).and_then(|req| {
+        let Some(req) = req else {
+            return Ok(None);
+        };
+        let alignment = ctx.resolve_alignment(&pod).map_err(|e| e.to_string())?;
+        Ok(Some((fit_on(ctx, &pod, &req, node)?, alignment)))
+    });
+    let (placement, alignment) = match fitted {
+        Ok(Some(fitted)) => fitted,
+        Ok(None) => return Ok(Repair::NotNeeded),
+        Err(why) => {
+            let note = format!(
+                "bound to node {node} without a GPU reservation, and it cannot be given one: {why}"
+            );
+            ctx.pod_event(&pod_ref(&pod), true, "GpuReservationMissing", note);
+            return Ok(Repair::Unfit(why));
+        }
+    };
+    let written = ctx
+        .writer
+        .create(&reservation_for(&pod, node, &placement, &alignment))
+        .await?;
+    let devices = devices_summary(ctx, &written);
+    let note = format!(
+        "bound to node {node} without a GPU reservation; the ledger now holds GPUs {devices} for it"
+    );
+    ctx.pod_event(&pod_ref(&pod), true, "GpuReservationRepaired", note);
+    Ok(Repair::Written(devices))
+}
+
+fn is_the_pods(r: &GpuReservation, facts: &PodFacts, node: &str) -> bool {
+    r.spec.pod_uid == facts.uid && r.spec.node_name == node
+}
