@@ -14,7 +14,7 @@
 
 mod fault_support;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use fault_support::*;
@@ -26,9 +26,8 @@ use gpuledger_e2e::cluster::process::is_alive;
 use gpuledger_e2e::cluster::wait_for;
 use gpuledger_operator::leader::{LEADER_LEASE, LEASE_SECONDS};
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
-use kube::api::{Api, ListParams};
+use kube::api::Api;
 use rand::Rng;
 use rustix::process::Signal;
 
@@ -39,51 +38,6 @@ const SHAPE: GpuShape = GpuShape {
     memory_mib: 40960,
     split: 4,
 };
-
-/// Every bound GPU pod (as the API server has it now) has exactly one reservation, on its own
-/// node, and every reservation past `Reserved` belongs to a pod bound to that node: the
-/// operator never booked a pod twice or on another node than the one it was bound to.
-async fn reservations_match_bindings(rig: &Rig) {
-    let all: Vec<GpuReservation> = Api::<GpuReservation>::namespaced(rig.client(), NS)
-        .list(&ListParams::default())
-        .await
-        .unwrap()
-        .items;
-    let bound: BTreeMap<String, String> = Api::<Pod>::namespaced(rig.client(), NS)
-        .list(&ListParams::default())
-        .await
-        .unwrap()
-        .items
-        .into_iter()
-        .filter_map(|p| Some((p.name_any(), p.spec?.node_name?)))
-        .collect();
-    for (pod, node) in &bound {
-        let mine: Vec<&GpuReservation> = all.iter().filter(|r| &r.spec.pod_name == pod).collect();
-        assert_eq!(mine.len(), 1, "pod {pod}: reservations {mine:?}");
-        assert_eq!(
-            &mine[0].spec.node_name, node,
-            "pod {pod} bound elsewhere than reserved"
-        );
-    }
-    for r in &all {
-        let phase = r.status.as_ref().and_then(|s| s.phase).unwrap_or_default();
-        match bound.get(&r.spec.pod_name) {
-            Some(node) => assert_eq!(
-                node,
-                &r.spec.node_name,
-                "reservation {} ({phase:?}) is on another node than its pod",
-                r.name_any()
-            ),
-            // Reserved before the Binding is posted: a bind in flight, or one cut short by the
-            // kill, which the operator deletes after its bind grace. Past Reserved, never.
-            None => assert!(
-                !phase.holds_capacity() || phase == ReservationPhase::Reserved,
-                "reservation {} ({phase:?}) holds capacity for a pod that is not bound",
-                r.name_any()
-            ),
-        }
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn operator_sigkilled_during_a_scheduling_storm_keeps_the_ledger() {

@@ -14,7 +14,9 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use gpuledger_crds::names::{DEFAULT_NAMESPACE, reservation_name};
-use gpuledger_crds::{GpuReservation, RefitPhase, RefitRequest, RefitRequestSpec};
+use gpuledger_crds::{
+    GpuReservation, RefitPhase, RefitRequest, RefitRequestSpec, ReservationPhase,
+};
 use gpuledger_e2e::bench::fleet::devices;
 use gpuledger_e2e::bench::fleet::run_parallel;
 use gpuledger_e2e::bench::{
@@ -431,4 +433,49 @@ pub async fn refits_terminal(client: &Client) -> (usize, usize) {
         assert_eq!(held, status.devices, "{}: refit not honoured", r.name_any());
     }
     (succeeded, all.len() - succeeded)
+}
+
+/// Every bound GPU pod (as the API server has it now) has exactly one reservation, on its own
+/// node, and every reservation past `Reserved` belongs to a pod bound to that node: the
+/// operator never booked a pod twice or on another node than the one it was bound to.
+pub async fn reservations_match_bindings(rig: &Rig) {
+    let all: Vec<GpuReservation> = Api::<GpuReservation>::namespaced(rig.client(), NS)
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items;
+    let bound: BTreeMap<String, String> = Api::<Pod>::namespaced(rig.client(), NS)
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter_map(|p| Some((p.name_any(), p.spec?.node_name?)))
+        .collect();
+    for (pod, node) in &bound {
+        let mine: Vec<&GpuReservation> = all.iter().filter(|r| &r.spec.pod_name == pod).collect();
+        assert_eq!(mine.len(), 1, "pod {pod}: reservations {mine:?}");
+        assert_eq!(
+            &mine[0].spec.node_name, node,
+            "pod {pod} bound elsewhere than reserved"
+        );
+    }
+    for r in &all {
+        let phase = r.status.as_ref().and_then(|s| s.phase).unwrap_or_default();
+        match bound.get(&r.spec.pod_name) {
+            Some(node) => assert_eq!(
+                node,
+                &r.spec.node_name,
+                "reservation {} ({phase:?}) is on another node than its pod",
+                r.name_any()
+            ),
+            // Reserved before the Binding is posted: a bind in flight, or one cut short by the
+            // kill, which the operator deletes after its bind grace. Past Reserved, never.
+            None => assert!(
+                !phase.holds_capacity() || phase == ReservationPhase::Reserved,
+                "reservation {} ({phase:?}) holds capacity for a pod that is not bound",
+                r.name_any()
+            ),
+        }
+    }
 }

@@ -1,0 +1,296 @@
+//! Bind when the road to the API server is slow or lossy (run by `make test`).
+//!
+//! The operator talks to the API server through a [`FaultProxy`], which can hold a request back
+//! or forward it and then drop its answer; kube-scheduler, the API server and the operator are
+//! the real ones. Each test ends on the invariant the design starts from: every bound GPU pod has
+//! exactly one reservation, on its own node, and the audit is clean. Where a defence is meant to
+//! keep the ledger right by itself, the test also checks that the repair sweep
+//! (`controllers::unreserved`) had nothing to do: the sweep is the safety net, not the defence.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod fault_support;
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use fault_support::*;
+use gpuledger_crds::names::reservation_name;
+use gpuledger_crds::{GpuReservation, ReservationPhase};
+use gpuledger_e2e::bench::{ChildOperator, GpuShape, gpu_pod};
+use gpuledger_e2e::cluster::{FaultAction, FaultProxy, FaultRule, wait_for};
+use gpuledger_operator::audit::Finding;
+use gpuledger_operator::audit::cli::audit_cluster;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::events::v1::Event;
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+
+/// Four 40 GiB GPUs per node, four sharers each.
+const SHAPE: GpuShape = GpuShape {
+    gpus: 4,
+    memory_mib: 40960,
+    split: 4,
+};
+
+/// An operator replica whose API calls all pass through `proxy`.
+async fn operator_behind(rig: &Rig, proxy: &FaultProxy, identity: &str) -> ChildOperator {
+    let mut opts = rig.operator_options(identity, false);
+    let kubeconfig = rig.keep_logs().join(format!("{identity}.proxy.kubeconfig"));
+    proxy.write_kubeconfig(&kubeconfig).unwrap();
+    opts.kubeconfig = kubeconfig;
+    let mut op = ChildOperator::spawn(opts).expect("operator starts");
+    op.wait_ready(WAIT).await.expect("operator ready");
+    op
+}
+
+/// The sum of every series of metric `name` whose labels include each of `labels`
+/// (e.g. `outcome="in_flight"`).
+fn metric(text: &str, name: &str, labels: &[&str]) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.split(['{', ' ']).next() == Some(name))
+        .filter(|l| labels.iter().all(|want| l.contains(want)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+async fn wait_bound(rig: &Rig, pod: &str) -> String {
+    let pods: Api<Pod> = Api::namespaced(rig.client(), NS);
+    wait_for(format!("pod {pod} bound"), WAIT, || async {
+        let p = pods.get(pod).await?;
+        Ok::<_, kube::Error>(p.spec.and_then(|s| s.node_name))
+    })
+    .await
+    .unwrap()
+}
+
+/// Where a phase stands in a reservation's life.
+fn rank(phase: ReservationPhase) -> u8 {
+    match phase {
+        ReservationPhase::Reserved => 0,
+        ReservationPhase::Allocating => 1,
+        ReservationPhase::Allocated => 2,
+        ReservationPhase::Released | ReservationPhase::Failed => 3,
+    }
+}
+
+/// Waits until pod `pod` has a reservation for its current UID in `phase` or later.
+async fn wait_reservation(rig: &Rig, pod: &str, phase: ReservationPhase) -> GpuReservation {
+    let uid = Api::<Pod>::namespaced(rig.client(), NS)
+        .get(pod)
+        .await
+        .unwrap()
+        .uid()
+        .unwrap();
+    let api: Api<GpuReservation> = Api::namespaced(rig.client(), NS);
+    wait_for(format!("reservation of {pod} {phase:?}"), WAIT, || async {
+        let r = api.get_opt(&reservation_name(pod)).await?;
+        Ok::<_, kube::Error>(r.filter(|r| {
+            let now = r.status.as_ref().and_then(|s| s.phase).unwrap_or_default();
+            r.spec.pod_uid == uid && rank(now) >= rank(phase)
+        }))
+    })
+    .await
+    .unwrap()
+}
+
+/// The ledger is right and it got there without the repair sweep.
+async fn ledger_right_without_repairs(rig: &Rig, op: &ChildOperator) {
+    audit_clean(&rig.client()).await;
+    reservations_match_bindings(rig).await;
+    let metrics = op.metrics().await;
+    assert_eq!(
+        metric(&metrics, "gpuledger_ledger_repairs_total", &[]),
+        0.0,
+        "the repair sweep had to book a pod that bind left without a reservation"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_while_the_first_bind_runs_is_refused_and_the_pod_keeps_one_reservation() {
+    let rig = Rig::start(2, SHAPE).await;
+    let proxy = FaultProxy::start(rig.client()).await.unwrap();
+    // The first reservation write is held back past kube-scheduler's 5 s extender timeout: the
+    // scheduler gives up on the first bind and retries the pod while that bind still runs.
+    let slow = proxy.add_rule(FaultRule {
+        method: Some(http::Method::POST),
+        path_contains: "/gpureservations".into(),
+        action: FaultAction::Delay(Duration::from_secs(7)),
+        times: Some(1),
+    });
+    let op = operator_behind(&rig, &proxy, "slow-bind").await;
+
+    let api: Api<Pod> = Api::namespaced(rig.client(), NS);
+    api.create(&PostParams::default(), &gpu_pod("slow-0", 1, 8192, 20))
+        .await
+        .unwrap();
+    let node = wait_bound(&rig, "slow-0").await;
+    let r = wait_reservation(&rig, "slow-0", ReservationPhase::Allocating).await;
+    assert_eq!(
+        r.spec.node_name, node,
+        "reserved on another node than bound"
+    );
+    assert_eq!(
+        proxy.hits(slow),
+        1,
+        "the first reservation write was not held back"
+    );
+
+    // The scheduler's retry reached the operator while the first bind ran, and was refused.
+    let metrics = op.metrics().await;
+    let refused = metric(
+        &metrics,
+        "gpuledger_extender_decisions_total",
+        &[r#"verb="bind""#, r#"outcome="in_flight""#],
+    );
+    eprintln!(
+        "binds: {} bound, {refused} refused while the first ran, {} answered for an earlier bind; logs in {}",
+        metric(
+            &metrics,
+            "gpuledger_extender_decisions_total",
+            &[r#"outcome="bound""#]
+        ),
+        metric(
+            &metrics,
+            "gpuledger_extender_decisions_total",
+            &[r#"outcome="already_bound""#]
+        ),
+        rig.keep_logs().display()
+    );
+    assert!(
+        refused >= 1.0,
+        "kube-scheduler did not retry during the slow bind"
+    );
+    ledger_right_without_repairs(&rig, &op).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_binding_whose_answer_is_lost_keeps_its_reservation() {
+    let rig = Rig::start(2, SHAPE).await;
+    let proxy = FaultProxy::start(rig.client()).await.unwrap();
+    // The first Binding reaches the API server and binds the pod; its answer never comes back.
+    let lost = proxy.add_rule(FaultRule {
+        method: Some(http::Method::POST),
+        path_contains: "/binding".into(),
+        action: FaultAction::DropResponse,
+        times: Some(1),
+    });
+    // And the lifecycle controller sees the pod bound only later (its first status write of the
+    // reservation is held back), so nothing but bind itself can keep the reservation: an undo
+    // after the lost answer would delete it while the pod runs.
+    proxy.add_rule(FaultRule {
+        method: Some(http::Method::PATCH),
+        path_contains: format!("/gpureservations/{}/status", reservation_name("lost-0")),
+        action: FaultAction::Delay(Duration::from_secs(3)),
+        times: Some(1),
+    });
+    let op = operator_behind(&rig, &proxy, "lost-answer").await;
+
+    let api: Api<Pod> = Api::namespaced(rig.client(), NS);
+    api.create(&PostParams::default(), &gpu_pod("lost-0", 1, 8192, 20))
+        .await
+        .unwrap();
+    let node = wait_bound(&rig, "lost-0").await;
+    assert_eq!(proxy.hits(lost), 1, "the Binding's answer was not dropped");
+    let r = wait_reservation(&rig, "lost-0", ReservationPhase::Allocated).await;
+    assert_eq!(r.spec.node_name, node);
+    ledger_right_without_repairs(&rig, &op).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bound_gpu_pod_without_its_reservation_is_booked_again_or_reported() {
+    let rig = Rig::start(1, SHAPE).await;
+    let client = rig.client();
+    let op = rig.operator("repair").await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let ledger: Api<GpuReservation> = Api::namespaced(client.clone(), NS);
+
+    // A pod that takes the whole node, and a hand-deleted reservation: the sweep books it again
+    // on the GPUs it fits, the same ones, since nothing else runs there.
+    pods.create(
+        &PostParams::default(),
+        &gpu_pod("whole", SHAPE.gpus, SHAPE.memory_mib, 100),
+    )
+    .await
+    .unwrap();
+    let first = wait_reservation(&rig, "whole", ReservationPhase::Allocated).await;
+    ledger
+        .delete(&reservation_name("whole"), &DeleteParams::default())
+        .await
+        .unwrap();
+    let again = wait_reservation(&rig, "whole", ReservationPhase::Allocating).await;
+    assert_ne!(again.uid(), first.uid(), "a new reservation object");
+    assert_eq!(again.spec.node_name, first.spec.node_name);
+    assert_eq!(again.spec.containers, first.spec.containers);
+    let metrics = op.metrics().await;
+    assert_eq!(
+        metric(
+            &metrics,
+            "gpuledger_ledger_repairs_total",
+            &[r#"outcome="repaired""#]
+        ),
+        1.0
+    );
+    audit_clean(&client).await;
+
+    // Deleted again, and before the sweep looks, another pod is given the whole node: the first
+    // pod no longer fits anywhere it runs. It is reported, not squeezed in.
+    ledger
+        .delete(&reservation_name("whole"), &DeleteParams::default())
+        .await
+        .unwrap();
+    pods.create(
+        &PostParams::default(),
+        &gpu_pod("thief", SHAPE.gpus, SHAPE.memory_mib, 100),
+    )
+    .await
+    .unwrap();
+    wait_reservation(&rig, "thief", ReservationPhase::Allocating).await;
+    wait_for("the unfit pod reported", WAIT, || async {
+        let m = op.metrics().await;
+        let unfit = metric(
+            &m,
+            "gpuledger_ledger_repairs_total",
+            &[r#"outcome="unfit""#],
+        );
+        let gauge = metric(&m, "gpuledger_ledger_unreserved_pods", &[]);
+        Ok::<_, std::io::Error>((unfit == 1.0 && gauge == 1.0).then_some(()))
+    })
+    .await
+    .unwrap();
+    let events: Api<Event> = Api::namespaced(client.clone(), NS);
+    wait_for("a GpuReservationMissing event", WAIT, || async {
+        let list = events.list(&ListParams::default()).await?;
+        Ok::<_, kube::Error>(
+            list.items
+                .into_iter()
+                .find(|e| {
+                    e.reason.as_deref() == Some("GpuReservationMissing")
+                        && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("whole")
+                })
+                .map(|_| ()),
+        )
+    })
+    .await
+    .unwrap();
+    let findings = audit_cluster(&client, Default::default()).await.unwrap();
+    let unreserved: BTreeSet<String> = findings
+        .iter()
+        .filter_map(|f| match f {
+            Finding::PodWithoutReservation { pod, .. } => Some(pod.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        unreserved,
+        BTreeSet::from([format!("{NS}/whole")]),
+        "{findings:?}"
+    );
+    assert!(
+        !findings
+            .iter()
+            .any(|f| matches!(f, Finding::OverCommitted { .. })),
+        "the repair over-committed: {findings:?}"
+    );
+}
