@@ -1,12 +1,13 @@
 //! `gpuledger-operator audit`: lists the objects the audit needs from a live cluster, runs it,
 //! and prints the findings. Exit status: 0 clean, 1 findings, 2 the cluster could not be read.
 
+use std::io::Write;
 use std::path::Path;
 
 use gpuledger_crds::{GpuNode, GpuReservation, RefitRequest};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, ListParams};
+use kube::api::{Api, ListParams, VersionMatch};
 
 use super::{Finding, Options, Snapshot, audit};
 use crate::kubeclient::{self, ClientError};
@@ -30,27 +31,55 @@ pub enum AuditError {
     Encode(#[from] serde_json::Error),
 }
 
-async fn list_all<K>(api: Api<K>, what: &'static str) -> Result<Vec<K>, AuditError>
+/// Lists every object of `api` as the API server had them at etcd revision `at` (`None`: now),
+/// with the revision the list was taken at.
+async fn list_at<K>(
+    api: Api<K>,
+    what: &'static str,
+    at: Option<&str>,
+) -> Result<(Vec<K>, Option<String>), AuditError>
 where
     K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
-    api.list(&ListParams::default())
+    let params = match at {
+        Some(rv) => ListParams::default().at(rv).matching(VersionMatch::Exact),
+        None => ListParams::default(),
+    };
+    api.list(&params)
         .await
-        .map(|l| l.items)
+        .map(|l| (l.items, l.metadata.resource_version))
         .map_err(|source| AuditError::List { what, source })
 }
 
-/// Reads every object the audit needs, cluster-wide.
+/// Reads every object the audit needs, cluster-wide, as one consistent state.
+///
+/// Listed one after another, the lists would show different moments: on a busy cluster a pod
+/// bound between the reservation list and the pod list (its reservation written just before its
+/// Binding) would look like a pod without a reservation. A resourceVersion is the etcd revision,
+/// shared by every resource, so the pods are listed first and everything else at exactly that
+/// revision.
 pub async fn snapshot(client: &kube::Client) -> Result<Snapshot, AuditError> {
+    let (pods, rv) = list_at(Api::<Pod>::all(client.clone()), "pods", None).await?;
+    let at = rv.as_deref().filter(|rv| !rv.is_empty());
     Ok(Snapshot {
-        nodes: list_all(Api::<GpuNode>::all(client.clone()), "gpunodes").await?,
-        reservations: list_all(
+        nodes: list_at(Api::<GpuNode>::all(client.clone()), "gpunodes", at)
+            .await?
+            .0,
+        reservations: list_at(
             Api::<GpuReservation>::all(client.clone()),
             "gpureservations",
+            at,
         )
-        .await?,
-        pods: list_all(Api::<Pod>::all(client.clone()), "pods").await?,
-        refits: list_all(Api::<RefitRequest>::all(client.clone()), "refitrequests").await?,
+        .await?
+        .0,
+        pods,
+        refits: list_at(
+            Api::<RefitRequest>::all(client.clone()),
+            "refitrequests",
+            at,
+        )
+        .await?
+        .0,
     })
 }
 
@@ -103,12 +132,51 @@ pub async fn run(kubeconfig: Option<&Path>, json: bool, opts: Options) -> u8 {
     .await;
     match result {
         Ok((text, clean)) => {
-            println!("{text}");
+            if let Err(e) = print_report(&mut std::io::stdout().lock(), &text) {
+                eprintln!("gpuledger-operator audit: writing the report: {e}");
+                return 2;
+            }
             if clean { 0 } else { 1 }
         }
         Err(e) => {
             eprintln!("gpuledger-operator audit: {e}");
             2
         }
+    }
+}
+
+/// Writes the report. A reader that closes the pipe early (`audit | head`) has what it wanted:
+/// that is not an error, and the exit status still tells clean from findings (`println!` would
+/// panic instead).
+fn print_report(out: &mut impl Write, text: &str) -> std::io::Result<()> {
+    match writeln!(out, "{text}").and_then(|()| out.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        other => other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A pipe whose reader has gone, or a disk that is full.
+    struct Failing(std::io::ErrorKind);
+
+    impl Write for Failing {
+        fn write(&mut self, _: &[u8]) -> std::io::Result<usize> {
+            Err(self.0.into())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_closed_pipe_is_not_an_error_but_other_write_failures_are() {
+        assert!(print_report(&mut Failing(std::io::ErrorKind::BrokenPipe), "report").is_ok());
+        assert!(print_report(&mut Failing(std::io::ErrorKind::StorageFull), "report").is_err());
+        let mut buf = Vec::new();
+        print_report(&mut buf, "clean").unwrap();
+        assert_eq!(buf, b"clean\n");
     }
 }
