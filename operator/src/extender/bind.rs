@@ -201,7 +201,9 @@ async fn bind_once(ctx: Arc<Context>, args: ExtenderBindingArgs) -> ExtenderBind
         Err(e) => {
             ctx.metrics.decision("bind", "error", started);
             tracing::warn!(%pod, node = %args.node, error = %e, "bind failed");
-            if !matches!(e, BindError::NotLeader) {
+            // A pod already bound by an earlier bind of it is not a failure to tell its owner
+            // about: only kube-scheduler's late retry failed.
+            if !matches!(e, BindError::NotLeader | BindError::AlreadyBound { .. }) {
                 ctx.pod_event(&target, true, "BindingFailed", e.to_string());
             }
             ExtenderBindingResult {
@@ -269,8 +271,9 @@ async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Bound, Bi
             Fresh::Written(r) => *r,
             Fresh::PodBound(node) => return earlier_bind(ctx, args, node),
         };
-        // The ledger counts the pod now; its hold would count it twice.
-        ctx.holds.release(&args.pod_uid);
+        // The ledger counts the pod's usage now; its hold keeps counting the pod in the
+        // node's queue until the bind ends.
+        ctx.holds.written(&args.pod_uid);
         written
     };
 

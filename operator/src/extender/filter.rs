@@ -115,11 +115,23 @@ pub async fn filter(ctx: &Context, args: ExtenderArgs) -> ExtenderFilterResult {
             return out;
         }
     };
+    // A pod that already holds a reservation (kube-scheduler retrying it while, or after, an
+    // earlier bind of it ran) goes back to that node: the retry then meets its own bind there
+    // (refused while it runs, answered as done once it bound the pod) instead of failing on
+    // another node against a pod that is already bound.
+    let candidates = args.candidate_names();
+    if let Some(own) = own_reservation_node(ctx, &args.pod)
+        && candidates.contains(&own)
+        && fit_on(ctx, &args.pod, &req, &own).is_ok()
+    {
+        ctx.metrics.decision("filter", "own_reservation", started);
+        return ExtenderFilterResult::verdict(&args, vec![own], BTreeMap::new());
+    }
     // Like HAMi, filter answers with the one node the fit engine chooses under the node
     // policy: kube-scheduler's own scoring cannot then override binpack/spread.
     let mut failed = BTreeMap::new();
     let mut inventory = Vec::new();
-    for node in args.candidate_names() {
+    for node in candidates {
         match ctx.gpunode(&node) {
             Some(gpunode) => inventory.push(gpunode),
             None => {

@@ -58,7 +58,16 @@ impl Holds {
         self.lock().insert(pod_uid.to_string(), hold);
     }
 
-    /// Drops the pod's hold (its reservation is written, or its bind failed).
+    /// The pod's reservation is written: the ledger counts its usage now, so the hold stops
+    /// adding it, but the pod still counts as a bind the node has to get through (it waits for
+    /// the node's allocation Lease next), so filter does not queue more behind it.
+    pub fn written(&self, pod_uid: &str) {
+        if let Some(h) = self.lock().get_mut(pod_uid) {
+            h.load.clear();
+        }
+    }
+
+    /// Drops the pod's hold (its bind ended, bound or failed).
     pub fn release(&self, pod_uid: &str) {
         self.lock().remove(pod_uid);
     }
@@ -137,6 +146,19 @@ mod tests {
         holds.release("p1");
         assert!(!holds.by_node(None, t).contains_key("n1"));
         assert_eq!(holds.len(), 1);
+    }
+
+    #[test]
+    fn a_written_hold_counts_its_pod_but_no_longer_its_usage() {
+        let holds = Holds::default();
+        let t = Instant::now();
+        holds.hold("p1", "n1", load("GPU-0", 1000), t);
+        holds.written("p1");
+        let n1 = &holds.by_node(None, t)["n1"];
+        assert!(n1.usage.is_empty(), "the ledger counts it now");
+        assert_eq!(n1.pods, 1, "its bind still waits for the node's Lease");
+        holds.release("p1");
+        assert!(holds.is_empty());
     }
 
     #[test]
