@@ -58,8 +58,10 @@ crds:
 
 ## One table (e2e/benches/table): fit decision, extender filter at 1000 nodes through the real
 ## kube-scheduler, refit round trip (run first by e2e/benches/refit, its output read back),
-## 1000-pod scheduling throughput, operator cold start with 20 000 reservations. The benches run
-## the release binaries of the operator and device plugin; progress and logs go to target/bench.
+## 1000-pod scheduling throughput, the same with kube-apiserver slowed (overload), operator cold
+## start with 20 000 reservations. The benches run the release binaries of the operator and
+## device plugin; progress and logs go to target/bench. It exits non-zero when a run broke an
+## invariant (the ledger audit after a burst, or a pod the repair sweep had to book).
 BENCH_OUT := target/bench
 bench: k8s-binaries
 	@mkdir -p $(BENCH_OUT)

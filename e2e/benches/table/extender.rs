@@ -3,6 +3,15 @@
 //! nothing but scheduling loads the API server); the allocation step played by
 //! [`spawn_allocator`]. Then 400 one-GPU pods at a steady 20 per second (the filter's latency
 //! row), and 1000 more, all created at once (throughput, and the filter under that burst).
+//!
+//! [`overload`] runs the same two phases on a fresh cluster whose kube-apiserver is stopped for
+//! 100 ms of every 200 ms ([`Throttle`]): the API server is the bottleneck, as on a slower
+//! machine. A burst must then degrade (its throughput at least half the steady phase's), not
+//! collapse into a retry storm; bind attempts per pod say how close to one try each pod got.
+//!
+//! After every burst the ledger audit runs, and the operator's repair count is read: a finding,
+//! or a pod that bind left without a reservation (which the repair sweep then booked), fails
+//! the row.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -14,7 +23,8 @@ use gpuledger_crds::GpuNode;
 use gpuledger_crds::names::DEFAULT_NAMESPACE;
 use gpuledger_e2e::bench::fleet::run_parallel;
 use gpuledger_e2e::bench::{
-    ChildOperator, Fleet, GpuShape, OperatorOptions, Row, TimingProxy, gpu_pod, spawn_allocator,
+    ChildOperator, Fleet, GpuShape, OperatorOptions, Row, Throttle, TimingProxy, gpu_pod,
+    spawn_allocator,
 };
 use gpuledger_e2e::cluster::{ControlPlane, ControlPlaneOptions, apply_path, ensure_namespace};
 use gpuledger_operator::audit::Options as AuditOptions;
@@ -152,9 +162,25 @@ async fn settled(client: &Client, nodes: usize) -> Result<(), String> {
     .await
 }
 
-async fn run() -> Result<Vec<Row>, String> {
+/// The 1000-node cluster every phase runs on; dropping it stops everything.
+struct Bench {
+    cp: ControlPlane,
+    proxy: TimingProxy,
+    fleet: Fleet,
+    op: ChildOperator,
+    operator_port: u16,
+    allocator: tokio::task::JoinHandle<()>,
+    _logs: tempfile::TempDir,
+}
+
+impl Drop for Bench {
+    fn drop(&mut self) {
+        self.allocator.abort();
+    }
+}
+
+async fn start_bench() -> Result<Bench, String> {
     let nodes = crate::scaled(1000);
-    let pods = crate::scaled(1000);
     let operator_port = free_port();
     let proxy = TimingProxy::start(0, operator_port)
         .await
@@ -195,50 +221,141 @@ async fn run() -> Result<Vec<Row>, String> {
     // The burst meets a settled operator: its first GpuNode usage pass (one status write per
     // new node) is start-up work, not part of scheduling the pods.
     settled(&client, nodes).await?;
+    Ok(Bench {
+        cp,
+        proxy,
+        fleet,
+        op,
+        operator_port,
+        allocator,
+        _logs: logs,
+    })
+}
+
+/// A sum over the series of the operator's metric `name` whose labels include `label`.
+fn metric_sum(text: &str, name: &str, label: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.split(['{', ' ']).next() == Some(name) && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// The ledger after a burst: the audit's findings and the pods the repair sweep had to book
+/// because bind left them without a reservation. Returns the note's words and, when either is
+/// not zero, the failure.
+async fn ledger_verdict(client: &Client, op: &ChildOperator) -> (String, Option<String>) {
+    let repairs = metric_sum(&op.metrics().await, "gpuledger_ledger_repairs_total", "") as u64;
+    let (audit, findings) = match audit_cluster(client, AuditOptions::default()).await {
+        Ok(findings) => {
+            for f in &findings {
+                eprintln!("[bench] audit finding: {f}");
+            }
+            let words = if findings.is_empty() {
+                "clean".to_string()
+            } else {
+                format!("{} findings (table.log)", findings.len())
+            };
+            (words, findings.len())
+        }
+        Err(e) => (format!("not run ({e})"), 1),
+    };
+    let note = format!("ledger audit: {audit}, repairs {repairs}");
+    let failure = (findings > 0 || repairs > 0).then(|| note.clone());
+    (note, failure)
+}
+
+/// Copies the operator's log to `target/bench/operator-<run>.log` (its own directory is
+/// temporary), for reading bind errors after the run.
+fn keep_operator_log(op: &ChildOperator, run: &str) {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/bench");
+    let to = dir.join(format!("operator-{run}.log"));
+    match std::fs::create_dir_all(&dir).and_then(|()| std::fs::copy(op.log(), &to)) {
+        Ok(_) => eprintln!("[bench] operator log: {}", to.display()),
+        Err(e) => eprintln!("[bench] could not keep the operator log: {e}"),
+    }
+}
+
+/// One phase's scheduling: when each pod was created and bound, and the bind calls it took.
+struct Phase {
+    created: Times,
+    bound: Times,
+    wall: Duration,
+    binds: usize,
+}
+
+impl Phase {
+    fn throughput(&self) -> f64 {
+        self.bound.len() as f64 / self.wall.as_secs_f64().max(f64::EPSILON)
+    }
+
+    /// Bind calls kube-scheduler made per pod bound (1.0: every pod bound at its first try).
+    fn binds_per_pod(&self) -> f64 {
+        self.binds as f64 / self.bound.len().max(1) as f64
+    }
+
+    fn latencies_ms(&self) -> Vec<f64> {
+        self.bound
+            .iter()
+            .filter_map(|(name, at)| {
+                let c = self.created.get(name)?;
+                Some(at.saturating_duration_since(*c).as_secs_f64() * 1000.0)
+            })
+            .collect()
+    }
+}
+
+async fn run() -> Result<Vec<Row>, String> {
+    let b = start_bench().await?;
+    let client = b.cp.client();
+    let nodes = b.fleet.names.len();
+    let pods = crate::scaled(1000);
     // Every node a candidate, straight to the operator, on the quiet cluster.
-    let direct = direct_filter(operator_port, &fleet.names, 200).await?;
-    log_filter_histograms(&op, "direct").await;
+    let direct = direct_filter(b.operator_port, &b.fleet.names, 200).await?;
+    log_filter_histograms(&b.op, "direct").await;
 
     // Latency at a steady load the cluster sustains (well below the burst's throughput), then
     // throughput with every pod at once, when the API server, etcd and kube-scheduler saturate
     // both cores and every process waits for CPU.
     let steady = crate::scaled(STEADY_PODS);
     eprintln!("[bench] {nodes} nodes ready; {steady} GPU pods at {STEADY_RATE} pods/s");
-    paced(&client, steady, STEADY_RATE).await?;
-    let steady_filter = proxy.take_ms("/filter");
-    log_filter_histograms(&op, "steady").await;
-    let steady_names = proxy.take_filter_sizes();
-    proxy.take_ms("/bind");
+    paced(&client, "steady", steady, STEADY_RATE).await?;
+    let steady_filter = b.proxy.take_ms("/filter");
+    log_filter_histograms(&b.op, "steady").await;
+    let steady_names = b.proxy.take_filter_sizes();
+    b.proxy.take_ms("/bind");
     eprintln!("[bench] creating {pods} GPU pods at once");
-    let (created, bound, wall) = schedule(&client, pods).await?;
-    let mut latencies = Vec::new();
-    for (name, at) in &bound {
-        if let Some(c) = created.get(name) {
-            latencies.push(at.saturating_duration_since(*c).as_secs_f64() * 1000.0);
-        }
-    }
-    let throughput = bound.len() as f64 / wall.as_secs_f64();
-    let filter = proxy.take_ms("/filter");
-    let bind = proxy.take_ms("/bind");
-    let names = proxy.take_filter_sizes();
-    let names_note = names_range(&names);
-    log_filter_histograms(&op, "steady + burst").await;
-    // The invariants right after the burst (DESIGN.md): no over-commit, no orphan, no bound
-    // GPU pod without its reservation.
-    let audit = match audit_cluster(&client, AuditOptions::default()).await {
-        Ok(findings) if findings.is_empty() => "clean".to_string(),
-        Ok(findings) => {
-            for f in &findings {
-                eprintln!("[bench] audit finding: {f:?}");
-            }
-            format!("{} findings (table.log)", findings.len())
-        }
-        Err(e) => format!("not run ({e})"),
+    let burst = schedule(&client, "tp", pods).await?;
+    let filter = b.proxy.take_ms("/filter");
+    let bind = b.proxy.take_ms("/bind");
+    let burst = Phase {
+        binds: bind.len(),
+        ..burst
     };
+    let names_note = names_range(&b.proxy.take_filter_sizes());
+    log_filter_histograms(&b.op, "steady + burst").await;
+    // The invariants right after the burst (docs/ARCHITECTURE.md §4): no over-commit, no orphan, no bound
+    // GPU pod without its reservation, and none that needed the repair sweep.
+    let (ledger, failure) = ledger_verdict(&client, &b.op).await;
     log_api_requests(&client).await;
-    allocator.abort();
-    drop(op);
+    keep_operator_log(&b.op, "extender");
 
+    let mut throughput = Row::measured(
+        "scheduling throughput",
+        format!(
+            "{} of {pods} GPU pods created at once -> Bound, {nodes} nodes",
+            burst.bound.len()
+        ),
+        "pods/s",
+        &[burst.throughput()],
+        format!(
+            "one run, {:.1} s first create to last Bound; {:.2} bind calls per pod; {ledger}",
+            burst.wall.as_secs_f64(),
+            burst.binds_per_pod()
+        ),
+    );
+    if let Some(why) = failure {
+        throughput = throughput.failing(why);
+    }
     Ok(vec![
         Row::measured(
             "extender filter (via scheduler)",
@@ -259,10 +376,7 @@ async fn run() -> Result<Vec<Row>, String> {
         ),
         Row::measured(
             "extender filter (all nodes)",
-            format!(
-                "{} candidate names per call, direct HTTP",
-                fleet.names.len()
-            ),
+            format!("{} candidate names per call, direct HTTP", nodes),
             "ms",
             &direct,
             "target p99 < 5 ms",
@@ -274,25 +388,125 @@ async fn run() -> Result<Vec<Row>, String> {
             &bind,
             "at the proxy",
         ),
-        Row::measured(
-            "scheduling throughput",
-            format!(
-                "{} of {pods} GPU pods created at once -> Bound, {nodes} nodes",
-                bound.len()
-            ),
-            "pods/s",
-            &[throughput],
-            format!(
-                "one run, {:.1} s first create to last Bound; ledger audit then: {audit}",
-                wall.as_secs_f64()
-            ),
-        ),
+        throughput,
         Row::measured(
             "pod create -> Bound",
-            format!("each of the {} pods above", bound.len()),
+            format!("each of the {} pods above", burst.bound.len()),
             "ms",
-            &latencies,
+            &burst.latencies_ms(),
             "includes queueing behind the other pods",
+        ),
+    ])
+}
+
+/// How the overload run slows kube-apiserver: stopped this long of every [`THROTTLE_PERIOD`].
+const THROTTLE_PAUSED: Duration = Duration::from_millis(100);
+const THROTTLE_PERIOD: Duration = Duration::from_millis(200);
+
+/// The rows of the overload run.
+pub async fn overload() -> Vec<Row> {
+    match run_overload().await {
+        Ok(rows) => rows,
+        Err(e) => vec![
+            Row::missing(
+                "overload: scheduling",
+                "1000 nodes, API server slowed",
+                format!("failed: {e}"),
+            )
+            .failing(format!("the run did not complete: {e}")),
+        ],
+    }
+}
+
+async fn run_overload() -> Result<Vec<Row>, String> {
+    let b = start_bench().await?;
+    let client = b.cp.client();
+    let nodes = b.fleet.names.len();
+    let pods = crate::scaled(1000);
+    let steady = crate::scaled(STEADY_PODS);
+    let apiserver =
+        b.cp.process_stats()
+            .into_iter()
+            .find(|p| p.name == "kube-apiserver")
+            .ok_or("no kube-apiserver process")?
+            .pid;
+    let slowed = format!(
+        "kube-apiserver stopped {} ms of every {} ms",
+        THROTTLE_PAUSED.as_millis(),
+        THROTTLE_PERIOD.as_millis()
+    );
+    let throttle = Throttle::start(apiserver, THROTTLE_PAUSED, THROTTLE_PERIOD)
+        .map_err(|e| format!("throttle: {e}"))?;
+    eprintln!("[bench] overload: {slowed}; {steady} GPU pods at {STEADY_RATE} pods/s");
+    // Prefixes must not be prefixes of each other: the watch counts pods by prefix.
+    let sustained = paced(&client, "ovsteady", steady, STEADY_RATE).await?;
+    let sustained = Phase {
+        binds: b.proxy.take_ms("/bind").len(),
+        ..sustained
+    };
+    log_filter_histograms(&b.op, "overload steady").await;
+    eprintln!("[bench] overload: creating {pods} GPU pods at once");
+    let burst = schedule(&client, "ovburst", pods).await;
+    drop(throttle);
+    let burst = Phase {
+        binds: b.proxy.take_ms("/bind").len(),
+        ..burst?
+    };
+    b.proxy.take_ms("/filter");
+    log_filter_histograms(&b.op, "overload steady + burst").await;
+    let (ledger, failure) = ledger_verdict(&client, &b.op).await;
+    log_api_requests(&client).await;
+    keep_operator_log(&b.op, "overload");
+
+    let ratio = burst.throughput() / sustained.throughput().max(f64::EPSILON);
+    let met = if ratio >= 0.5 { "met" } else { "NOT met" };
+    let mut burst_row = Row::measured(
+        "overload: burst throughput",
+        format!(
+            "{} of {pods} GPU pods created at once -> Bound, {nodes} nodes, {slowed}",
+            burst.bound.len()
+        ),
+        "pods/s",
+        &[burst.throughput()],
+        format!(
+            "one run, {:.1} s first create to last Bound; {ledger}",
+            burst.wall.as_secs_f64()
+        ),
+    );
+    if burst.bound.len() < pods {
+        burst_row = burst_row.failing(format!(
+            "only {} of {pods} pods bound within {SCHEDULING_LIMIT:?}",
+            burst.bound.len()
+        ));
+    }
+    if let Some(why) = failure {
+        burst_row = burst_row.failing(why);
+    }
+    Ok(vec![
+        Row::measured(
+            "overload: steady throughput",
+            format!("{steady} GPU pods created at {STEADY_RATE}/s -> Bound, {slowed}"),
+            "pods/s",
+            &[sustained.throughput()],
+            format!(
+                "first create to last Bound, {:.1} s",
+                sustained.wall.as_secs_f64()
+            ),
+        ),
+        burst_row,
+        Row::measured(
+            "overload: burst / steady",
+            "the two throughputs above, same run",
+            "ratio",
+            &[ratio],
+            format!("target >= 0.5: {met}"),
+        ),
+        Row::measured(
+            "overload: bind calls per pod",
+            "kube-scheduler's bind calls per pod bound (steady, burst)",
+            "calls",
+            &[sustained.binds_per_pod(), burst.binds_per_pod()],
+            "1.0: every pod bound at its first try",
         ),
     ])
 }
@@ -308,51 +522,20 @@ fn names_range(sizes: &[usize]) -> String {
     }
 }
 
-/// Creates `n` pods at `rate` per second (each create on its own task, so a slow create does
-/// not slow the rate) and waits until all are bound.
-async fn paced(client: &Client, n: usize, rate: u32) -> Result<(), String> {
-    let api: Api<Pod> = Api::namespaced(client.clone(), NS);
-    let mut tick = tokio::time::interval(Duration::from_secs(1) / rate);
-    let mut creates = Vec::with_capacity(n);
-    for i in 0..n {
-        tick.tick().await;
-        let api = api.clone();
-        creates.push(tokio::spawn(async move {
-            api.create(
-                &PostParams::default(),
-                &gpu_pod(&format!("steady-{i}"), 1, 8192, 20),
-            )
-            .await
-            .map(|_| ())
-        }));
-    }
-    for c in creates {
-        c.await
-            .map_err(|e| e.to_string())?
-            .map_err(|e| format!("create pod: {e}"))?;
-    }
-    poll_until(&api, n, SCHEDULING_LIMIT, "steady pods bound", |p: &Pod| {
-        p.name_any().starts_with("steady-")
-            && p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some()
-    })
-    .await
-}
-
 type Times = BTreeMap<String, Instant>;
 
-/// Creates `n` pods at once and waits until all are bound: (create times, bind times, wall).
-async fn schedule(client: &Client, n: usize) -> Result<(Times, Times, Duration), String> {
+/// Records when each pod named `<prefix>-<i>` is first seen bound.
+fn watch_bound(api: Api<Pod>, prefix: &str) -> (Arc<Mutex<Times>>, tokio::task::JoinHandle<()>) {
     let bound: Arc<Mutex<Times>> = Arc::default();
-    let pods_api: Api<Pod> = Api::namespaced(client.clone(), NS);
-    let watch = tokio::spawn({
+    let prefix = format!("{prefix}-");
+    let task = tokio::spawn({
         let bound = bound.clone();
-        let api = pods_api.clone();
         async move {
             let mut events = std::pin::pin!(watcher(api, watcher::Config::default()));
             while let Some(ev) = events.next().await {
                 if let Ok(watcher::Event::Apply(p) | watcher::Event::InitApply(p)) = ev
                     && p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some()
-                    && p.name_any().starts_with("tp-")
+                    && p.name_any().starts_with(&prefix)
                 {
                     let mut b = bound.lock().unwrap_or_else(|e| e.into_inner());
                     b.entry(p.name_any()).or_insert_with(Instant::now);
@@ -360,19 +543,18 @@ async fn schedule(client: &Client, n: usize) -> Result<(Times, Times, Duration),
             }
         }
     });
-    let started = Instant::now();
-    let names: Vec<String> = (0..n).map(|i| format!("tp-{i}")).collect();
-    let created = run_parallel(32, names, |name| {
-        let api = pods_api.clone();
-        async move {
-            let pod = gpu_pod(&name, 1, 8192, 20);
-            api.create(&PostParams::default(), &pod).await?;
-            Ok::<_, kube::Error>((name, Instant::now()))
-        }
-    })
-    .await
-    .map_err(|e| format!("create pods: {e}"))?;
-    let created: Times = created.into_iter().collect();
+    (bound, task)
+}
+
+/// Waits until `n` pods are in `bound` or [`SCHEDULING_LIMIT`] passes since `started`; returns
+/// the phase (bind calls not yet counted) with its wall time from `started` to the last Bound.
+async fn until_bound(
+    bound: Arc<Mutex<Times>>,
+    watch: tokio::task::JoinHandle<()>,
+    created: Times,
+    n: usize,
+    started: Instant,
+) -> Phase {
     loop {
         let done = bound.lock().unwrap_or_else(|e| e.into_inner()).len();
         if done >= n || started.elapsed() > SCHEDULING_LIMIT {
@@ -383,7 +565,67 @@ async fn schedule(client: &Client, n: usize) -> Result<(Times, Times, Duration),
     watch.abort();
     let bound = bound.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let last = bound.values().max().copied().unwrap_or(started);
-    Ok((created, bound, last.saturating_duration_since(started)))
+    Phase {
+        created,
+        wall: last.saturating_duration_since(started),
+        bound,
+        binds: 0,
+    }
+}
+
+/// Creates `n` pods `<prefix>-<i>` at `rate` per second (each create on its own task, so a
+/// slow create does not slow the rate) and waits until all are bound.
+async fn paced(client: &Client, prefix: &str, n: usize, rate: u32) -> Result<Phase, String> {
+    let api: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let (bound, watch) = watch_bound(api.clone(), prefix);
+    let mut tick = tokio::time::interval(Duration::from_secs(1) / rate);
+    let mut creates = Vec::with_capacity(n);
+    let started = Instant::now();
+    for i in 0..n {
+        tick.tick().await;
+        let api = api.clone();
+        let name = format!("{prefix}-{i}");
+        creates.push(tokio::spawn(async move {
+            api.create(&PostParams::default(), &gpu_pod(&name, 1, 8192, 20))
+                .await
+                .map(|_| (name, Instant::now()))
+        }));
+    }
+    let mut created = Times::new();
+    for c in creates {
+        let (name, at) = c
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| format!("create pod: {e}"))?;
+        created.insert(name, at);
+    }
+    let phase = until_bound(bound, watch, created, n, started).await;
+    if phase.bound.len() < n {
+        return Err(format!(
+            "{prefix} pods bound: {}/{n} after {SCHEDULING_LIMIT:?}",
+            phase.bound.len()
+        ));
+    }
+    Ok(phase)
+}
+
+/// Creates `n` pods `<prefix>-<i>` at once and waits until all are bound.
+async fn schedule(client: &Client, prefix: &str, n: usize) -> Result<Phase, String> {
+    let pods_api: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let (bound, watch) = watch_bound(pods_api.clone(), prefix);
+    let started = Instant::now();
+    let names: Vec<String> = (0..n).map(|i| format!("{prefix}-{i}")).collect();
+    let created = run_parallel(32, names, |name| {
+        let api = pods_api.clone();
+        async move {
+            let pod = gpu_pod(&name, 1, 8192, 20);
+            api.create(&PostParams::default(), &pod).await?;
+            Ok::<_, kube::Error>((name, Instant::now()))
+        }
+    })
+    .await
+    .map_err(|e| format!("create pods: {e}"))?;
+    Ok(until_bound(bound, watch, created.into_iter().collect(), n, started).await)
 }
 
 /// `calls` filter requests naming every node, straight to the operator on one kept-alive

@@ -9,8 +9,10 @@ pub mod operator;
 pub mod proxy;
 pub mod refit_output;
 pub mod stats;
+pub mod throttle;
 
 pub use fleet::{Fleet, GpuShape, gpu_pod, spawn_allocator, spawn_allocator_after};
 pub use operator::{ChildOperator, OperatorOptions};
 pub use proxy::TimingProxy;
 pub use stats::{Row, Summary, print_table};
+pub use throttle::Throttle;

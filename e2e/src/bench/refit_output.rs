@@ -63,6 +63,7 @@ pub fn parse(name: &str, text: &str) -> Vec<Row> {
             } else {
                 "target p99 < 50 ms (benches/refit.rs)".into()
             },
+            failure: None,
         });
     }
     rows

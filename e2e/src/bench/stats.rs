@@ -50,6 +50,9 @@ pub struct Row {
     pub summary: Option<Summary>,
     /// Target, or why there is no figure.
     pub note: String,
+    /// Set when the run broke an invariant (e.g. the ledger audit found something): the table
+    /// still prints, and `make bench` then fails naming it.
+    pub failure: Option<String>,
 }
 
 impl Row {
@@ -67,7 +70,15 @@ impl Row {
             unit: unit.into(),
             summary: Summary::of(samples),
             note: note.into(),
+            failure: None,
         }
+    }
+
+    /// The same row, marked as breaking an invariant: `why` is printed after the table and the
+    /// bench exits non-zero.
+    pub fn failing(mut self, why: impl Into<String>) -> Row {
+        self.failure = Some(why.into());
+        self
     }
 
     /// A row whose measurement failed or was skipped, saying why.
@@ -78,6 +89,7 @@ impl Row {
             unit: String::new(),
             summary: None,
             note: why.into(),
+            failure: None,
         }
     }
 }
@@ -116,7 +128,10 @@ pub fn render_table(rows: &[Row]) -> String {
             median,
             p99,
             r.unit.clone(),
-            r.note.clone(),
+            match &r.failure {
+                Some(why) => format!("FAILED: {why}; {}", r.note),
+                None => r.note.clone(),
+            },
         ]);
     }
     let widths: Vec<usize> = (0..7)
