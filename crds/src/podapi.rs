@@ -158,12 +158,11 @@ pub struct DeviceFilters {
 }
 
 impl DeviceFilters {
-    /// Whether the UUID lists allow `uuid`.
+    /// Whether the UUID lists allow `uuid`: both apply, as in HAMi, so a GPU named in both is
+    /// refused.
     pub fn allows_uuid(&self, uuid: &str) -> bool {
-        if !self.use_uuids.is_empty() {
-            return self.use_uuids.iter().any(|u| u == uuid);
-        }
-        !self.nouse_uuids.iter().any(|u| u == uuid)
+        let wanted = self.use_uuids.is_empty() || self.use_uuids.iter().any(|u| u == uuid);
+        wanted && !self.nouse_uuids.iter().any(|u| u == uuid)
     }
 
     /// Whether the type lists allow a device of `model`.
@@ -414,14 +413,18 @@ fn container_request(
     let pct = read(GPU_MEM_PERCENTAGE)?;
     let cores = read(GPU_CORES)?;
 
-    if let (Some(p), Some(raw)) = (pct, lookup(GPU_MEM_PERCENTAGE))
-        && p > 100
-    {
-        return Err(PodApiError::PercentageOutOfRange {
-            container: c.name.clone(),
-            key: GPU_MEM_PERCENTAGE.to_string(),
-            value: raw.clone(),
-        });
+    // Both shares are percentages: over 100 is a mistake to name, not a value to guess at
+    // (HAMi clamps cores silently and refuses memory; gpuledger refuses both).
+    for (key, value) in [(GPU_MEM_PERCENTAGE, pct), (GPU_CORES, cores)] {
+        if let (Some(v), Some(raw)) = (value, lookup(key))
+            && v > 100
+        {
+            return Err(PodApiError::PercentageOutOfRange {
+                container: c.name.clone(),
+                key: key.to_string(),
+                value: raw.clone(),
+            });
+        }
     }
     // HAMi keeps memory in an int32 of MiB.
     if let (Some(m), Some(raw)) = (mem, lookup(GPU_MEM))
@@ -471,8 +474,8 @@ fn container_request(
     // Webhook step 2: a count without cores, with memory absent or 100 %, is an exclusive GPU.
     let memory_absent_or_whole = mem.is_none() && matches!(pct, None | Some(100));
     let cores = match cores {
-        // HAMi clamps at Fit time; clamping here gives the same decisions.
-        Some(v) => v.min(100) as u32,
+        // At most 100: refused above.
+        Some(v) => v as u32,
         None if memory_absent_or_whole && lookup(GPU_MEM).is_none() => 100,
         None => config.default_cores.min(100),
     };

@@ -122,9 +122,22 @@ fn configured_defaults_apply() {
 }
 
 #[test]
-fn cores_above_100_clamp_like_hami() {
+fn cores_above_100_are_refused_naming_the_value_like_percentages() {
+    for (key, raw) in [(GPU_CORES, "150"), (GPU_MEM_PERCENTAGE, "101")] {
+        let p = pod(&[], vec![ctr("main", &[(GPU, "1"), (key, raw)])]);
+        let err = parse(&p, &PodApiConfig::default()).unwrap_err();
+        assert!(
+            matches!(&err, PodApiError::PercentageOutOfRange { key: k, value, .. } if k == key && value == raw),
+            "{err:?}"
+        );
+        let msg = err.to_string();
+        assert!(
+            msg.contains(key) && msg.contains(raw) && msg.contains("main"),
+            "{msg}"
+        );
+    }
     assert_eq!(
-        one(&[(GPU, "1"), (GPU_MEM, "10"), (GPU_CORES, "150")]),
+        one(&[(GPU, "1"), (GPU_MEM, "10"), (GPU_CORES, "100")]),
         gpu(1, MemoryRequest::Mib(10), 100)
     );
 }
@@ -258,7 +271,7 @@ fn uuid_and_type_annotations_are_comma_lists() {
     assert_eq!(f.nouse_uuids, vec!["GPU-c"]);
     assert_eq!(f.use_types, vec!["a100", "H100"]);
     assert_eq!(f.nouse_types, vec!["mig"]);
-    // use-gpuuuid wins over nouse-gpuuuid, exactly matched.
+    // Exactly matched; use-gpuuuid narrows, nouse-gpuuuid removes.
     assert!(f.allows_uuid("GPU-a"));
     assert!(!f.allows_uuid("GPU-c"));
     assert!(!f.allows_uuid("GPU-A"));
@@ -267,6 +280,18 @@ fn uuid_and_type_annotations_are_comma_lists() {
     assert!(f.allows_model("nvidia h100 pcie"));
     assert!(!f.allows_model("NVIDIA L4"));
     assert!(!f.allows_model("NVIDIA A100 MIG 1g.10gb"));
+}
+
+#[test]
+fn a_gpu_named_in_both_uuid_lists_is_refused_as_hami_applies_both() {
+    let f = DeviceFilters {
+        use_uuids: vec!["GPU-a".into(), "GPU-b".into()],
+        nouse_uuids: vec!["GPU-b".into()],
+        ..DeviceFilters::default()
+    };
+    assert!(f.allows_uuid("GPU-a"));
+    assert!(!f.allows_uuid("GPU-b"), "named in both lists");
+    assert!(!f.allows_uuid("GPU-c"), "not in the use list");
 }
 
 #[test]
