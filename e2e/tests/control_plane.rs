@@ -22,6 +22,7 @@ use gpuledger_e2e::cluster::{
 };
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Pod, Secret, ServiceAccount};
+use k8s_openapi::api::rbac::v1::RoleBinding;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, MicroTime, OwnerReference};
 use k8s_openapi::jiff::{Timestamp, ToSpan};
@@ -44,7 +45,10 @@ use objects::{
     refit, reservation, samples_of_each_kind_round_trip,
     schema_and_cel_rules_reject_invalid_objects,
 };
-use rbac::{device_plugin_may_write_reservation_status_only, operator_is_confined_to_its_rules};
+use rbac::{
+    device_plugin_may_write_reservation_status_only,
+    namespace_users_read_the_ledger_and_write_numapolicies, operator_is_confined_to_its_rules,
+};
 use scheduling::{
     controller_manager_collects_garbage_and_creates_service_accounts,
     fake_gpu_node_is_schedulable_and_heartbeats,
@@ -100,6 +104,7 @@ async fn control_plane_serves_gpuledger() {
     schema_and_cel_rules_reject_invalid_objects(&client).await;
     device_plugin_may_write_reservation_status_only(&cp).await;
     operator_is_confined_to_its_rules(&cp).await;
+    namespace_users_read_the_ledger_and_write_numapolicies(&cp).await;
     kubectl_shows_the_ledger_columns(&cp).await;
     scheduler_binds_plain_pods_and_sends_gpu_pods_to_the_extender(&client, &extender).await;
     controller_manager_collects_garbage_and_creates_service_accounts(&client).await;
@@ -214,6 +219,10 @@ async fn rbac_applies(client: &Client) {
     // The kustomization lists every file, and applying again is a no-op (server-side apply).
     let again = apply_path(client, &rbac).await.unwrap();
     assert_eq!(ids(&again), ids(&applied));
+    // The node scope RBAC cannot express, checked by the API server.
+    apply_kustomization(client, &repo_root().join("config/admission"))
+        .await
+        .unwrap();
 }
 
 /// Asserts that `result` is an API error with HTTP `code` whose message contains `needle`.

@@ -214,7 +214,7 @@ fn rbac_and_admission_differences(kustomized: &str, chart: &str) -> Vec<String> 
         .keys()
         .filter(|key| key.starts_with("ClusterRole/") || key.starts_with("Role/"))
         .collect();
-    assert_eq!(roles.len(), 4, "config/rbac has 4 roles: {roles:?}");
+    assert_eq!(roles.len(), 6, "config/rbac has 6 roles: {roles:?}");
     for key in roles {
         differ(key, "rules");
     }
@@ -225,8 +225,26 @@ fn rbac_and_admission_differences(kustomized: &str, chart: &str) -> Vec<String> 
     for key in [
         "ValidatingAdmissionPolicy/gpuledger-device-plugin-node-scope",
         "ValidatingAdmissionPolicyBinding/gpuledger-device-plugin-node-scope",
+        "ValidatingAdmissionPolicy/gpuledger-device-plugin-own-lease",
+        "ValidatingAdmissionPolicyBinding/gpuledger-device-plugin-own-lease",
     ] {
         differ(key, "spec");
+    }
+    // The roles for people reach users only through their aggregation labels.
+    let aggregation = |o: &Value| -> Vec<(String, Value)> {
+        o["metadata"]["labels"]
+            .as_object()
+            .into_iter()
+            .flatten()
+            .filter(|(l, _)| l.starts_with("rbac.authorization.k8s.io/aggregate-to-"))
+            .map(|(l, v)| (l.clone(), v.clone()))
+            .collect()
+    };
+    for key in k.keys().filter(|key| key.starts_with("ClusterRole/")) {
+        let theirs = c.get(key).map(aggregation);
+        if theirs.as_ref() != Some(&aggregation(&k[key])) {
+            diffs.push(format!("{key} aggregation labels differ: chart {theirs:?}"));
+        }
     }
     for key in k.keys().filter(|key| key.starts_with("ServiceAccount/")) {
         if !c.contains_key(key) {

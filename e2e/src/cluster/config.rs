@@ -1,7 +1,7 @@
 //! Command lines and configuration files of the control-plane components. Pure functions, so the
 //! exact flags are unit-tested and readable in one place; `control_plane.rs` only runs them.
 //!
-//! Choices that matter (see `../shared/research/control-plane.md`):
+//! Choices that matter (see `docs/control-plane.md`):
 //! - everything binds 127.0.0.1 on ports reserved at start, so runs never collide;
 //! - the API server authenticates a static admin token (`system:masters`) and ServiceAccount
 //!   tokens, and authorizes with Node + RBAC, so least-privilege identities meet real RBAC;
@@ -29,7 +29,9 @@ pub const SERVICE_CIDR: &str = "10.0.0.0/24";
 pub const SA_ISSUER: &str = "https://kubernetes.default.svc.cluster.local";
 /// Controllers run by kube-controller-manager: ownerReference garbage collection, namespace
 /// deletion, the `default` ServiceAccount of each namespace, and ServiceAccount token Secrets.
-pub const CONTROLLERS: [&str; 4] = [
+pub const CONTROLLERS: [&str; 5] = [
+    // gpuledger's roles for people join the built-in view/edit/admin roles by aggregation.
+    "clusterrole-aggregation-controller",
     "garbage-collector-controller",
     "namespace-controller",
     "serviceaccount-controller",
@@ -291,7 +293,7 @@ mod tests {
     }
 
     #[test]
-    fn controller_manager_runs_gc_and_serviceaccount_controllers_only() {
+    fn controller_manager_runs_only_the_controllers_the_tests_need() {
         let args = controller_manager_args(Path::new("/k"), &pki(), 2, Path::new("/c"));
         let controllers = args
             .iter()
@@ -299,6 +301,7 @@ mod tests {
             .unwrap();
         assert!(controllers.contains("garbage-collector-controller"));
         assert!(controllers.contains("serviceaccount-token-controller"));
+        assert!(controllers.contains("clusterrole-aggregation-controller"));
         assert!(!controllers.contains("node-lifecycle"));
         assert!(!controllers.contains('*'));
     }

@@ -1,5 +1,6 @@
-//! config/rbac in action: the operator and the device plugin, each as a real ServiceAccount token,
-//! may do what their roles grant and are refused (HTTP 403) the rest.
+//! config/rbac and config/admission in action: the operator and the device plugin, each as a real
+//! ServiceAccount token (the plugin's bound to its node), may do what their roles grant and are
+//! refused (HTTP 403) the rest.
 
 use super::*;
 
@@ -86,6 +87,45 @@ pub(crate) async fn device_plugin_may_write_reservation_status_only(cp: &Control
     );
     assert_eq!(after.status.unwrap().allocation, vec![allocation]);
 
+    // Of the status, allocation is all it may write (config/admission): freeing a running pod's
+    // GPUs by marking its reservation Released, or rewriting what `kubectl get` shows, is refused;
+    // so is removing a recorded allocation (it would let a refit move the ledger while the
+    // container stays on its GPUs).
+    for (field, value) in [
+        ("phase", json!("Released")),
+        ("devices", json!("0:1/1")),
+        (
+            "conditions",
+            json!([{ "type": "Misaligned", "status": "False", "reason": "Forged", "message": "",
+                     "lastTransitionTime": "2026-01-01T00:00:00Z" }]),
+        ),
+    ] {
+        assert_refused(
+            as_plugin
+                .patch_status(
+                    RESERVATION,
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({ "status": { field: value } })),
+                )
+                .await,
+            403,
+            "may write only status.allocation",
+            &format!("device plugin writing status.{field}"),
+        );
+    }
+    assert_refused(
+        as_plugin
+            .patch_status(
+                RESERVATION,
+                &PatchParams::default(),
+                &Patch::Merge(json!({ "status": { "allocation": [] } })),
+            )
+            .await,
+        403,
+        "may not remove a recorded allocation",
+        "device plugin clearing a recorded allocation",
+    );
+
     // Refits: it may ask, but never answer.
     let refits: Api<RefitRequest> = Api::namespaced(plugin.clone(), NS);
     refits
@@ -147,6 +187,46 @@ pub(crate) async fn device_plugin_may_write_reservation_status_only(cp: &Control
         "forbidden",
         "device plugin creating an allocation lease",
     );
+    // Of the Leases it may update and delete, only its own node's allocation Lease passes
+    // admission: not another node's (mid-admission, two pods would share one pod's GPUs), not
+    // the operator's leader Lease (GPU scheduling would stop).
+    let admin_leases: Api<Lease> = Api::namespaced(cp.client(), SYSTEM_NS);
+    for name in [
+        "gpuledger-alloc-gpu-node-1",
+        "gpuledger-alloc-gpu-node-2",
+        "gpuledger-operator-leader",
+    ] {
+        admin_leases.create(&pp, &lease(name)).await.unwrap();
+    }
+    for name in ["gpuledger-alloc-gpu-node-2", "gpuledger-operator-leader"] {
+        let mut theirs = leases.get(name).await.unwrap();
+        theirs
+            .spec
+            .get_or_insert_with(Default::default)
+            .holder_identity = Some("me".into());
+        assert_refused(
+            leases.replace(name, &pp, &theirs).await,
+            403,
+            &format!("may not write Lease {name}"),
+            &format!("device plugin taking Lease {name}"),
+        );
+        assert_refused(
+            leases.delete(name, &DeleteParams::default()).await,
+            403,
+            &format!("may not write Lease {name}"),
+            &format!("device plugin deleting Lease {name}"),
+        );
+    }
+    leases
+        .delete("gpuledger-alloc-gpu-node-1", &DeleteParams::default())
+        .await
+        .unwrap();
+    for name in ["gpuledger-alloc-gpu-node-2", "gpuledger-operator-leader"] {
+        admin_leases
+            .delete(name, &DeleteParams::default())
+            .await
+            .unwrap();
+    }
     let elsewhere: Api<Lease> = Api::namespaced(plugin, "kube-node-lease");
     assert_refused(
         elsewhere.get(NODE).await,
@@ -242,5 +322,99 @@ pub(crate) async fn operator_is_confined_to_its_rules(cp: &ControlPlane) {
         403,
         "forbidden",
         "operator listing secrets",
+    );
+}
+
+/// A namespace user bound to the built-in `edit` role (a ServiceAccount of the namespace, as a
+/// real cluster's CI identity or a person would be): through gpuledger's aggregated roles it reads
+/// the reservations and refits of its namespace and writes NumaPolicies, and it can change
+/// nothing of the ledger, nor read another namespace's.
+pub(crate) async fn namespace_users_read_the_ledger_and_write_numapolicies(cp: &ControlPlane) {
+    let admin = cp.client();
+    let binding: RoleBinding = serde_json::from_value(json!({
+        "metadata": { "name": "alice-edit", "namespace": NS },
+        "roleRef": { "apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "edit" },
+        "subjects": [{ "kind": "ServiceAccount", "name": "alice", "namespace": NS }],
+    }))
+    .unwrap();
+    Api::<RoleBinding>::namespaced(admin.clone(), NS)
+        .create(&PostParams::default(), &binding)
+        .await
+        .unwrap();
+    let alice = cp.client_for_service_account(NS, "alice").await.unwrap();
+    let reservations: Api<GpuReservation> = Api::namespaced(alice.clone(), NS);
+    // The aggregation controller fills `edit` with gpuledger's rules asynchronously.
+    wait_for("edit to include gpuledger-view", WAIT, || async {
+        Ok::<_, std::convert::Infallible>(reservations.list(&Default::default()).await.ok())
+    })
+    .await
+    .unwrap();
+    reservations.get(RESERVATION).await.unwrap();
+    Api::<RefitRequest>::namespaced(alice.clone(), NS)
+        .list(&Default::default())
+        .await
+        .unwrap();
+    let policies: Api<NumaPolicy> = Api::namespaced(alice.clone(), NS);
+    let policy: NumaPolicy = serde_json::from_value(json!({
+        "apiVersion": "gpuledger.io/v1alpha1", "kind": "NumaPolicy",
+        "metadata": { "name": "alice-strict", "namespace": NS },
+        "spec": { "alignment": "strict", "podSelector": { "matchLabels": { "team": "alice" } } },
+    }))
+    .unwrap();
+    let pp = PostParams::default();
+    policies.create(&pp, &policy).await.unwrap();
+    policies
+        .delete("alice-strict", &DeleteParams::default())
+        .await
+        .unwrap();
+
+    // The ledger is not hers to write: not a reservation's spec, not its status, not a new one.
+    assert_refused(
+        reservations
+            .patch(
+                RESERVATION,
+                &PatchParams::default(),
+                &Patch::Merge(json!({ "spec": { "nodeName": OTHER_NODE } })),
+            )
+            .await,
+        403,
+        "forbidden",
+        "namespace user moving a reservation",
+    );
+    assert_refused(
+        reservations
+            .patch_status(
+                RESERVATION,
+                &PatchParams::default(),
+                &Patch::Merge(json!({ "status": { "phase": "Released" } })),
+            )
+            .await,
+        403,
+        "forbidden",
+        "namespace user releasing a reservation",
+    );
+    assert_refused(
+        reservations
+            .delete(RESERVATION, &DeleteParams::default())
+            .await,
+        403,
+        "forbidden",
+        "namespace user deleting a reservation",
+    );
+    assert_refused(
+        reservations
+            .create(&pp, &reservation("alice-made", NODE))
+            .await,
+        403,
+        "forbidden",
+        "namespace user creating a reservation",
+    );
+    assert_refused(
+        Api::<GpuReservation>::namespaced(alice, SYSTEM_NS)
+            .list(&Default::default())
+            .await,
+        403,
+        "forbidden",
+        "namespace user reading another namespace's reservations",
     );
 }
