@@ -99,6 +99,7 @@ async fn wait_reservation(rig: &Rig, pod: &str, phase: ReservationPhase) -> GpuR
 async fn ledger_right_without_repairs(rig: &Rig, op: &ChildOperator) {
     audit_clean(&rig.client()).await;
     reservations_match_bindings(rig).await;
+    no_repairs_needed(&rig.client()).await;
     let metrics = op.metrics().await;
     assert_eq!(
         metric(&metrics, "gpuledger_ledger_repairs_total", &[]),
@@ -293,4 +294,56 @@ async fn a_bound_gpu_pod_without_its_reservation_is_booked_again_or_reported() {
             .any(|f| matches!(f, Finding::OverCommitted { .. })),
         "the repair over-committed: {findings:?}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bind_whose_caller_hangs_up_still_ends_consistent() {
+    let rig = Rig::start(1, SHAPE).await;
+    let proxy = FaultProxy::start(rig.client()).await.unwrap();
+    // The Lease is taken after the reservation is written: holding it back keeps the bind busy
+    // between its reservation and its Binding when the caller goes away.
+    let held = proxy.add_rule(FaultRule {
+        method: Some(http::Method::POST),
+        path_contains: "/leases".into(),
+        action: FaultAction::Delay(Duration::from_secs(2)),
+        times: Some(1),
+    });
+    let op = operator_behind(&rig, &proxy, "hang-up").await;
+
+    // A pod kube-scheduler leaves alone (another scheduler's name): only this test binds it.
+    let mut pod = gpu_pod("cut-0", 1, 8192, 20);
+    pod.spec.as_mut().unwrap().scheduler_name = Some("someone-else".into());
+    let api: Api<Pod> = Api::namespaced(rig.client(), NS);
+    let uid = api
+        .create(&PostParams::default(), &pod)
+        .await
+        .unwrap()
+        .uid()
+        .unwrap();
+    let node = rig.fleet.names[0].clone();
+    let body = serde_json::json!({
+        "PodName": "cut-0", "PodNamespace": NS, "PodUID": uid, "Node": node,
+    })
+    .to_string();
+    {
+        use tokio::io::AsyncWriteExt;
+        let mut conn = tokio::net::TcpStream::connect(("127.0.0.1", rig.extender_port))
+            .await
+            .unwrap();
+        let request = format!(
+            "POST /bind HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        conn.write_all(request.as_bytes()).await.unwrap();
+        // Hang up while the bind waits on the held-back Lease, as kube-scheduler does at its
+        // extender timeout.
+        tokio::time::sleep(Duration::from_millis(700)).await;
+    }
+    // The bind was not cut off between its reservation and its Binding: it finished.
+    let bound = wait_bound(&rig, "cut-0").await;
+    assert_eq!(bound, node);
+    assert_eq!(proxy.hits(held), 1);
+    let r = wait_reservation(&rig, "cut-0", ReservationPhase::Allocating).await;
+    assert_eq!(r.spec.node_name, node);
+    ledger_right_without_repairs(&rig, &op).await;
 }

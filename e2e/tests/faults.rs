@@ -5,10 +5,10 @@
 //! storm of scheduling and refits (RefitRequests created as device plugins would), SIGKILL
 //! of the leader of two replicas, SIGSTOP of kube-apiserver, a kubelet restart between
 //! GetPreferredAllocation and Allocate (real device plugin, kubelet simulator) — and then checks the invariants of
-//! DESIGN.md with the ledger audit: no GPU over-committed (also checked right after every kill,
-//! without settling), no reservation without a live pod, no GPU pod without a reservation, and
-//! every pod either placed or Pending with a reason. Figures (restart-to-ready, takeover time)
-//! are printed, not asserted: speed is for `make bench`.
+//! docs/ARCHITECTURE.md §4 with the ledger audit: no GPU over-committed (also checked right
+//! after every kill, without settling), no reservation without a live pod, no GPU pod without a
+//! reservation, and every pod either placed or Pending with a reason. Figures
+//! (restart-to-ready, takeover time) are printed, not asserted: speed is for `make bench`.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -71,6 +71,7 @@ async fn operator_sigkilled_during_a_scheduling_storm_keeps_the_ledger() {
     eprintln!("storm: {asked} refits asked: {moved} succeeded, {refused} failed with a reason");
     assert_eq!(moved + refused, asked);
     audit_clean(&client).await;
+    no_repairs_needed(&client).await;
     reservations_match_bindings(&rig).await;
     drop(op);
 }
@@ -202,6 +203,7 @@ async fn api_server_paused_for_five_seconds_during_scheduling_and_refits() {
     eprintln!("pause: {asked} refits asked: {moved} succeeded, {refused} failed with a reason");
     assert_eq!(moved + refused, asked);
     audit_clean(&client).await;
+    no_repairs_needed(&client).await;
     reservations_match_bindings(&rig).await;
     // The operator rode out the stall: same process, ready again.
     assert!(is_alive(op.pid()), "operator died during the stall");
@@ -315,4 +317,5 @@ async fn kubelet_restarts_in_the_middle_of_an_admission() {
     assert_eq!(allocation.len(), 1, "{allocation:?}");
     assert_eq!(allocation[0].devices, [gpu]);
     audit_clean(&client).await;
+    no_repairs_needed(&client).await;
 }

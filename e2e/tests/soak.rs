@@ -48,6 +48,7 @@ async fn three_hundred_pods_at_once_onto_ten_nodes_of_eight_gpus() {
         outcome.bound.len()
     );
     audit_clean(&client).await;
+    no_repairs_needed(&client).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -102,5 +103,6 @@ async fn operator_sigkilled_twenty_times_during_a_storm() {
     eprintln!("20 kills: {asked} refits asked: {moved} succeeded, {refused} failed with a reason");
     assert_eq!(moved + refused, asked);
     audit_clean(&client).await;
+    no_repairs_needed(&client).await;
     drop(op);
 }

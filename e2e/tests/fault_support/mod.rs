@@ -479,3 +479,36 @@ pub async fn reservations_match_bindings(rig: &Rig) {
         }
     }
 }
+
+/// Fails when the operator had to repair the ledger: a bound GPU pod that bind left without a
+/// reservation on its node (events `GpuReservationRepaired` and `GpuReservationMissing`; events
+/// outlive operator restarts, the repair metric does not). The repair sweep is the safety net;
+/// a fault scenario that needs it has found a hole in bind.
+pub async fn no_repairs_needed(client: &Client) {
+    let events: Api<Event> = Api::namespaced(client.clone(), NS);
+    let repaired: Vec<String> = events
+        .list(&ListParams::default())
+        .await
+        .expect("events listed")
+        .items
+        .into_iter()
+        .filter(|e| {
+            matches!(
+                e.reason.as_deref(),
+                Some("GpuReservationRepaired" | "GpuReservationMissing")
+            )
+        })
+        .map(|e| {
+            format!(
+                "{}: {}",
+                e.reason.unwrap_or_default(),
+                e.note.unwrap_or_default()
+            )
+        })
+        .collect();
+    assert!(
+        repaired.is_empty(),
+        "bind left bound GPU pods without a reservation:\n  {}",
+        repaired.join("\n  ")
+    );
+}
