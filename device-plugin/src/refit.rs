@@ -6,7 +6,7 @@
 //! - [`client::RefitClient`] (`--refit=true`, the default): for alignment `best-effort` or
 //!   `strict`, one `RefitRequest` written to the API server and its answer awaited with a watch,
 //!   bounded by `--refit-timeout`; the answer is mapped by [`outcome::decide`] (HAMi's outcome
-//!   matrix, hami-behaviour §2.11). Alignment `none` never writes a request.
+//!   matrix, docs/hami-behaviour.md §2.11). Alignment `none` never writes a request.
 //! - [`NoRefit`] (`--refit=false`): the kubelet chooses, with a log whose severity follows the
 //!   alignment mode. Like HAMi with the refit endpoint unset, `strict` then only logs at Error
 //!   level instead of failing the pod: turning the refit off must not start failing admissions

@@ -1,6 +1,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-//! One fit decision on seeded synthetic clusters (hami-behaviour.md §4.4): 10×4, 100×8, 1000×8
-//! and 5000×8 nodes×GPUs with 0–4 sharers per GPU, plus a restricted refit on one 8-GPU node.
+//! One fit decision on seeded synthetic clusters (docs/hami-behaviour.md §4.4): 10×4, 100×8,
+//! 1000×8 and 5000×8 nodes×GPUs with 0–4 sharers per GPU, plus a restricted refit on one
+//! 8-GPU node.
 //! Each cluster is also written as a `fit` CLI scenario under `target/fit-fixtures/` so the same
 //! input can be fed to HAMi's `calcScoreWithOptions` for a side-by-side run.
 

@@ -6,9 +6,10 @@
 //! keeps a stalled API server from stalling the node. There is no retry: a late answer is worth
 //! nothing to a kubelet that has moved on.
 //!
-//! The request's `deadline` is written with second precision (metav1.Time) and rounded *down*,
-//! so the operator stops committing no later than the plugin stops waiting; a move the plugin
-//! never hears of cannot happen.
+//! The request's `deadline` (a `MicroTime`, microsecond precision) is the end of the plugin's
+//! wait less a commit margin (a fifth of `--refit-timeout`, at most 250 ms), so the operator
+//! stops committing before the plugin stops waiting; a move the plugin never hears of cannot
+//! happen.
 
 use std::time::Duration;
 

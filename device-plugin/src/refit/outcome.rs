@@ -1,5 +1,5 @@
-//! What the kubelet gets after a refit attempt: HAMi's outcome matrix (hami-behaviour §2.11),
-//! as a pure function so every row is unit-tested.
+//! What the kubelet gets after a refit attempt: HAMi's outcome matrix
+//! (docs/hami-behaviour.md §2.11), as a pure function so every row is unit-tested.
 //!
 //! | answer | best-effort | strict |
 //! |---|---|---|

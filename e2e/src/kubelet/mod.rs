@@ -1,7 +1,7 @@
 //! A kubelet simulator that speaks the real device-plugin protocol over Unix sockets.
 //!
-//! It does what the kubelet's device manager does, in the same order (research notes,
-//! control-plane.md §8.3): serve `Registration` on `<dir>/kubelet.sock`; on Register dial the
+//! It does what the kubelet's device manager does, in the same order (see
+//! docs/control-plane.md §8.3): serve `Registration` on `<dir>/kubelet.sock`; on Register dial the
 //! plugin, call GetDevicePluginOptions, answer, then open ListAndWatch and keep the device list
 //! with its topology; admit pods container by container (init containers first) with
 //! GetPreferredAllocation (when advertised), Allocate and PreStartContainer (when required);

@@ -1,5 +1,5 @@
-//! The outcome matrix rows that the running operator answers (hami-behaviour §2.11), a pinned
-//! UUID, and a NumaPolicy choosing the mode. Every admission runs through the kubelet
+//! The outcome matrix rows that the running operator answers (docs/hami-behaviour.md §2.11),
+//! a pinned UUID, and a NumaPolicy choosing the mode. Every admission runs through the kubelet
 //! simulator with `single-numa-node` on NUMA 0 unless said otherwise.
 
 use gpuledger_crds::conditions::{self, types};

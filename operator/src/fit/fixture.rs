@@ -1,6 +1,7 @@
-//! Synthetic clusters for benchmarks and side-by-side runs against HAMi (hami-behaviour.md §4.4):
-//! `N` nodes × `G` GPUs (A100 80 GB, split 10, NUMA = two sockets), each GPU holding 0–4
-//! sharers drawn from a fixed-seed generator, so Rust and Go see the very same cluster.
+//! Synthetic clusters for benchmarks and side-by-side runs against HAMi
+//! (docs/hami-behaviour.md §4.4): `N` nodes × `G` GPUs (A100 80 GB, split 10, NUMA = two
+//! sockets), each GPU holding 0–4 sharers drawn from a fixed-seed generator, so Rust and Go see
+//! the very same cluster.
 //! [`scenario_json`] writes it in the `fit` CLI's input format.
 
 use serde_json::{Value, json};

@@ -1,5 +1,5 @@
 //! The fit engine: where a pod's GPU shares go, and why not elsewhere — HAMi's decisions on the
-//! same inputs (`../shared/research/hami-behaviour.md` §4), deterministic where HAMi is not.
+//! same inputs (`docs/hami-behaviour.md` §4), deterministic where HAMi is not.
 //!
 //! Pure: it reads plain data (nodes with their GPUs and usage, a parsed [`PodRequest`]) and
 //! returns plain data. No API client, no async runtime, no I/O (a test enforces the imports),

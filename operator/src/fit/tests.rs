@@ -1,4 +1,4 @@
-//! Scenario tests: HAMi's decisions (hami-behaviour.md §3 and §4) on small hand-built nodes.
+//! Scenario tests: HAMi's decisions (docs/hami-behaviour.md §3 and §4) on small hand-built nodes.
 
 use std::collections::BTreeMap;
 
@@ -117,8 +117,9 @@ fn strings(v: &[&str]) -> Vec<String> {
     v.iter().map(|s| s.to_string()).collect()
 }
 
-/// §4.3: a (numa0, 3 sharers, 30000 MiB, 30 cores), b (numa0, 2, 20000, 20), c (numa1, 1, 10000,
-/// 10), all 40000 MiB / 100 cores / split 10; request 1 × (4096 MiB, 10 cores).
+/// docs/hami-behaviour.md §4.3: a (numa0, 3 sharers, 30000 MiB, 30 cores), b (numa0, 2, 20000,
+/// 20), c (numa1, 1, 10000, 10), all 40000 MiB / 100 cores / split 10; request 1 × (4096 MiB,
+/// 10 cores).
 fn worked_example() -> NodeView {
     node(
         "n",

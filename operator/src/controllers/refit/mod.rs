@@ -1,5 +1,6 @@
 //! The RefitRequest controller: answers a device plugin's request to move one container's
-//! reservation onto GPUs the kubelet allows (DESIGN.md Flow 4, HAMi's `RefitNumaAllocation`).
+//! reservation onto GPUs the kubelet allows (docs/ARCHITECTURE.md §2 step 5, HAMi's
+//! `RefitNumaAllocation`).
 //!
 //! Per request, once: validate in HAMi's order ([`validation`]); succeed without a write when
 //! the container already sits on allowed GPUs; refuse a request past its deadline; otherwise

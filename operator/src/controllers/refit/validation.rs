@@ -1,5 +1,5 @@
 //! The identity checks of a RefitRequest, in HAMi's order (`RefitNumaAllocation` steps 1–14,
-//! `../shared/research/hami-behaviour.md` §2.6). Pure: the controller reads the pod and the
+//! `docs/hami-behaviour.md` §2.6). Pure: the controller reads the pod and the
 //! reservation and hands them in, so the order can be tested without an API server.
 //!
 //! Where HAMi decodes annotations we read the GpuReservation: "nothing pending" means the device

@@ -1,4 +1,5 @@
-//! Refit scenarios: HAMi's restricted-fit handler tests (§3) and the phase-aware variant.
+//! Refit scenarios: HAMi's restricted-fit handler tests (docs/hami-behaviour.md §3) and the
+//! phase-aware variant.
 
 use super::*;
 
