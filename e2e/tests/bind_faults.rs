@@ -24,7 +24,7 @@ use gpuledger_operator::audit::cli::audit_cluster;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::events::v1::Event;
 use kube::ResourceExt;
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 
 /// Four 40 GiB GPUs per node, four sharers each.
 const SHAPE: GpuShape = GpuShape {
@@ -200,7 +200,7 @@ async fn a_binding_whose_answer_is_lost_keeps_its_reservation() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_bound_gpu_pod_without_its_reservation_is_booked_again_or_reported() {
+async fn a_hand_edit_is_reported_and_a_hand_deleted_reservation_is_booked_again_or_reported() {
     let rig = Rig::start(1, SHAPE).await;
     let client = rig.client();
     let op = rig.operator("repair").await;
@@ -216,6 +216,27 @@ async fn a_bound_gpu_pod_without_its_reservation_is_booked_again_or_reported() {
     .await
     .unwrap();
     let first = wait_reservation(&rig, "whole", ReservationPhase::Allocated).await;
+    // A careless admin lowers the reserved memory by hand: the audit names the edit and who made
+    // it (the operator writes every spec under its own field manager).
+    let mut edited = first.spec.clone();
+    edited.containers[0].devices[0].memory_mib = 1;
+    ledger
+        .patch(
+            &reservation_name("whole"),
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({ "spec": { "containers": edited.containers } })),
+        )
+        .await
+        .unwrap();
+    let findings = audit_cluster(&client, Default::default()).await.unwrap();
+    assert!(
+        findings.iter().any(|f| matches!(f,
+            Finding::EditedOutsideOperator { reservation, managers }
+                if reservation == &format!("{NS}/whole")
+                    && !managers.is_empty()
+                    && !managers.iter().any(|m| m == "gpuledger-operator"))),
+        "{findings:?}"
+    );
     ledger
         .delete(&reservation_name("whole"), &DeleteParams::default())
         .await

@@ -9,6 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
 use gpuledger_crds::conditions::{self, types};
+use gpuledger_crds::names::OPERATOR_MANAGER;
 use gpuledger_crds::podapi::{PodApiConfig, pod_wants_gpus};
 use gpuledger_crds::{GpuNode, GpuReservation, RefitPhase, RefitRequest, ReservationPhase};
 use k8s_openapi::api::core::v1::Pod;
@@ -96,6 +97,16 @@ pub enum Finding {
         /// Allocated GPUs.
         allocated: Vec<String>,
     },
+    /// A reservation's spec was written by someone other than the operator (a hand edit with
+    /// kubectl, a GitOps tool): it no longer says what the operator decided, and the GPUs it
+    /// names may not be what the pod got.
+    #[serde(rename_all = "camelCase")]
+    EditedOutsideOperator {
+        /// Reservation `ns/name`.
+        reservation: String,
+        /// The field managers other than the operator that own parts of the spec.
+        managers: Vec<String>,
+    },
     /// A RefitRequest is still pending past its deadline.
     #[serde(rename_all = "camelCase")]
     RefitNotTerminal {
@@ -155,6 +166,14 @@ impl fmt::Display for Finding {
                 "silent misalignment: {reservation} container {container}: reserved [{}], kubelet allocated [{}], no Misaligned condition",
                 reserved.join(","),
                 allocated.join(",")
+            ),
+            Finding::EditedOutsideOperator {
+                reservation,
+                managers,
+            } => write!(
+                f,
+                "edited outside the operator: {reservation} spec written by {}",
+                managers.join(", ")
             ),
             Finding::RefitNotTerminal {
                 refit,
@@ -219,6 +238,7 @@ pub fn audit(snap: &Snapshot, now: Timestamp, opts: Options) -> Vec<Finding> {
     check_capacity(snap, &mut out);
     check_pods(snap, &mut out);
     check_alignment(snap, &mut out);
+    check_spec_writers(snap, &mut out);
     check_refits(snap, now, opts, &mut out);
     out.sort();
     out
@@ -377,6 +397,34 @@ fn check_alignment(snap: &Snapshot, out: &mut Vec<Finding>) {
                     allocated: allocated.iter().map(|s| s.to_string()).collect(),
                 });
             }
+        }
+    }
+}
+
+/// Every reservation whose spec another field manager than the operator wrote.
+fn check_spec_writers(snap: &Snapshot, out: &mut Vec<Finding>) {
+    for r in &snap.reservations {
+        let mut managers: Vec<String> = r
+            .metadata
+            .managed_fields
+            .iter()
+            .flatten()
+            .filter(|m| m.subresource.as_deref().unwrap_or("").is_empty())
+            .filter(|m| {
+                m.fields_v1
+                    .as_ref()
+                    .is_some_and(|f| f.0.get("f:spec").is_some())
+            })
+            .filter_map(|m| m.manager.clone())
+            .filter(|m| m != OPERATOR_MANAGER)
+            .collect();
+        managers.sort();
+        managers.dedup();
+        if !managers.is_empty() {
+            out.push(Finding::EditedOutsideOperator {
+                reservation: key(r.metadata.namespace.as_ref(), r.metadata.name.as_ref()),
+                managers,
+            });
         }
     }
 }

@@ -345,6 +345,49 @@ fn pending_refit_past_deadline_and_grace_is_reported() {
 }
 
 #[test]
+fn a_spec_written_by_another_field_manager_is_reported() {
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{FieldsV1, ManagedFieldsEntry};
+    let entry =
+        |manager: &str, subresource: Option<&str>, fields: serde_json::Value| ManagedFieldsEntry {
+            manager: Some(manager.into()),
+            operation: Some("Update".into()),
+            subresource: subresource.map(String::from),
+            fields_v1: Some(FieldsV1(fields)),
+            ..Default::default()
+        };
+    let mut snap = clean_snapshot();
+    let spec = serde_json::json!({"f:spec": {"f:containers": {}}});
+    let status = serde_json::json!({"f:status": {"f:allocation": {}}});
+    snap.reservations[0].metadata.managed_fields = Some(vec![
+        entry("gpuledger-operator", None, spec.clone()),
+        entry("gpuledger-device-plugin", Some("status"), status.clone()),
+    ]);
+    assert_eq!(
+        audit(&snap, ts(1000), Options::default()),
+        vec![],
+        "ours and the plugin's status"
+    );
+    snap.reservations[1].metadata.managed_fields = Some(vec![
+        entry("gpuledger-operator", None, spec.clone()),
+        entry("kubectl-edit", None, spec),
+        entry(
+            "someone",
+            None,
+            serde_json::json!({"f:metadata": {"f:labels": {}}}),
+        ),
+    ]);
+    let findings = audit(&snap, ts(1000), Options::default());
+    assert_eq!(
+        findings,
+        vec![Finding::EditedOutsideOperator {
+            reservation: "ns/p2".into(),
+            managers: vec!["kubectl-edit".into()],
+        }]
+    );
+    assert!(findings[0].to_string().contains("written by kubectl-edit"));
+}
+
+#[test]
 fn findings_render_for_humans() {
     let f = Finding::PodWithoutReservation {
         pod: "ns/p".into(),

@@ -109,6 +109,16 @@ impl OperatorStatus {
     }
 }
 
+/// Spec writes carry the operator's field manager, so `metadata.managedFields` tells the
+/// operator's spec from anyone else's: the audit reports a reservation whose spec another
+/// manager wrote (a hand edit) as no longer the operator's decision.
+fn operator_writes() -> PostParams {
+    PostParams {
+        field_manager: Some(OPERATOR_MANAGER.to_string()),
+        ..PostParams::default()
+    }
+}
+
 /// Writes reservations and keeps the index in step.
 #[derive(Clone)]
 pub struct LedgerWriter {
@@ -136,7 +146,7 @@ impl LedgerWriter {
         let key = ReservationKey::of(r);
         let created = self
             .api(&key.namespace)
-            .create(&PostParams::default(), r)
+            .create(&operator_writes(), r)
             .await
             .map_err(|e| WriteError::from_kube("create", &key, None, e))?;
         self.index.record_write(created.clone());
@@ -150,7 +160,7 @@ impl LedgerWriter {
         let rv = r.resource_version();
         let replaced = self
             .api(&key.namespace)
-            .replace(&key.name, &PostParams::default(), r)
+            .replace(&key.name, &operator_writes(), r)
             .await
             .map_err(|e| WriteError::from_kube("replace", &key, rv.as_deref(), e))?;
         self.index.record_write(replaced.clone());
