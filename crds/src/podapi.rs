@@ -245,6 +245,16 @@ pub struct PodResources {
 /// Why a pod's GPU request could not be read.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PodApiError {
+    /// A container asks for GPU memory or cores but not for `nvidia.com/gpu`.
+    #[error(
+        "container {container:?} asks for {key} but not for nvidia.com/gpu: the kubelet gives GPUs only to containers that request nvidia.com/gpu, so add nvidia.com/gpu: 1 to its limits"
+    )]
+    MissingGpuCount {
+        /// Container name.
+        container: String,
+        /// The GPU resource it does ask for.
+        key: String,
+    },
     /// A resource amount that is not a usable integer.
     #[error("container {container:?}: invalid value {value:?} for {key}: {reason}")]
     InvalidQuantity {
@@ -338,6 +348,44 @@ pub fn parse_pod(pod: &Pod, config: &PodApiConfig) -> Result<PodRequest, PodApiE
             .unwrap_or_default(),
     };
     parse(&plain, config)
+}
+
+/// The first container of `pod` whose GPU request the kubelet would never allocate: it names GPU
+/// memory or cores but not `nvidia.com/gpu`. [`parse`] gives such a container HAMi's default
+/// count, as HAMi's admission webhook would have written into the pod; without that webhook the
+/// pod never asks the kubelet for `nvidia.com/gpu`, the kubelet never calls the device plugin
+/// for it, and a reservation for it would hold the node's allocation Lease until it times out,
+/// blocking every GPU pod of the node. The extender refuses it instead, saying what to add.
+pub fn unallocatable_request(pod: &Pod, req: &PodRequest) -> Option<PodApiError> {
+    let spec = pod.spec.as_ref()?;
+    let containers = spec
+        .init_containers
+        .iter()
+        .flatten()
+        .chain(&spec.containers);
+    for (c, parsed) in containers.zip(&req.containers) {
+        if parsed.gpu.is_none() {
+            continue;
+        }
+        let res = c.resources.as_ref();
+        let names = |key: &str| {
+            res.is_some_and(|r| {
+                r.limits.as_ref().is_some_and(|l| l.contains_key(key))
+                    || r.requests.as_ref().is_some_and(|l| l.contains_key(key))
+            })
+        };
+        if !names(GPU) {
+            let key = [GPU_MEM, GPU_MEM_PERCENTAGE, GPU_CORES]
+                .into_iter()
+                .find(|k| names(k))
+                .unwrap_or(GPU_MEM);
+            return Some(PodApiError::MissingGpuCount {
+                container: c.name.clone(),
+                key: key.to_string(),
+            });
+        }
+    }
+    None
 }
 
 /// Whether `pod` holds GPU capacity once bound: what the extender schedules, the lifecycle

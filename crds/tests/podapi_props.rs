@@ -117,6 +117,8 @@ fn refusal_subject(err: &PodApiError) -> (String, String) {
             // AlignmentError keeps its fields private; its message is checked for the key.
             (NUMA_ALIGNMENT.to_string(), e.to_string())
         }
+        // Not a parse refusal (unallocatable_request's), but its message names both keys.
+        PodApiError::MissingGpuCount { key, .. } => (key.clone(), GPU.to_string()),
     }
 }
 

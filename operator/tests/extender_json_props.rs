@@ -495,3 +495,34 @@ fn the_server_answers_every_body_on_every_verb() {
     ));
     assert_eq!(code, 200);
 }
+
+/// GPU memory without `nvidia.com/gpu`: the kubelet would never allocate it, so filter refuses
+/// every node with a reason that says what to add, instead of reserving capacity (and the
+/// node's allocation Lease) for a container that never asks the device plugin for it.
+#[test]
+fn a_memory_only_pod_is_refused_everywhere_naming_the_missing_count() {
+    let rt = runtime();
+    let _in_runtime = rt.enter();
+    let ctx = context(true);
+    let pod = json!({
+        "metadata": {"name": "p", "namespace": "default", "uid": "u"},
+        "spec": {"containers": [{"name": "main", "image": "x",
+            "resources": {"limits": {"nvidia.com/gpumem": "4096"}}}]},
+    });
+    let names: Vec<String> = GPU_NODES.iter().map(|n| n.to_string()).collect();
+    let args: ExtenderArgs =
+        serde_json::from_value(json!({"Pod": pod, "NodeNames": names})).unwrap();
+    let out = rt.block_on(filter(&ctx, args));
+    assert_eq!(
+        out.node_names.as_deref().map(<[String]>::len),
+        Some(0),
+        "{out:?}"
+    );
+    assert_eq!(out.failed_and_unresolvable_nodes.len(), names.len());
+    for reason in out.failed_and_unresolvable_nodes.values() {
+        assert!(
+            reason.contains("nvidia.com/gpumem") && reason.contains("add nvidia.com/gpu"),
+            "{reason}"
+        );
+    }
+}

@@ -518,3 +518,29 @@ fn a_gpu_pod_is_one_the_scheduler_would_place_or_one_that_names_gpus_unreadably(
     assert!(pod_wants_gpus(&k8s_pod(&[(GPU, "1.5")]), &cfg));
     assert!(!pod_wants_gpus(&Pod::default(), &cfg));
 }
+
+#[test]
+fn memory_or_cores_without_a_gpu_count_are_named_as_never_allocated() {
+    let cfg = PodApiConfig::default();
+    let mem_only = k8s_pod(&[(GPU_MEM, "1000")]);
+    let req = parse_pod(&mem_only, &cfg).unwrap();
+    assert!(req.wants_gpus(), "HAMi's default count applies");
+    let err = unallocatable_request(&mem_only, &req).unwrap();
+    assert!(
+        matches!(&err, PodApiError::MissingGpuCount { container, key } if container == "main" && key == GPU_MEM),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("add nvidia.com/gpu"), "{err}");
+    let cores_only = k8s_pod(&[(GPU_CORES, "30")]);
+    let req = parse_pod(&cores_only, &cfg).unwrap();
+    assert!(matches!(
+        unallocatable_request(&cores_only, &req),
+        Some(PodApiError::MissingGpuCount { key, .. }) if key == GPU_CORES
+    ));
+    let counted = k8s_pod(&[(GPU, "1"), (GPU_MEM, "1000")]);
+    let req = parse_pod(&counted, &cfg).unwrap();
+    assert_eq!(unallocatable_request(&counted, &req), None);
+    let no_gpu = k8s_pod(&[("cpu", "1")]);
+    let req = parse_pod(&no_gpu, &cfg).unwrap();
+    assert_eq!(unallocatable_request(&no_gpu, &req), None);
+}

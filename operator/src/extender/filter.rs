@@ -18,9 +18,13 @@ use crate::placement::{NodeChoice, Placement, Policies, scale_scores};
 /// Reason given for nodes without a GpuNode.
 const NO_INVENTORY: &str = "node has no GpuNode inventory (no gpuledger device plugin)";
 
-/// The pod's request, `None` for pods without GPUs.
+/// The pod's request, `None` for pods without GPUs. A request the kubelet would never allocate
+/// (GPU memory or cores without `nvidia.com/gpu`) is an error naming what to add.
 pub fn gpu_request(ctx: &Context, pod: &Pod) -> Result<Option<PodRequest>, String> {
     let req = podapi::parse_pod(pod, &ctx.pod_api).map_err(|e| e.to_string())?;
+    if let Some(e) = podapi::unallocatable_request(pod, &req) {
+        return Err(e.to_string());
+    }
     Ok(req.wants_gpus().then_some(req))
 }
 
