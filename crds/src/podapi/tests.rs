@@ -405,23 +405,9 @@ fn memory_request_on_device() {
 
 #[test]
 fn kubernetes_pod_entry_point_matches_plain_data() {
-    use k8s_openapi::api::core::v1::{PodSpec, ResourceRequirements};
-    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+    use k8s_openapi::api::core::v1::PodSpec;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
-    let k8s_ctr = |name: &str, limits: &[(&str, &str)]| Container {
-        name: name.to_string(),
-        resources: Some(ResourceRequirements {
-            limits: Some(
-                limits
-                    .iter()
-                    .map(|(k, v)| (k.to_string(), Quantity(v.to_string())))
-                    .collect(),
-            ),
-            ..ResourceRequirements::default()
-        }),
-        ..Container::default()
-    };
     let k8s_pod = Pod {
         metadata: ObjectMeta {
             annotations: Some(BTreeMap::from([(
@@ -481,25 +467,30 @@ fn plain_data_reads_the_fit_cli_json_shape() {
     assert!(r.numa_bind);
 }
 
-/// A Kubernetes pod with one container limited to `limits`.
-fn k8s_pod(limits: &[(&str, &str)]) -> Pod {
-    use k8s_openapi::api::core::v1::{PodSpec, ResourceRequirements};
+/// A Kubernetes container limited to `limits`.
+fn k8s_ctr(name: &str, limits: &[(&str, &str)]) -> Container {
+    use k8s_openapi::api::core::v1::ResourceRequirements;
     use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+    Container {
+        name: name.to_string(),
+        resources: Some(ResourceRequirements {
+            limits: Some(
+                limits
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), Quantity(v.to_string())))
+                    .collect(),
+            ),
+            ..ResourceRequirements::default()
+        }),
+        ..Container::default()
+    }
+}
+
+/// A Kubernetes pod with one container, `main`, limited to `limits`.
+fn k8s_pod(limits: &[(&str, &str)]) -> Pod {
     Pod {
-        spec: Some(PodSpec {
-            containers: vec![Container {
-                name: "main".into(),
-                resources: Some(ResourceRequirements {
-                    limits: Some(
-                        limits
-                            .iter()
-                            .map(|(k, v)| (k.to_string(), Quantity(v.to_string())))
-                            .collect(),
-                    ),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }],
+        spec: Some(k8s_openapi::api::core::v1::PodSpec {
+            containers: vec![k8s_ctr("main", limits)],
             ..Default::default()
         }),
         ..Default::default()

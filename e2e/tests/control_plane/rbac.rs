@@ -34,18 +34,7 @@ pub(crate) async fn device_plugin_may_write_reservation_status_only(cp: &Control
         "forbidden",
         "device plugin replacing a reservation",
     );
-    assert_refused(
-        as_plugin
-            .patch(
-                RESERVATION,
-                &PatchParams::default(),
-                &Patch::Merge(json!({ "spec": { "nodeName": OTHER_NODE } })),
-            )
-            .await,
-        403,
-        "forbidden",
-        "device plugin patching a reservation spec",
-    );
+    moving_the_reservation_is_forbidden(&as_plugin, "device plugin").await;
     assert_refused(
         as_plugin.create(&pp, &reservation("forged", NODE)).await,
         403,
@@ -236,6 +225,18 @@ pub(crate) async fn device_plugin_may_write_reservation_status_only(cp: &Control
     );
 }
 
+/// `who` patching the reservation's spec onto another node is refused by RBAC.
+async fn moving_the_reservation_is_forbidden(api: &Api<GpuReservation>, who: &str) {
+    let moved = Patch::Merge(json!({ "spec": { "nodeName": OTHER_NODE } }));
+    assert_refused(
+        api.patch(RESERVATION, &PatchParams::default(), &moved)
+            .await,
+        403,
+        "forbidden",
+        &format!("{who} patching a reservation spec"),
+    );
+}
+
 pub(crate) fn lease(name: &str) -> Lease {
     Lease {
         metadata: ObjectMeta {
@@ -369,18 +370,7 @@ pub(crate) async fn namespace_users_read_the_ledger_and_write_numapolicies(cp: &
         .unwrap();
 
     // The ledger is not hers to write: not a reservation's spec, not its status, not a new one.
-    assert_refused(
-        reservations
-            .patch(
-                RESERVATION,
-                &PatchParams::default(),
-                &Patch::Merge(json!({ "spec": { "nodeName": OTHER_NODE } })),
-            )
-            .await,
-        403,
-        "forbidden",
-        "namespace user moving a reservation",
-    );
+    moving_the_reservation_is_forbidden(&reservations, "namespace user").await;
     assert_refused(
         reservations
             .patch_status(
