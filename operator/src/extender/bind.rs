@@ -279,7 +279,10 @@ async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Bound, Bi
 
     let holder = lease_holder(&args.pod_namespace, &args.pod_name, &args.pod_uid);
     if let Err(e) = take_lease(ctx, &args.node, &holder, deadline).await {
-        undo(ctx, &reservation, None).await;
+        // Free the Lease too: a create whose answer was lost may have made this pod its holder
+        // (release touches it only if this pod holds it), and an unbound holder would keep the
+        // node waiting until the Lease expired.
+        undo(ctx, &reservation, Some(&holder)).await;
         return Err(e.into());
     }
     // The Lease is ours: the next bind of the node may write its reservation and wait for it.
