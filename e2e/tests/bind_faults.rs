@@ -112,12 +112,13 @@ async fn ledger_right_without_repairs(rig: &Rig, op: &ChildOperator) {
 async fn a_retry_while_the_first_bind_runs_is_refused_and_the_pod_keeps_one_reservation() {
     let rig = Rig::start(2, SHAPE).await;
     let proxy = FaultProxy::start(rig.client()).await.unwrap();
-    // The first reservation write is held back past kube-scheduler's 5 s extender timeout: the
-    // scheduler gives up on the first bind and retries the pod while that bind still runs.
+    // The first reservation write is held back well past kube-scheduler's 5 s extender timeout
+    // (its retry comes about a second later): the scheduler gives up on the first bind and
+    // retries the pod while that bind still runs.
     let slow = proxy.add_rule(FaultRule {
         method: Some(http::Method::POST),
         path_contains: "/gpureservations".into(),
-        action: FaultAction::Delay(Duration::from_secs(7)),
+        action: FaultAction::Delay(Duration::from_secs(12)),
         times: Some(1),
     });
     let op = operator_behind(&rig, &proxy, "slow-bind").await;
@@ -203,7 +204,12 @@ async fn a_binding_whose_answer_is_lost_keeps_its_reservation() {
 async fn a_hand_edit_is_reported_and_a_hand_deleted_reservation_is_booked_again_or_reported() {
     let rig = Rig::start(1, SHAPE).await;
     let client = rig.client();
-    let op = rig.operator("repair").await;
+    // The sweep waits 20 s before it books a pod: room for the second half below, where another
+    // pod must take the GPUs first, even on a slow machine running the other tests beside it.
+    let mut opts = rig.operator_options("repair", false);
+    opts.extra_args.push("--repair-after=20s".into());
+    let mut op = ChildOperator::spawn(opts).expect("operator starts");
+    op.wait_ready(WAIT).await.expect("operator ready");
     let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
     let ledger: Api<GpuReservation> = Api::namespaced(client.clone(), NS);
 

@@ -72,6 +72,7 @@ impl Operator {
             lease_wait: Duration::from_secs(3),
             usage_interval: Duration::from_secs(1),
             refit_ttl: Duration::from_secs(600),
+            repair_after: Duration::from_secs(5),
         };
         let task = tokio::spawn(gpuledger_operator::run::run(config, std::future::pending()));
         Operator {

@@ -94,6 +94,10 @@ pub struct RunConfig {
     /// How long answered RefitRequests are kept (for `kubectl get refit`) before deletion.
     #[arg(long, env = "GPULEDGER_REFIT_TTL", default_value = "10m", value_parser = parse_duration)]
     pub refit_ttl: Duration,
+    /// How long a bound GPU pod may go without a reservation on its node before the operator
+    /// books it (or reports that it cannot): well above how far the reservation watch lags.
+    #[arg(long, env = "GPULEDGER_REPAIR_AFTER", default_value = "5s", value_parser = parse_duration)]
+    pub repair_after: Duration,
 }
 
 #[cfg(test)]
@@ -127,6 +131,7 @@ mod tests {
         assert_eq!(cli.run.gpu_policy, SchedulerPolicy::Spread);
         assert!(!cli.run.leader_elect);
         assert_eq!(cli.run.refit_ttl, Duration::from_secs(600));
+        assert_eq!(cli.run.repair_after, Duration::from_secs(5));
     }
 
     #[test]

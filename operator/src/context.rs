@@ -56,6 +56,8 @@ pub struct Context {
     pub lease_wait: std::time::Duration,
     /// How long a reservation may stay Allocating.
     pub allocating_timeout: std::time::Duration,
+    /// How long a bound GPU pod may go without a reservation before it is repaired.
+    pub repair_after: std::time::Duration,
     /// Metrics.
     pub metrics: Arc<Metrics>,
     /// Health and leadership.
@@ -108,6 +110,7 @@ impl Context {
             default_alignment: Alignment::None,
             lease_wait: std::time::Duration::from_millis(50),
             allocating_timeout: std::time::Duration::from_secs(60),
+            repair_after: std::time::Duration::from_secs(5),
             events: EventQueue::start(Recorder::new(client, reporter("detached")), metrics.clone()),
             metrics,
             health,

@@ -184,6 +184,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         default_alignment: config.default_alignment,
         lease_wait: config.lease_wait,
         allocating_timeout: config.allocating_timeout,
+        repair_after: config.repair_after,
         metrics: metrics.clone(),
         health: health.clone(),
         events: EventQueue::start(

@@ -6,10 +6,10 @@
 //! controller removed because it named another node than the pod's. Such a pod runs on GPUs the
 //! ledger does not count, which is worse than no ledger. Every [`SWEEP_EVERY`] this looks at the
 //! pods the lifecycle controller's pod watch knows and, for each bound GPU pod that has had no
-//! reservation on its node for [`REPAIR_AFTER`], decides once more on fresh reads under the node
-//! lock (the same lock bind and refits take) and either writes the reservation the pod's request
-//! fits to on that node, or, when the node has no room for it, says so loudly: a Warning event
-//! on the pod, `gpuledger_ledger_repairs_total{outcome="unfit"}`, the
+//! reservation on its node for `--repair-after` (5 s), decides once more on fresh reads under
+//! the node lock (the same lock bind and refits take) and either writes the reservation the
+//! pod's request fits to on that node, or, when the node has no room for it, says so loudly: a
+//! Warning event on the pod, `gpuledger_ledger_repairs_total{outcome="unfit"}`, the
 //! `gpuledger_ledger_unreserved_pods` gauge, and the audit's `PodWithoutReservation` finding.
 
 use std::collections::{HashMap, HashSet};
@@ -29,11 +29,6 @@ use crate::telemetry::OutcomeLabels;
 
 /// How often the pods are looked at.
 pub const SWEEP_EVERY: Duration = Duration::from_secs(2);
-
-/// How long a bound GPU pod must have gone without a reservation on its node before it is
-/// repaired: far longer than the ledger index lags the operator's own writes (not at all) or
-/// the reservation watch (milliseconds), so a pod bound a moment ago is never booked twice.
-pub const REPAIR_AFTER: Duration = Duration::from_secs(5);
 
 /// Why a repair could not run.
 #[derive(Debug, thiserror::Error)]
@@ -98,7 +93,10 @@ pub async fn run(ctx: Arc<Context>, pods: Arc<PodFactsCache>) {
         let mut unfit = 0;
         for (key, facts) in &found {
             let since = *missing_since.entry(facts.uid.clone()).or_insert(now);
-            if now.duration_since(since) < REPAIR_AFTER {
+            // Far longer than the ledger index lags the operator's own writes (not at all) or
+            // the reservation watch (milliseconds): a pod bound a moment ago is never booked
+            // twice.
+            if now.duration_since(since) < ctx.repair_after {
                 continue;
             }
             match repair(&ctx, key, facts).await {
