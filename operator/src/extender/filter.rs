@@ -124,12 +124,13 @@ pub async fn filter(ctx: &Context, args: ExtenderArgs) -> ExtenderFilterResult {
     // (refused while it runs, answered as done once it bound the pod) instead of failing on
     // another node against a pod that is already bound.
     let candidates = args.candidate_names();
-    if let Some(own) = own_reservation_node(ctx, &args.pod)
-        && candidates.contains(&own)
-        && fit_on(ctx, &args.pod, &req, &own).is_ok()
+    let own = own_reservation_node(ctx, &args.pod);
+    if let Some(own) = &own
+        && candidates.contains(own)
+        && fit_on(ctx, &args.pod, &req, own).is_ok()
     {
         ctx.metrics.decision("filter", "own_reservation", started);
-        return ExtenderFilterResult::verdict(&args, vec![own], BTreeMap::new());
+        return ExtenderFilterResult::verdict(&args, vec![own.clone()], BTreeMap::new());
     }
     // Like HAMi, filter answers with the one node the fit engine chooses under the node
     // policy: kube-scheduler's own scoring cannot then override binpack/spread.
@@ -155,7 +156,7 @@ pub async fn filter(ctx: &Context, args: ExtenderArgs) -> ExtenderFilterResult {
     // A pod that already holds a reservation (a retried bind) must not compete with itself:
     // its node's view is built without it, outside the cache.
     let uid = args.pod.metadata.uid.as_deref();
-    if let Some(own) = own_reservation_node(ctx, &args.pod) {
+    if let Some(own) = own {
         for (view, (gpunode, _)) in views.iter_mut().zip(&candidates) {
             if gpunode.metadata.name.as_deref() == Some(own.as_str()) {
                 let usage = ctx.index.node_usage(&own, uid, ctx.placer.as_ref());
