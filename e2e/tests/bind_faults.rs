@@ -374,3 +374,38 @@ async fn a_bind_whose_caller_hangs_up_still_ends_consistent() {
     assert_eq!(r.spec.node_name, node);
     ledger_right_without_repairs(&rig, &op).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_watch_that_goes_quiet_is_started_again() {
+    let rig = Rig::start(1, SHAPE).await;
+    let proxy = FaultProxy::start(rig.client()).await.unwrap();
+    // The operator's first watch on GpuReservations is answered ten minutes late: the connection
+    // is open, nothing arrives and nothing fails, the way a watch goes quiet on a struggling API
+    // server. kube-apiserver would close it only at its own timeout, minutes later.
+    let quiet = proxy.add_rule(FaultRule {
+        method: Some(http::Method::GET),
+        // kube's watch URL, as it writes it: `…/gpureservations?&watch=true&…`.
+        path_contains: "/gpureservations?&watch=true".into(),
+        action: FaultAction::Delay(Duration::from_secs(600)),
+        times: Some(1),
+    });
+    let op = operator_behind(&rig, &proxy, "quiet-watch").await;
+
+    let api: Api<Pod> = Api::namespaced(rig.client(), NS);
+    api.create(&PostParams::default(), &gpu_pod("quiet-0", 1, 8192, 20))
+        .await
+        .unwrap();
+    let node = wait_bound(&rig, "quiet-0").await;
+    // Allocated needs the node's allocation, written by its device plugin: only the watch brings
+    // that to the operator. The bind's own write never coming back tells it the watch is quiet.
+    let r = wait_reservation(&rig, "quiet-0", ReservationPhase::Allocated).await;
+    assert_eq!(r.spec.node_name, node);
+    assert_eq!(proxy.hits(quiet), 1, "the first watch was not held back");
+    let restarts = metric(
+        &op.metrics().await,
+        "gpuledger_ledger_watch_restarts_total",
+        &[],
+    );
+    assert!(restarts >= 1.0, "the quiet watch was never restarted");
+    ledger_right_without_repairs(&rig, &op).await;
+}

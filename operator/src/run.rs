@@ -30,7 +30,7 @@ use crate::ledger::{LedgerIndex, LedgerWriter, NodeLocks};
 use crate::placement::Policies;
 use crate::telemetry::{Health, Metrics};
 use crate::watches::{drive, strip_managed_fields, tracked};
-use crate::{controllers, extender, leader};
+use crate::{controllers, extender, leader, ledger};
 
 /// Why the operator could not start or stopped.
 #[derive(Debug, thiserror::Error)]
@@ -124,7 +124,13 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
     let mut tasks = tokio::task::JoinSet::new();
     let reservations = {
         let api: Api<GpuReservation> = Api::all(client.clone());
-        let events = watcher(api, watcher::Config::default()).default_backoff();
+        let restart = Arc::new(tokio::sync::Notify::new());
+        tasks.spawn(ledger::feed::watchdog(
+            index.clone(),
+            restart.clone(),
+            metrics.clone(),
+        ));
+        let events = ledger::feed::restartable(api, restart);
         tracked(
             "gpureservations",
             health.clone(),

@@ -90,6 +90,12 @@ pub struct Metrics {
     /// Events dropped because the publishing queue was full (the API server is the bottleneck;
     /// events are advisory, decisions never wait for them).
     pub events_dropped: Counter,
+    /// Times the GpuReservation watch was started again because it had stopped delivering events
+    /// without an error (an own write not seen within `ledger::index::ECHO_TIMEOUT`).
+    pub watch_restarts: Counter,
+    /// Lifecycle steps the resync sweep carried out because they stayed due, unchanged, for a
+    /// whole sweep (`controllers::resync`; 0 in a healthy operator).
+    pub lifecycle_resyncs: Counter,
     /// 1 on the leader.
     pub leader: Gauge,
 }
@@ -172,6 +178,18 @@ impl Metrics {
             "Kubernetes Events not published because the publishing queue was full",
             events_dropped.clone(),
         );
+        let watch_restarts = Counter::default();
+        registry.register(
+            "ledger_watch_restarts",
+            "Times the GpuReservation watch was restarted after it went quiet without an error",
+            watch_restarts.clone(),
+        );
+        let lifecycle_resyncs = Counter::default();
+        registry.register(
+            "lifecycle_resyncs",
+            "Lifecycle steps the resync sweep took because the controller had not taken them",
+            lifecycle_resyncs.clone(),
+        );
         let leader = Gauge::default();
         registry.register(
             "leader",
@@ -192,6 +210,8 @@ impl Metrics {
             repairs,
             unreserved_pods,
             events_dropped,
+            watch_restarts,
+            lifecycle_resyncs,
             leader,
         }
     }

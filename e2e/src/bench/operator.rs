@@ -203,6 +203,24 @@ impl ChildOperator {
     }
 }
 
+impl Drop for ChildOperator {
+    fn drop(&mut self) {
+        // A failed test shows what the operator saw: its log is the first thing to read and,
+        // on CI, the only one left.
+        if std::thread::panicking() || std::env::var_os("GPULEDGER_PRINT_OPERATOR_LOG").is_some() {
+            eprintln!(
+                "operator {} stopped after a panic; the end of {}:\n{}",
+                self.options.identity,
+                self.log.display(),
+                tail(&self.log, PANIC_TAIL_LINES)
+            );
+        }
+    }
+}
+
+/// How much of an operator's log a failed test prints.
+const PANIC_TAIL_LINES: usize = 200;
+
 /// Sends `signal` to process `pid` (SIGSTOP/SIGCONT an API server, SIGKILL an operator).
 pub fn signal(pid: u32, signal: Signal) -> Result<(), ClusterError> {
     let target = Pid::from_raw(pid as i32).ok_or_else(|| ClusterError::Signal {

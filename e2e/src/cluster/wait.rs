@@ -14,6 +14,8 @@ use crate::cluster::ClusterError;
 const FIRST_INTERVAL: Duration = Duration::from_millis(100);
 /// Longest pause between probes.
 const MAX_INTERVAL: Duration = Duration::from_secs(1);
+/// Time a probe gets even when it starts at the deadline (the last probe always starts there).
+const LAST_PROBE: Duration = Duration::from_secs(2);
 
 /// Calls `probe` until it returns `Ok(Some(value))`, then returns the value. `Ok(None)` means
 /// "not yet" and an `Err` is treated as transient (the server may still be starting); both are
@@ -32,7 +34,8 @@ where
     let mut interval = FIRST_INTERVAL;
     let mut last = String::from("never probed");
     loop {
-        match tokio::time::timeout_at(deadline, probe()).await {
+        let probe_deadline = deadline.max(Instant::now() + LAST_PROBE);
+        match tokio::time::timeout_at(probe_deadline, probe()).await {
             Ok(Ok(Some(value))) => return Ok(value),
             Ok(Ok(None)) => last = "condition not met yet".into(),
             Ok(Err(e)) => last = e.to_string(),

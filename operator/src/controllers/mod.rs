@@ -6,4 +6,5 @@ pub mod numapolicy;
 pub mod pod_facts;
 pub mod refit;
 pub mod reservation;
+pub mod resync;
 pub mod unreserved;

@@ -63,8 +63,8 @@ const CONCURRENCY: u16 = 16;
 
 /// What a reconcile gets: the operator's context and the pod facts of the pod watch.
 pub struct Lifecycle {
-    ctx: Arc<Context>,
-    pods: Arc<PodFactsCache>,
+    pub(super) ctx: Arc<Context>,
+    pub(super) pods: Arc<PodFactsCache>,
 }
 
 /// Runs the controller until the process ends. `reservations` is the GpuReservation watch
@@ -97,6 +97,7 @@ where
         ctx: ctx.clone(),
         pods: facts,
     });
+    tokio::spawn(super::resync::run(lifecycle.clone()));
     Controller::for_stream(trigger, keys)
         .watches_stream(pods, |pod: Pod| {
             let ns = pod.namespace().unwrap_or_default();
@@ -152,7 +153,10 @@ async fn decide(
     ))
 }
 
-async fn reconcile(obj: Arc<GpuReservation>, lc: Arc<Lifecycle>) -> Result<Action, ReconcileError> {
+pub(super) async fn reconcile(
+    obj: Arc<GpuReservation>,
+    lc: Arc<Lifecycle>,
+) -> Result<Action, ReconcileError> {
     let ctx = lc.ctx.as_ref();
     if !ctx.may_write() {
         return Ok(Action::requeue(FOLLOWER_RECHECK));

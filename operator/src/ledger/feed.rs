@@ -7,13 +7,66 @@
 //! controller cache, since it holds the operator's own writes before the watch echoes them.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
 use gpuledger_crds::{GpuReservation, GpuReservationSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::Api;
+use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
+use tokio::sync::Notify;
 
 use super::LedgerIndex;
+use super::index::ECHO_TIMEOUT;
+use crate::telemetry::Metrics;
+
+/// How often the watchdog looks.
+const WATCHDOG_EVERY: Duration = Duration::from_secs(5);
+
+/// The GpuReservation watch, started again (with a fresh list) each time `restart` is notified.
+///
+/// A watch can stop delivering events without ending or failing; kube-apiserver then closes it
+/// only at its timeout, minutes later, and everything the operator decides on the ledger would
+/// be that old. [`watchdog`] notices and notifies.
+pub fn restartable(
+    api: Api<GpuReservation>,
+    restart: Arc<Notify>,
+) -> impl Stream<Item = Result<Event<GpuReservation>, watcher::Error>> + Send {
+    futures::stream::repeat(()).flat_map(move |()| {
+        let restart = restart.clone();
+        watcher::watcher(api.clone(), watcher::Config::default())
+            .default_backoff()
+            .take_until(async move { restart.notified().await })
+    })
+}
+
+/// Every [`WATCHDOG_EVERY`]: restarts the watch when an own write has gone [`ECHO_TIMEOUT`]
+/// without its event, and drops own writes a relist kept that the watch never confirmed.
+pub async fn watchdog(index: Arc<LedgerIndex>, restart: Arc<Notify>, metrics: Arc<Metrics>) {
+    let mut tick = tokio::time::interval(WATCHDOG_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let now = Instant::now();
+        let expired = index.expire_unconfirmed(now);
+        if expired > 0 {
+            tracing::info!(
+                expired,
+                "own writes a relist kept were never confirmed by the watch; dropped"
+            );
+        }
+        if let Some(waited) = index.unechoed_for(now).filter(|w| *w >= ECHO_TIMEOUT) {
+            tracing::warn!(
+                waited_s = waited.as_secs(),
+                "the GpuReservation watch has not delivered an own write; restarting it"
+            );
+            metrics.watch_restarts.inc();
+            index.forget_echoes();
+            restart.notify_one();
+        }
+    }
+}
 
 /// A copy of `r` that carries only what a controller needs to identify it: name, namespace,
 /// uid and resourceVersion.
@@ -48,6 +101,11 @@ where
                 Event::Init => Event::Init,
                 Event::InitDone => Event::InitDone,
             };
+            if let Event::Apply(r) | Event::Delete(r) = &event {
+                tracing::trace!(reservation = %crate::ledger::ReservationKey::of(r),
+                    rv = ?r.metadata.resource_version, delete = matches!(event, Event::Delete(_)),
+                    "reservation watch event");
+            }
             index.apply_event(event);
             keys
         })

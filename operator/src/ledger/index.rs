@@ -6,11 +6,16 @@
 //! keeps the newest, so a late watch event never rolls back a write it already saw. Deletions
 //! leave a short-lived tombstone for the same reason.
 //!
+//! The same bookkeeping tells when the watch has gone quiet without an error, which API servers
+//! are known to do under load: an own write whose event has not come back within
+//! [`ECHO_TIMEOUT`] means the watch stopped delivering, and [`super::feed::watchdog`] starts it
+//! again (see [`LedgerIndex::unechoed_for`]).
+//!
 //! resourceVersions are opaque to clients in general, but the API server stores etcd revisions
 //! in them, which are integers that grow with every write; where one does not parse, the index
 //! takes the incoming object (the watch is then the source of truth, as in a plain reflector).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -25,6 +30,11 @@ use crate::watches::strip_managed_fields;
 /// How long an own write survives a relist that does not (yet) contain it, and how long a
 /// deletion shadows older watch events.
 const LOCAL_WRITE_GRACE: Duration = Duration::from_secs(30);
+
+/// How long an own write may go without its watch event before the watch counts as stalled. The
+/// event normally follows the write within milliseconds; even the overload bench (API server
+/// stopped half of every 200 ms) stays within seconds.
+pub const ECHO_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Namespace and name of a reservation.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -68,6 +78,14 @@ struct Inner {
     local_writes: HashMap<ReservationKey, Instant>,
     /// Objects of a relist in progress (between `Init` and `InitDone`).
     relist: Option<HashMap<ReservationKey, Arc<GpuReservation>>>,
+    /// Own writes kept through a relist that did not list them, and when: the watch that follows
+    /// the list must deliver them if they are newer than the list; if it does not within
+    /// [`LOCAL_WRITE_GRACE`] they were deleted before it ([`LedgerIndex::expire_unconfirmed`]).
+    unconfirmed: HashMap<ReservationKey, Instant>,
+    /// resourceVersions of own writes the watch has not delivered yet, and when each was made.
+    echoes: BTreeMap<u64, Instant>,
+    /// The newest resourceVersion the watch has delivered.
+    watch_seen: u64,
     /// Per node, the `clock` value of the last change to its reservations: a cache of
     /// anything derived from a node's reservations is valid while this stays the same.
     node_versions: HashMap<String, u64>,
@@ -194,10 +212,23 @@ impl Inner {
         self.tombstones.insert(key, (deleted_rv, Instant::now()));
     }
 
+    /// The watch delivered an event for `key` at version `v`: the key's own write is confirmed,
+    /// and every own write up to `v` has been seen (a watch delivers in resourceVersion order).
+    fn watch_saw(&mut self, key: &ReservationKey, v: Option<u64>) {
+        self.unconfirmed.remove(key);
+        if let Some(v) = v {
+            self.watch_seen = self.watch_seen.max(v);
+            self.echoes = self.echoes.split_off(&(v + 1));
+        }
+    }
+
     fn finish_relist(&mut self) {
         let Some(listed) = self.relist.take() else {
             return;
         };
+        // The list shows the state after every write made before it.
+        self.echoes.clear();
+        self.unconfirmed.clear();
         // The list is a snapshot at least as new as its newest item: an own write no newer
         // than that and absent from the list was deleted since.
         let snapshot = listed.values().filter_map(|o| rv(o)).max();
@@ -220,6 +251,7 @@ impl Inner {
             };
             if recent && maybe_newer && !next.contains_key(key) {
                 next.insert(key.clone(), obj.clone());
+                self.unconfirmed.insert(key.clone(), Instant::now());
             }
         }
         self.replace_live(next);
@@ -257,10 +289,15 @@ impl LedgerIndex {
     pub fn apply_event(&self, event: Event<GpuReservation>) {
         let mut inner = self.write();
         match event {
-            Event::Apply(obj) => inner.upsert(obj),
+            Event::Apply(obj) => {
+                inner.watch_saw(&ReservationKey::of(&obj), rv(&obj));
+                inner.upsert(obj);
+            }
             Event::Delete(obj) => {
                 let deleted_rv = rv(&obj);
-                inner.remove(ReservationKey::of(&obj), deleted_rv);
+                let key = ReservationKey::of(&obj);
+                inner.watch_saw(&key, deleted_rv);
+                inner.remove(key, deleted_rv);
             }
             Event::Init => inner.relist = Some(HashMap::new()),
             Event::InitApply(mut obj) => {
@@ -282,6 +319,15 @@ impl LedgerIndex {
     pub fn record_write(&self, obj: GpuReservation) {
         let mut inner = self.write();
         let key = ReservationKey::of(&obj);
+        // A write that changed something has a version newer than any the index holds for the
+        // key and than the watch has delivered; its event is still to come. (An unchanged apply
+        // keeps its version and produces no event.)
+        if let Some(v) = rv(&obj) {
+            let known = inner.live.get(&key).and_then(|cur| rv(cur)).unwrap_or(0);
+            if v > known && v > inner.watch_seen {
+                inner.echoes.insert(v, Instant::now());
+            }
+        }
         inner.local_writes.insert(key.clone(), Instant::now());
         // Our own write happened after any deletion we know of, so it ends the tombstone.
         inner.tombstones.remove(&key);
@@ -292,6 +338,37 @@ impl LedgerIndex {
     /// object when the API server returned it.
     pub fn record_delete(&self, key: &ReservationKey, deleted_rv: Option<u64>) {
         self.write().remove(key.clone(), deleted_rv);
+    }
+
+    /// How long the oldest own write has gone without its watch event (`None`: every write was
+    /// seen). More than [`ECHO_TIMEOUT`] means the watch stopped delivering.
+    pub fn unechoed_for(&self, now: Instant) -> Option<Duration> {
+        let inner = self.read();
+        let (_, at) = inner.echoes.first_key_value()?;
+        Some(now.saturating_duration_since(*at))
+    }
+
+    /// Forgets the writes awaiting their events (the watch is being restarted, and its relist
+    /// will show them).
+    pub fn forget_echoes(&self) {
+        self.write().echoes.clear();
+    }
+
+    /// Drops the own writes a relist kept that the watch has not confirmed within
+    /// [`LOCAL_WRITE_GRACE`]: they were deleted before the list was taken. Returns how many.
+    pub fn expire_unconfirmed(&self, now: Instant) -> usize {
+        let mut inner = self.write();
+        let expired: Vec<ReservationKey> = inner
+            .unconfirmed
+            .iter()
+            .filter(|(_, at)| now.saturating_duration_since(**at) >= LOCAL_WRITE_GRACE)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in &expired {
+            inner.unconfirmed.remove(key);
+            inner.take_live(key);
+        }
+        expired.len()
     }
 
     /// Whether the first full list has been seen.
@@ -511,6 +588,60 @@ mod tests {
         idx.apply_event(Event::InitDone);
         assert!(idx.get(&key("deleted-since")).is_none());
         assert!(idx.get(&key("other")).is_some());
+    }
+
+    #[test]
+    fn an_own_write_kept_through_a_relist_goes_unless_the_watch_confirms_it() {
+        let idx = LedgerIndex::new();
+        idx.record_write(obj("deleted-before-list", "30", "n1"));
+        idx.record_write(obj("written-after-list", "31", "n1"));
+        // An empty list says nothing about how new it is: both are kept for now.
+        idx.apply_event(Event::Init);
+        idx.apply_event(Event::InitDone);
+        assert!(idx.get(&key("deleted-before-list")).is_some());
+        // The watch that follows the list delivers the one written after it.
+        idx.apply_event(Event::Apply(obj("written-after-list", "31", "n1")));
+        let now = Instant::now();
+        assert_eq!(idx.expire_unconfirmed(now), 0, "within the grace period");
+        assert_eq!(idx.expire_unconfirmed(now + LOCAL_WRITE_GRACE), 1);
+        assert!(idx.get(&key("deleted-before-list")).is_none());
+        assert!(idx.get(&key("written-after-list")).is_some());
+        assert!(idx.on_node("n1").len() == 1);
+    }
+
+    #[test]
+    fn own_writes_wait_for_their_watch_event() {
+        let idx = LedgerIndex::new();
+        let start = Instant::now();
+        assert_eq!(idx.unechoed_for(start), None);
+        idx.record_write(obj("a", "10", "n1"));
+        idx.record_write(obj("b", "11", "n1"));
+        let later = Instant::now() + ECHO_TIMEOUT;
+        assert!(idx.unechoed_for(later).is_some_and(|d| d >= ECHO_TIMEOUT));
+        // The event for `a` proves everything up to version 10 was delivered, not 11.
+        idx.apply_event(Event::Apply(obj("a", "10", "n1")));
+        assert!(idx.unechoed_for(later).is_some());
+        // Any later event (another reservation's, a deletion) proves 11 was delivered too.
+        idx.apply_event(Event::Delete(obj("c", "12", "n2")));
+        assert_eq!(idx.unechoed_for(later), None);
+    }
+
+    #[test]
+    fn writes_that_produce_no_event_are_not_awaited() {
+        let idx = LedgerIndex::new();
+        idx.apply_event(Event::Apply(obj("a", "10", "n1")));
+        // An apply that changed nothing keeps the version: the API server sends no event.
+        idx.record_write(obj("a", "10", "n1"));
+        // A write whose event already arrived (the watch can beat the response).
+        idx.apply_event(Event::Apply(obj("b", "12", "n1")));
+        idx.record_write(obj("b", "12", "n1"));
+        assert_eq!(idx.unechoed_for(Instant::now() + ECHO_TIMEOUT), None);
+        // A relist shows every write made before it.
+        idx.record_write(obj("c", "13", "n1"));
+        idx.apply_event(Event::Init);
+        idx.apply_event(Event::InitApply(obj("c", "13", "n1")));
+        idx.apply_event(Event::InitDone);
+        assert_eq!(idx.unechoed_for(Instant::now() + ECHO_TIMEOUT), None);
     }
 
     #[test]
