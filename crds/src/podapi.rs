@@ -399,6 +399,22 @@ pub fn pod_wants_gpus(pod: &Pod, config: &PodApiConfig) -> bool {
     }
 }
 
+/// Whether `pod` no longer holds GPUs: it ended (`Succeeded` or `Failed`) or is being deleted.
+/// The one definition the lifecycle controller, the allocation Lease and the audit share.
+///
+/// A pod being deleted still runs through its grace period, so counting it free lets another
+/// pod be booked onto GPUs it may still use. Holding them until the kubelet reports the pod
+/// stopped is the right rule, but kube-scheduler retries waiting pods the moment it sees that
+/// report, before the ledger can release: with nothing else happening in the cluster, the
+/// waiting pod then sits out kube-scheduler's five-minute flush. Until the operator can tell
+/// kube-scheduler to look again, deletion frees the GPUs.
+pub fn pod_finished(pod: &Pod) -> bool {
+    matches!(
+        pod.status.as_ref().and_then(|s| s.phase.as_deref()),
+        Some("Succeeded" | "Failed")
+    ) || pod.metadata.deletion_timestamp.is_some()
+}
+
 /// Whether any container of `pod` names a gpuledger resource in its limits or requests.
 fn names_gpu_resources(pod: &Pod) -> bool {
     let Some(spec) = pod.spec.as_ref() else {

@@ -535,3 +535,36 @@ fn memory_or_cores_without_a_gpu_count_are_named_as_never_allocated() {
     let req = parse_pod(&no_gpu, &cfg).unwrap();
     assert_eq!(unallocatable_request(&no_gpu, &req), None);
 }
+
+mod finished {
+    use super::super::pod_finished;
+    use k8s_openapi::api::core::v1::{Pod, PodSpec, PodStatus};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+    use k8s_openapi::jiff::Timestamp;
+
+    fn pod(node: Option<&str>, phase: &str, deleting: bool) -> Pod {
+        let mut p = Pod::default();
+        p.spec = Some(PodSpec {
+            node_name: node.map(str::to_string),
+            ..Default::default()
+        });
+        p.status = Some(PodStatus {
+            phase: Some(phase.into()),
+            ..Default::default()
+        });
+        if deleting {
+            p.metadata.deletion_timestamp = Some(Time(Timestamp::UNIX_EPOCH));
+        }
+        p
+    }
+
+    #[test]
+    fn ended_or_deleted_pods_are_finished() {
+        assert!(pod_finished(&pod(Some("n"), "Succeeded", false)));
+        assert!(pod_finished(&pod(Some("n"), "Failed", false)));
+        assert!(pod_finished(&pod(Some("n"), "Running", true)));
+        assert!(pod_finished(&pod(None, "Pending", true)));
+        assert!(!pod_finished(&pod(Some("n"), "Running", false)));
+        assert!(!pod_finished(&pod(None, "Pending", false)));
+    }
+}

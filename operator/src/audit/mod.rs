@@ -10,7 +10,7 @@ use std::fmt;
 
 use gpuledger_crds::conditions::{self, types};
 use gpuledger_crds::names::OPERATOR_MANAGER;
-use gpuledger_crds::podapi::{PodApiConfig, pod_wants_gpus};
+use gpuledger_crds::podapi::{PodApiConfig, pod_finished, pod_wants_gpus};
 use gpuledger_crds::{GpuNode, GpuReservation, RefitPhase, RefitRequest, ReservationPhase};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
@@ -219,10 +219,10 @@ fn holds_capacity(r: &GpuReservation) -> bool {
         .holds_capacity()
 }
 
-fn pod_is_terminal(p: &Pod) -> bool {
+fn pod_ended(p: &Pod) -> bool {
     matches!(
         p.status.as_ref().and_then(|s| s.phase.as_deref()),
-        Some("Succeeded") | Some("Failed")
+        Some("Succeeded" | "Failed")
     )
 }
 
@@ -336,7 +336,9 @@ fn check_pods(snap: &Snapshot, out: &mut Vec<Finding>) {
                 p.metadata.uid.as_deref().unwrap_or("?"),
                 r.spec.pod_uid
             )),
-            Some(p) if pod_is_terminal(p) => Some(format!("pod {pod_key} has finished")),
+            // Only an ended pod: one being deleted is released by the lifecycle controller a
+            // moment later, and the audit must not race it.
+            Some(p) if pod_ended(p) => Some(format!("pod {pod_key} has finished")),
             Some(_) => None,
         };
         match detail {
@@ -352,7 +354,7 @@ fn check_pods(snap: &Snapshot, out: &mut Vec<Finding>) {
     for p in &snap.pods {
         let node = p.spec.as_ref().and_then(|s| s.node_name.as_deref());
         let Some(node) = node else { continue };
-        if pod_is_terminal(p) || p.metadata.deletion_timestamp.is_some() || !pod_requests_gpus(p) {
+        if pod_finished(p) || !pod_requests_gpus(p) {
             continue;
         }
         let uid = p.metadata.uid.as_deref().unwrap_or("");

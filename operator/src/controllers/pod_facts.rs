@@ -14,7 +14,7 @@
 use std::collections::HashMap;
 use std::sync::RwLock;
 
-use gpuledger_crds::podapi::{PodApiConfig, pod_wants_gpus};
+use gpuledger_crds::podapi::{PodApiConfig, pod_finished, pod_wants_gpus};
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use kube::runtime::watcher::Event;
@@ -47,11 +47,6 @@ impl PodFacts {
             wants_gpus: pod_wants_gpus(pod, config),
         }
     }
-}
-
-fn pod_finished(pod: &Pod) -> bool {
-    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
-    matches!(phase, Some("Succeeded" | "Failed")) || pod.metadata.deletion_timestamp.is_some()
 }
 
 /// Whether every init container of `pod` has terminated with exit code 0.

@@ -91,14 +91,7 @@ async fn holder_gone(client: &Client, holder: &str) -> Result<bool, kube::Error>
         .await?;
     Ok(match pod {
         None => true,
-        Some(p) => {
-            let finished = p
-                .status
-                .as_ref()
-                .and_then(|s| s.phase.as_deref())
-                .is_some_and(|ph| ph == "Succeeded" || ph == "Failed");
-            p.uid().as_deref() != Some(uid) || finished || p.metadata.deletion_timestamp.is_some()
-        }
+        Some(p) => p.uid().as_deref() != Some(uid) || gpuledger_crds::podapi::pod_finished(&p),
     })
 }
 
