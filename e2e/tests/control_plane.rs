@@ -46,7 +46,7 @@ use objects::{
     schema_and_cel_rules_reject_invalid_objects,
 };
 use rbac::{
-    device_plugin_may_write_reservation_status_only,
+    device_plugin_may_write_reservation_status_only, gpu_pods_naming_a_node_are_refused,
     namespace_users_read_the_ledger_and_write_numapolicies, operator_is_confined_to_its_rules,
 };
 use scheduling::{
@@ -105,6 +105,7 @@ async fn control_plane_serves_gpuledger() {
     device_plugin_may_write_reservation_status_only(&cp).await;
     operator_is_confined_to_its_rules(&cp).await;
     namespace_users_read_the_ledger_and_write_numapolicies(&cp).await;
+    gpu_pods_naming_a_node_are_refused(&cp).await;
     kubectl_shows_the_ledger_columns(&cp).await;
     scheduler_binds_plain_pods_and_sends_gpu_pods_to_the_extender(&client, &extender).await;
     controller_manager_collects_garbage_and_creates_service_accounts(&client).await;

@@ -543,15 +543,17 @@ mod finished {
     use k8s_openapi::jiff::Timestamp;
 
     fn pod(node: Option<&str>, phase: &str, deleting: bool) -> Pod {
-        let mut p = Pod::default();
-        p.spec = Some(PodSpec {
-            node_name: node.map(str::to_string),
+        let mut p = Pod {
+            spec: Some(PodSpec {
+                node_name: node.map(str::to_string),
+                ..Default::default()
+            }),
+            status: Some(PodStatus {
+                phase: Some(phase.into()),
+                ..Default::default()
+            }),
             ..Default::default()
-        });
-        p.status = Some(PodStatus {
-            phase: Some(phase.into()),
-            ..Default::default()
-        });
+        };
         if deleting {
             p.metadata.deletion_timestamp = Some(Time(Timestamp::UNIX_EPOCH));
         }

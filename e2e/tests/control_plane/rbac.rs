@@ -408,3 +408,72 @@ pub(crate) async fn namespace_users_read_the_ledger_and_write_numapolicies(cp: &
         "namespace user reading another namespace's reservations",
     );
 }
+
+/// A pod for `NODE`, named `name`, with `resources` as its only container's limits (`init`: on
+/// an init container instead, beside a plain main container).
+fn pod_on_node(name: &str, resources: serde_json::Value, init: bool) -> Pod {
+    let plain = json!({ "name": "main", "image": "registry.invalid/app" });
+    let gpu = json!({ "name": "gpu", "image": "registry.invalid/app",
+        "resources": { "limits": resources } });
+    let (containers, init_containers) = if init {
+        (json!([plain]), json!([gpu]))
+    } else {
+        (json!([gpu]), json!([]))
+    };
+    serde_json::from_value(json!({
+        "metadata": { "name": name, "namespace": NS },
+        "spec": { "nodeName": NODE, "containers": containers,
+            "initContainers": init_containers, "terminationGracePeriodSeconds": 0 },
+    }))
+    .unwrap()
+}
+
+/// A GPU pod that names its node never meets the scheduler, so the ledger would never book it:
+/// config/admission refuses it (system:masters and kubelets' mirror pods excepted); a pod
+/// without GPUs may still name its node.
+pub(crate) async fn gpu_pods_naming_a_node_are_refused(cp: &ControlPlane) {
+    let alice = cp.client_for_service_account(NS, "alice").await.unwrap();
+    let as_alice: Api<Pod> = Api::namespaced(alice, NS);
+    let as_admin: Api<Pod> = Api::namespaced(cp.client(), NS);
+    let pp = PostParams::default();
+    let whole_gpu = pod_on_node("direct-gpu", json!({ "nvidia.com/gpu": "1" }), false);
+    // A new policy takes a moment to reach the API server's admission.
+    let refused = wait_for("the GPU-pod policy in force", WAIT, || async {
+        match as_alice.create(&pp, &whole_gpu).await {
+            Err(kube::Error::Api(s)) if s.code == 403 => Ok::<_, kube::Error>(Some(s)),
+            Err(e) => Err(e),
+            Ok(_) => {
+                as_alice
+                    .delete("direct-gpu", &DeleteParams::default())
+                    .await?;
+                Ok(None)
+            }
+        }
+    })
+    .await
+    .unwrap();
+    assert!(
+        refused.message.contains("placed by the scheduler"),
+        "{refused:?}"
+    );
+    let memory_only = pod_on_node("direct-mem", json!({ "nvidia.com/gpumem": "1024" }), false);
+    assert_refused(
+        as_alice.create(&pp, &memory_only).await,
+        403,
+        "names spec.nodeName",
+        "a pod with GPU memory on a named node",
+    );
+    let in_init = pod_on_node("direct-init", json!({ "nvidia.com/gpucores": "30" }), true);
+    assert_refused(
+        as_alice.create(&pp, &in_init).await,
+        403,
+        "names spec.nodeName",
+        "a GPU init container on a named node",
+    );
+    let no_gpu = pod_on_node("direct-cpu", json!({ "cpu": "100m" }), false);
+    as_alice.create(&pp, &no_gpu).await.unwrap();
+    as_admin
+        .delete("direct-cpu", &DeleteParams::default())
+        .await
+        .unwrap();
+}
