@@ -91,11 +91,10 @@ fn apply_body(node: &str, s: &GpuNodeStatus) -> serde_json::Value {
     })
 }
 
+/// Now, to the second (the precision a `Time` is written with).
 fn now() -> Time {
-    Time(
-        k8s_openapi::jiff::Timestamp::from_second(chrono::Utc::now().timestamp())
-            .unwrap_or(k8s_openapi::jiff::Timestamp::UNIX_EPOCH),
-    )
+    use k8s_openapi::jiff::Timestamp;
+    Time(Timestamp::from_second(Timestamp::now().as_second()).unwrap_or(Timestamp::UNIX_EPOCH))
 }
 
 /// Creates the GpuNode if needed and applies the status.

@@ -76,8 +76,10 @@ pub fn plugin_options() -> api::DevicePluginOptions {
     }
 }
 
+/// Now, to the second (the precision a `Time` is written with).
 fn now() -> Option<Time> {
-    k8s_openapi::jiff::Timestamp::from_second(chrono::Utc::now().timestamp())
+    use k8s_openapi::jiff::Timestamp;
+    Timestamp::from_second(Timestamp::now().as_second())
         .ok()
         .map(Time)
 }
