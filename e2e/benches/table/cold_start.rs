@@ -137,10 +137,7 @@ async fn run() -> Result<Vec<Row>, String> {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
+    gpuledger_e2e::cluster::free_port().expect("free port")
 }
 
 /// Pod `cold-<slot>` bound to its node, its reservation of one share of one GPU, and the

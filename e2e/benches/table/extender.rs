@@ -41,10 +41,7 @@ const NS: &str = "default";
 const SCHEDULING_LIMIT: Duration = Duration::from_secs(900);
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
+    gpuledger_e2e::cluster::free_port().expect("free port")
 }
 
 pub async fn filter_and_throughput() -> Vec<Row> {

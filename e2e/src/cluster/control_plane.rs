@@ -409,25 +409,16 @@ where
     }
 }
 
-/// Reserves distinct free loopback ports by holding all listeners until every port is known.
-/// (A port could in theory be taken again before the component binds it; that race is far
-/// rarer than the collisions fixed ports would cause between parallel runs.)
+/// Distinct free loopback ports for the components ([`super::ports`]: below the ephemeral
+/// range, so no client connection takes one before its component binds it).
 fn reserve_ports() -> Result<Ports, ClusterError> {
-    let listeners = (0..5)
-        .map(|_| std::net::TcpListener::bind(("127.0.0.1", 0)).map_err(ClusterError::Port))
-        .collect::<Result<Vec<_>, _>>()?;
-    let port = |i: usize| -> Result<u16, ClusterError> {
-        Ok(listeners[i]
-            .local_addr()
-            .map_err(ClusterError::Port)?
-            .port())
-    };
+    let port = super::ports::free_port;
     Ok(Ports {
-        etcd_client: port(0)?,
-        etcd_peer: port(1)?,
-        apiserver: port(2)?,
-        scheduler: port(3)?,
-        controller_manager: port(4)?,
+        etcd_client: port()?,
+        etcd_peer: port()?,
+        apiserver: port()?,
+        scheduler: port()?,
+        controller_manager: port()?,
     })
 }
 

@@ -23,6 +23,7 @@ mod identity;
 pub mod nodes;
 pub mod pki;
 pub mod pods;
+pub mod ports;
 pub mod process;
 mod wait;
 
@@ -39,4 +40,5 @@ pub use error::ClusterError;
 pub use fault_proxy::{FaultAction, FaultProxy, FaultRule, RuleId};
 pub use nodes::{FakeGpuNode, FakeNode};
 pub use pods::{delete_bound_pod, mark_pod_finished, mark_pod_running};
+pub use ports::free_port;
 pub use wait::{wait_for, wait_reservation};

@@ -139,12 +139,9 @@ impl OperatorProcess {
     }
 }
 
-/// A free loopback port (bound, read, released).
+/// A free loopback port (see [`crate::cluster::ports`]).
 pub fn free_port() -> Result<u16, SimNodeError> {
-    std::net::TcpListener::bind(("127.0.0.1", 0))
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .map_err(|e| SimNodeError::Cluster(crate::cluster::ClusterError::Port(e)))
+    crate::cluster::free_port().map_err(SimNodeError::Cluster)
 }
 
 async fn http_status(port: u16, path: &str) -> Option<u16> {

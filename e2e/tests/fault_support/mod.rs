@@ -46,10 +46,7 @@ pub const WAIT: Duration = Duration::from_secs(240);
 
 /// A free loopback port.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
+    gpuledger_e2e::cluster::free_port().expect("free port")
 }
 
 /// A seeded RNG; the seed is printed so a failing run can be replayed with

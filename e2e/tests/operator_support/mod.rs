@@ -6,7 +6,6 @@
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
-use std::net::TcpListener as StdListener;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -31,12 +30,9 @@ pub const LEASE_NS: &str = "gpuledger-system";
 /// Generous bound for anything the cluster has to do (two shared cores).
 pub const WAIT: Duration = Duration::from_secs(180);
 
-/// A free loopback port (bound, read, released).
+/// A free loopback port (see `gpuledger_e2e::cluster::ports`).
 pub fn free_port() -> u16 {
-    StdListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
+    gpuledger_e2e::cluster::free_port().expect("free port")
 }
 
 /// Starts a control plane whose scheduler sends GPU pods to `127.0.0.1:<extender_port>`, and

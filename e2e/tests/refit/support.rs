@@ -110,10 +110,7 @@ pub async fn control_plane(extender_port: u16) -> ControlPlane {
 
 /// A free loopback port.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
+    gpuledger_e2e::cluster::free_port().expect("free port")
 }
 
 /// The real operator, in-process, with the gpuledger-operator ServiceAccount's rights.
