@@ -1,10 +1,9 @@
 //! `kill -9` of the real operator process in the middle of a burst: the restarted process
 //! rebuilds its index from the ledger, keeps scheduling, and never double-books a GPU. Uses the
-//! e2e harness's real control plane and the operator binary cargo built for this test.
+//! e2e harness's real control plane and the operator binary cargo built beside this test.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-#[path = "../../e2e/tests/operator_support/mod.rs"]
 mod operator_support;
 
 use std::process::{Child, Command, Stdio};
@@ -25,20 +24,22 @@ struct OperatorProcess {
 impl OperatorProcess {
     fn spawn(cp: &ControlPlane, extender_port: u16) -> Self {
         let metrics_port = free_port();
-        let child = Command::new(env!("CARGO_BIN_EXE_gpuledger-operator"))
-            .arg("run")
-            .arg("--kubeconfig")
-            .arg(cp.kubeconfig())
-            .arg(format!("--extender-addr=127.0.0.1:{extender_port}"))
-            .arg(format!("--metrics-addr=127.0.0.1:{metrics_port}"))
-            .env(
-                "RUST_LOG",
-                std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
-            )
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("operator starts");
+        let child = Command::new(
+            gpuledger_e2e::bench::operator::operator_binary().expect("operator binary"),
+        )
+        .arg("run")
+        .arg("--kubeconfig")
+        .arg(cp.kubeconfig())
+        .arg(format!("--extender-addr=127.0.0.1:{extender_port}"))
+        .arg(format!("--metrics-addr=127.0.0.1:{metrics_port}"))
+        .env(
+            "RUST_LOG",
+            std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
+        )
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("operator starts");
         OperatorProcess {
             child,
             metrics_port,
