@@ -60,6 +60,15 @@ pub struct OutcomeLabels {
     pub outcome: String,
 }
 
+/// Labels of a failed reconcile: the controller, and what kind of failure.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FailureLabels {
+    /// The controller (`reservations`, `refits`, `numapolicies`, `unreserved`, `resync`).
+    pub controller: String,
+    /// The kind of failure (`conflict`, `api`, `lease`, …).
+    pub kind: String,
+}
+
 /// Every metric the operator exports.
 pub struct Metrics {
     registry: Registry,
@@ -96,6 +105,8 @@ pub struct Metrics {
     /// Lifecycle steps the resync sweep carried out because they stayed due, unchanged, for a
     /// whole sweep (`controllers::resync`; 0 in a healthy operator).
     pub lifecycle_resyncs: Counter,
+    /// Failed reconciles by controller and kind (each is retried); see [`Metrics::reconcile_failed`].
+    pub reconcile_failures: Family<FailureLabels, Counter>,
     /// 1 on the leader.
     pub leader: Gauge,
 }
@@ -190,6 +201,12 @@ impl Metrics {
             "Lifecycle steps the resync sweep took because the controller had not taken them",
             lifecycle_resyncs.clone(),
         );
+        let reconcile_failures = Family::<FailureLabels, Counter>::default();
+        registry.register(
+            "reconcile_failures",
+            "Failed reconciles by controller and kind of failure (each is retried)",
+            reconcile_failures.clone(),
+        );
         let leader = Gauge::default();
         registry.register(
             "leader",
@@ -212,8 +229,27 @@ impl Metrics {
             events_dropped,
             watch_restarts,
             lifecycle_resyncs,
+            reconcile_failures,
             leader,
         }
+    }
+
+    /// Logs a failed reconcile of `object` and counts it under `controller` and `kind`: the one
+    /// way every controller reports a failure, so each shows in the same log line and metric.
+    pub fn reconcile_failed(
+        &self,
+        controller: &'static str,
+        kind: &'static str,
+        object: &str,
+        error: &dyn std::fmt::Display,
+    ) {
+        self.reconcile_failures
+            .get_or_create(&FailureLabels {
+                controller: controller.to_string(),
+                kind: kind.to_string(),
+            })
+            .inc();
+        tracing::warn!(controller, kind, object, %error, "reconcile failed; retrying");
     }
 
     /// Counts one extender decision and its latency.
@@ -347,6 +383,27 @@ mod tests {
         );
         assert!(
             text.contains("gpuledger_extender_latency_seconds_bucket"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn failed_reconciles_are_counted_by_controller_and_kind() {
+        let m = Metrics::new();
+        m.reconcile_failed("refits", "api", "ns/r", &"connection reset");
+        m.reconcile_failed("refits", "api", "ns/r", &"connection reset");
+        m.reconcile_failed("reservations", "conflict", "ns/p", &"409");
+        let text = m.encode().unwrap();
+        assert!(
+            text.contains(
+                r#"gpuledger_reconcile_failures_total{controller="refits",kind="api"} 2"#
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                r#"gpuledger_reconcile_failures_total{controller="reservations",kind="conflict"} 1"#
+            ),
             "{text}"
         );
     }

@@ -56,8 +56,13 @@ pub async fn run(ctx: Arc<Context>) {
         .await;
 }
 
-fn error_policy(p: Arc<NumaPolicy>, e: &PolicyError, _ctx: Arc<Context>) -> Action {
-    tracing::warn!(policy = %p.name_any(), error = %e, "NumaPolicy reconcile failed");
+fn error_policy(p: Arc<NumaPolicy>, e: &PolicyError, ctx: Arc<Context>) -> Action {
+    let kind = match e {
+        PolicyError::Api { .. } => "api",
+    };
+    let policy = format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any());
+    ctx.metrics
+        .reconcile_failed("numapolicies", kind, &policy, e);
     Action::requeue(Duration::from_secs(5))
 }
 

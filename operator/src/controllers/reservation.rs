@@ -51,6 +51,17 @@ pub enum ReconcileError {
     },
 }
 
+impl ReconcileError {
+    /// A short name of the failure, for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ReconcileError::Ledger(e) => e.kind(),
+            ReconcileError::Lease(_) => "lease",
+            ReconcileError::ReadPod { .. } => "read_pod",
+        }
+    }
+}
+
 /// How often a follower looks again (it reconciles nothing until it leads).
 const FOLLOWER_RECHECK: Duration = Duration::from_secs(5);
 
@@ -118,7 +129,10 @@ fn error_policy(r: Arc<GpuReservation>, e: &ReconcileError, lc: Arc<Lifecycle>) 
         lc.ctx.metrics.conflicts.inc();
         return Action::requeue(Duration::from_millis(200));
     }
-    tracing::warn!(reservation = %ReservationKey::of(&r), error = %e, "reservation reconcile failed");
+    let key = ReservationKey::of(&r).to_string();
+    lc.ctx
+        .metrics
+        .reconcile_failed("reservations", e.kind(), &key, e);
     Action::requeue(Duration::from_secs(5))
 }
 

@@ -52,7 +52,10 @@ pub(super) async fn run(lc: Arc<Lifecycle>) {
             tracing::warn!(reservation = %key, ?step,
                 "lifecycle step due since the last sweep and not taken; taking it now");
             if let Err(e) = reconcile(r, lc.clone()).await {
-                tracing::warn!(reservation = %key, error = %e, "resync reconcile failed");
+                let object = key.to_string();
+                lc.ctx
+                    .metrics
+                    .reconcile_failed("resync", e.kind(), &object, &e);
             }
         }
     }

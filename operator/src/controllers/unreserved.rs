@@ -116,7 +116,12 @@ pub async fn run(ctx: Arc<Context>, pods: Arc<PodFactsCache>) {
                     }
                 }
                 Err(e) => {
-                    tracing::warn!(pod = %key, error = %e, "repairing a pod without reservation")
+                    let kind = match &e {
+                        RepairError::ReadPod { .. } => "read_pod",
+                        RepairError::Ledger(w) => w.kind(),
+                    };
+                    ctx.metrics
+                        .reconcile_failed("unreserved", kind, &key.to_string(), &e);
                 }
             }
         }

@@ -47,6 +47,17 @@ pub enum WriteError {
 }
 
 impl WriteError {
+    /// A short name of the failure, for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            WriteError::Conflict { .. } => "conflict",
+            WriteError::NotFound { .. } => "not_found",
+            WriteError::Api { .. } => "api",
+        }
+    }
+}
+
+impl WriteError {
     fn from_kube(
         action: &'static str,
         key: &ReservationKey,

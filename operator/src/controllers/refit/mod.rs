@@ -186,8 +186,16 @@ pub async fn run(ctx: Arc<Context>, ttl: Duration) {
         .await;
 }
 
-fn error_policy(req: Arc<RefitRequest>, e: &ReconcileError, _: Arc<RefitContext>) -> Action {
-    tracing::warn!(request = %id(&req), error = %e, "refit reconcile failed");
+fn error_policy(req: Arc<RefitRequest>, e: &ReconcileError, rc: Arc<RefitContext>) -> Action {
+    let kind = match e {
+        ReconcileError::Ledger(w) => w.kind(),
+        ReconcileError::LockedCallTimedOut(_) => "locked_call_timeout",
+        ReconcileError::AlreadyAnswered => "already_answered",
+        ReconcileError::Api { .. } => "api",
+    };
+    rc.ctx
+        .metrics
+        .reconcile_failed("refits", kind, &id(&req), e);
     Action::requeue(Duration::from_millis(500))
 }
 
