@@ -101,11 +101,6 @@ where
                 Event::Init => Event::Init,
                 Event::InitDone => Event::InitDone,
             };
-            if let Event::Apply(r) | Event::Delete(r) = &event {
-                tracing::trace!(reservation = %crate::ledger::ReservationKey::of(r),
-                    rv = ?r.metadata.resource_version, delete = matches!(event, Event::Delete(_)),
-                    "reservation watch event");
-            }
             index.apply_event(event);
             keys
         })

@@ -357,6 +357,10 @@ impl LedgerIndex {
     /// Drops the own writes a relist kept that the watch has not confirmed within
     /// [`LOCAL_WRITE_GRACE`]: they were deleted before the list was taken. Returns how many.
     pub fn expire_unconfirmed(&self, now: Instant) -> usize {
+        // Almost always nothing to do: look under the read lock, which filters share.
+        if self.read().unconfirmed.is_empty() {
+            return 0;
+        }
         let mut inner = self.write();
         let expired: Vec<ReservationKey> = inner
             .unconfirmed
