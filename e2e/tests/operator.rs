@@ -644,7 +644,14 @@ async fn misallocation_is_recorded_and_a_stuck_admission_times_out_freeing_the_n
         "{}",
         cond.message
     );
-    let events = pod_events(&client, NS, "misaligned-0").await;
+    // Events are published from a queue, after the condition is written: wait for it.
+    let events = wait_for("a Misaligned event on misaligned-0", WAIT, || async {
+        let events = pod_events(&client, NS, "misaligned-0").await;
+        let seen = events.iter().any(|(reason, _)| reason == "Misaligned");
+        Ok::<_, std::convert::Infallible>(seen.then_some(events))
+    })
+    .await
+    .unwrap_or_default();
     assert!(
         events.iter().any(|(reason, _)| reason == "Misaligned"),
         "{events:?}"
