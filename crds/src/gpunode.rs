@@ -5,6 +5,8 @@ use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+pub use gpuledger_fit::shares::GpuDevice;
+
 /// Desired state of a node's GPUs. The device plugin discovers the GPUs; users may cordon some.
 #[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[kube(
@@ -28,35 +30,6 @@ pub struct GpuNodeSpec {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 64), extend("x-kubernetes-list-type" = "set"))]
     pub cordoned: Vec<String>,
-}
-
-/// One physical GPU as the device plugin discovered it.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct GpuDevice {
-    /// GPU UUID as NVML reports it (`GPU-…`).
-    #[schemars(length(min = 1, max = 128))]
-    pub uuid: String,
-    /// NVML index on the node.
-    pub index: u32,
-    /// Model name, e.g. `NVIDIA A100-SXM4-80GB`.
-    pub model: String,
-    /// Total memory in MiB (after the plugin's memory scaling).
-    #[serde(rename = "memoryMiB")]
-    pub memory_mib: u64,
-    /// Compute capacity in percent of the SMs (100 unless core scaling is configured).
-    pub cores: u32,
-    /// NUMA node of the GPU's PCI device; absent when the platform does not report one.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub numa_node: Option<u32>,
-    /// PCI bus id, when known.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pci_bus_id: Option<String>,
-    /// Whether MIG mode is enabled (MIG devices are never shared or refitted).
-    #[serde(default)]
-    pub mig: bool,
-    /// Whether the GPU is healthy.
-    pub healthy: bool,
 }
 
 /// Reserved share of the node, written by the operator (rate-limited).

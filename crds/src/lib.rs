@@ -10,7 +10,7 @@
 //! | [`RefitRequest`] | device plugin (immutable) | operator |
 //! | [`NumaPolicy`] | users / GitOps | operator |
 
-pub mod alignment;
+pub use gpuledger_fit::alignment;
 pub mod conditions;
 pub mod gpunode;
 pub mod numapolicy;
@@ -37,37 +37,7 @@ pub const VERSION: &str = "v1alpha1";
 /// The `kubectl get gpuledger` category shared by all four kinds.
 pub const CATEGORY: &str = "gpuledger";
 
-/// Extended resource names of the pod-facing API (HAMi-compatible).
-pub mod resources {
-    /// Number of GPUs (each one a share of a physical GPU).
-    pub const GPU: &str = "nvidia.com/gpu";
-    /// GPU memory per GPU, in MiB.
-    pub const GPU_MEM: &str = "nvidia.com/gpumem";
-    /// GPU memory per GPU, as a percentage of the device's memory.
-    pub const GPU_MEM_PERCENTAGE: &str = "nvidia.com/gpumem-percentage";
-    /// Share of the GPU's streaming multiprocessors, in percent (100 = exclusive).
-    pub const GPU_CORES: &str = "nvidia.com/gpucores";
-}
-
-/// Pod annotations of the pod-facing API (HAMi-compatible).
-pub mod annotations {
-    /// Comma list of GPU UUIDs the pod may use (exact match).
-    pub const USE_GPU_UUID: &str = "nvidia.com/use-gpuuuid";
-    /// Comma list of GPU UUIDs the pod must not use (exact match).
-    pub const NOUSE_GPU_UUID: &str = "nvidia.com/nouse-gpuuuid";
-    /// Comma list of model substrings the pod may use (case-insensitive).
-    pub const USE_GPU_TYPE: &str = "nvidia.com/use-gputype";
-    /// Comma list of model substrings the pod must not use (case-insensitive).
-    pub const NOUSE_GPU_TYPE: &str = "nvidia.com/nouse-gputype";
-    /// `true`: all GPUs of one container come from one NUMA node.
-    pub const NUMA_BIND: &str = "nvidia.com/numa-bind";
-    /// GPU choice policy within a node: `binpack` or `spread`.
-    pub const GPU_SCHEDULER_POLICY: &str = "hami.io/gpu-scheduler-policy";
-    /// Node choice policy: `binpack` or `spread`.
-    pub const NODE_SCHEDULER_POLICY: &str = "hami.io/node-scheduler-policy";
-    /// NUMA alignment mode at admission: `none`, `best-effort` or `strict`.
-    pub const NUMA_ALIGNMENT: &str = "hami.io/numa-alignment";
-}
+pub use gpuledger_fit::keys::{annotations, resources};
 
 /// Labels and names the components agree on.
 pub mod names {

@@ -6,8 +6,7 @@ use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-/// The most GPUs one request may name (HAMi's limit).
-pub const MAX_ALLOWED_DEVICES: usize = 512;
+pub use gpuledger_fit::MAX_ALLOWED_DEVICES;
 
 /// What the device plugin asks for.
 #[derive(CustomResource, KubeSchema, Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -6,6 +6,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::Alignment;
+pub use gpuledger_fit::shares::{ContainerReservation, PodShares, ReservedDevice};
 
 /// What the operator reserved for a pod. Written by the operator only.
 #[derive(CustomResource, Clone, Debug, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -53,40 +54,6 @@ pub struct GpuReservationSpec {
     /// Whether the init containers have finished and their usage was released.
     #[serde(default)]
     pub init_released: bool,
-}
-
-/// One container's reserved GPUs.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct ContainerReservation {
-    /// Position in the pod, counting init containers first (HAMi's PodDevices index).
-    pub index: u32,
-    /// Container name.
-    #[schemars(length(min = 1, max = 253))]
-    pub name: String,
-    /// Whether it is an init container.
-    #[serde(default)]
-    pub init: bool,
-    /// The reserved GPUs.
-    #[schemars(length(max = 64))]
-    pub devices: Vec<ReservedDevice>,
-}
-
-/// A share of one GPU.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-pub struct ReservedDevice {
-    /// GPU UUID.
-    #[schemars(length(min = 1, max = 128))]
-    pub uuid: String,
-    /// Reserved memory in MiB.
-    #[serde(rename = "memoryMiB")]
-    pub memory_mib: u64,
-    /// Reserved cores in percent of the SMs.
-    pub cores: u32,
-    /// NUMA node of the GPU when it was reserved.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub numa_node: Option<u32>,
 }
 
 /// Life of a reservation.
@@ -177,6 +144,14 @@ impl GpuReservationSpec {
 
     /// The container at pod position `index`, if it has GPUs.
     pub fn container(&self, index: u32) -> Option<&ContainerReservation> {
-        self.containers.iter().find(|c| c.index == index)
+        self.shares().container(index)
+    }
+
+    /// The shares this reservation holds, as the fit engine reads them.
+    pub fn shares(&self) -> PodShares<'_> {
+        PodShares {
+            containers: &self.containers,
+            init_released: self.init_released,
+        }
     }
 }

@@ -24,7 +24,7 @@ use gpuledger_e2e::bench::operator::{http_get, signal};
 use gpuledger_e2e::bench::{ChildOperator, GpuShape};
 use gpuledger_e2e::cluster::process::is_alive;
 use gpuledger_e2e::cluster::wait_for;
-use gpuledger_operator::leader::{LEADER_LEASE, LEASE_SECONDS};
+use gpuledger_operator::lease::leader::{LEADER_LEASE, LEASE_SECONDS};
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::ResourceExt;
 use kube::api::Api;

@@ -15,11 +15,11 @@ use gpuledger_crds::{
     Alignment, GpuNode, GpuReservation, NumaPolicy, NumaPolicySpec, ReservationPhase,
 };
 use gpuledger_e2e::cluster::{ControlPlane, delete_bound_pod, mark_pod_finished, wait_for};
+use gpuledger_fit::{Policy, fit_pod};
 use gpuledger_operator::config::RunConfig;
-use gpuledger_operator::fit::{Policy, fit_pod};
-use gpuledger_operator::fit_adapter::{FitEngine, node_view};
 use gpuledger_operator::ledger::usage::{NodeUsage, sum_usage};
 use gpuledger_operator::run::RunError;
+use gpuledger_operator::schedule::node_view;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
@@ -111,7 +111,7 @@ async fn ledger_usage(client: &Client, node: &str) -> NodeUsage {
         .into_iter()
         .filter(|r| r.spec.node_name == node)
         .collect();
-    sum_usage(rs.iter(), &FitEngine)
+    sum_usage(rs.iter())
 }
 
 /// Where the fit engine puts `pod` given the cluster's GpuNodes and the current ledger:
@@ -726,12 +726,7 @@ async fn misallocation_is_recorded_and_a_stuck_admission_times_out_freeing_the_n
     .await;
     assert_eq!(r.spec.containers.len(), 2);
     assert!(r.spec.containers[0].init && !r.spec.init_released);
-    let held = |r: &GpuReservation| -> u64 {
-        sum_usage([r], &FitEngine)
-            .values()
-            .map(|u| u.memory_mib)
-            .sum()
-    };
+    let held = |r: &GpuReservation| -> u64 { sum_usage([r]).values().map(|u| u.memory_mib).sum() };
     assert_eq!(held(&r), 8000);
     let status = serde_json::json!({"status": {
         "phase": "Running",

@@ -1,63 +1,41 @@
 //! What every part of the running operator shares: the client, the ledger, the caches of
-//! GpuNodes and NumaPolicies, the fit engine, metrics and health.
+//! GpuNodes and NumaPolicies, the fit views, metrics and health.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use gpuledger_crds::alignment::{self, ResolvedAlignment};
 use gpuledger_crds::numapolicy::matching_policies;
-use gpuledger_crds::podapi::PodApiConfig;
+use gpuledger_crds::podapi::{self, PodApiConfig, PodRequest};
 use gpuledger_crds::{Alignment, AlignmentError, GpuNode, NumaPolicy};
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
-use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::events::Recorder;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Client, Resource, ResourceExt};
 
-use crate::events::EventQueue;
-use crate::extender::in_flight::BindsInFlight;
-use crate::extender::turns::Turns;
-use crate::fit_adapter::NodeViewCache;
+use crate::events::{EventQueue, reporter};
+use crate::lease::turns::Turns;
+use crate::ledger::in_flight::BindsInFlight;
 use crate::ledger::{Holds, LedgerIndex, LedgerWriter, NodeLocks};
-use crate::placement::{Placer, Policies};
+use crate::schedule::{self, NodeViewCache, Placement, Policy};
 use crate::telemetry::{Health, Metrics};
 
-/// Shared state of one operator process.
+/// Shared state of one operator process, grouped by concern.
 pub struct Context {
     /// API client.
     pub client: Client,
     /// Namespace of the operator's Leases.
     pub namespace: String,
-    /// Ledger index (watch + own writes).
-    pub index: Arc<LedgerIndex>,
-    /// Ledger writer.
-    pub writer: LedgerWriter,
-    /// Per-node serialisation shared by bind, init shrink and refits.
-    pub node_locks: Arc<NodeLocks>,
+    /// The ledger and the guards that keep writes to it exact.
+    pub ledger: Ledger,
+    /// What decisions are made from besides the ledger: the cluster's GPUs and NumaPolicies.
+    pub caches: Caches,
+    /// Defaults that apply when a pod does not say.
+    pub defaults: Defaults,
+    /// How long the operator waits for each step before it gives up or repairs.
+    pub timing: Timing,
     /// Binds waiting for their node's turn at its allocation Lease, and the pace turns pass at.
     pub turns: Turns,
-    /// Pods whose bind is running (one bind per pod at a time).
-    pub binds: BindsInFlight,
-    /// GpuNode cache.
-    pub gpunodes: Store<GpuNode>,
-    /// NumaPolicy cache.
-    pub policies: Store<NumaPolicy>,
-    /// The fit engine.
-    pub placer: Arc<dyn Placer>,
-    /// The fit engine's views of nodes, kept between filter calls.
-    pub views: NodeViewCache,
-    /// Filter's answers whose binds have not written a reservation yet.
-    pub holds: Holds,
-    /// Pod API defaults.
-    pub pod_api: PodApiConfig,
-    /// Default scheduling policies.
-    pub default_policies: Policies,
-    /// Alignment when neither annotation nor policy decides.
-    pub default_alignment: Alignment,
-    /// Bind's patience for a node's allocation Lease.
-    pub lease_wait: std::time::Duration,
-    /// How long a reservation may stay Allocating.
-    pub allocating_timeout: std::time::Duration,
-    /// How long a bound GPU pod may go without a reservation before it is repaired.
-    pub repair_after: std::time::Duration,
     /// Metrics.
     pub metrics: Arc<Metrics>,
     /// Health and leadership.
@@ -66,13 +44,54 @@ pub struct Context {
     pub events: EventQueue,
 }
 
-/// The event reporter name of the operator.
-pub fn reporter(identity: &str) -> Reporter {
-    Reporter {
-        controller: "gpuledger-operator".into(),
-        instance: Some(identity.to_string()),
-    }
+/// The ledger as the operator holds it.
+pub struct Ledger {
+    /// Every GpuReservation (watch + own writes).
+    pub index: Arc<LedgerIndex>,
+    /// Every reservation write, each with a precondition.
+    pub writer: LedgerWriter,
+    /// Per-node serialisation shared by bind, init shrink, refits and repairs.
+    pub node_locks: Arc<NodeLocks>,
+    /// Filter's answers whose binds have not written a reservation yet.
+    pub holds: Holds,
+    /// Pods whose bind is running (one bind per pod at a time).
+    pub binds: BindsInFlight,
 }
+
+/// Caches of the objects decisions read besides the ledger.
+pub struct Caches {
+    /// GpuNodes (the inventory the device plugins publish).
+    pub gpunodes: Store<GpuNode>,
+    /// NumaPolicies.
+    pub policies: Store<NumaPolicy>,
+    /// The fit engine's views of nodes, kept between filter calls.
+    pub views: NodeViewCache,
+}
+
+/// Cluster-wide defaults.
+#[derive(Clone, Copy, Debug)]
+pub struct Defaults {
+    /// Pod API defaults (HAMi's device config).
+    pub pod_api: PodApiConfig,
+    /// Scheduling policies a pod's annotations may override.
+    pub policies: Policy,
+    /// Alignment when neither annotation nor NumaPolicy decides.
+    pub alignment: Alignment,
+}
+
+/// Patience of each step.
+#[derive(Clone, Copy, Debug)]
+pub struct Timing {
+    /// Bind's patience for a node's allocation Lease.
+    pub lease_wait: Duration,
+    /// How long a reservation may stay Allocating.
+    pub allocating_timeout: Duration,
+    /// How long a bound GPU pod may go without a reservation before it is repaired.
+    pub repair_after: Duration,
+}
+
+/// Reason given for nodes without a GpuNode.
+pub const NO_INVENTORY: &str = "node has no GpuNode inventory (no gpuledger device plugin)";
 
 impl Context {
     /// A context that decides from `index` and `gpunodes` alone, with the operator's default
@@ -92,25 +111,32 @@ impl Context {
         Context {
             client: client.clone(),
             namespace: gpuledger_crds::names::DEFAULT_NAMESPACE.into(),
-            writer: LedgerWriter::new(client.clone(), index.clone()),
-            index,
-            node_locks: Arc::new(NodeLocks::new()),
-            turns: Turns::default(),
-            binds: BindsInFlight::default(),
-            gpunodes,
-            policies,
-            placer: Arc::new(crate::fit_adapter::FitEngine),
-            views: NodeViewCache::default(),
-            holds: Holds::default(),
-            pod_api: PodApiConfig::default(),
-            default_policies: Policies {
-                node: gpuledger_crds::podapi::SchedulerPolicy::Binpack,
-                gpu: gpuledger_crds::podapi::SchedulerPolicy::Spread,
+            ledger: Ledger {
+                writer: LedgerWriter::new(client.clone(), index.clone()),
+                index,
+                node_locks: Arc::new(NodeLocks::new()),
+                holds: Holds::default(),
+                binds: BindsInFlight::default(),
             },
-            default_alignment: Alignment::None,
-            lease_wait: std::time::Duration::from_millis(50),
-            allocating_timeout: std::time::Duration::from_secs(60),
-            repair_after: std::time::Duration::from_secs(5),
+            caches: Caches {
+                gpunodes,
+                policies,
+                views: NodeViewCache::default(),
+            },
+            defaults: Defaults {
+                pod_api: PodApiConfig::default(),
+                policies: Policy {
+                    node: gpuledger_crds::podapi::SchedulerPolicy::Binpack,
+                    gpu: gpuledger_crds::podapi::SchedulerPolicy::Spread,
+                },
+                alignment: Alignment::None,
+            },
+            timing: Timing {
+                lease_wait: Duration::from_millis(50),
+                allocating_timeout: Duration::from_secs(60),
+                repair_after: Duration::from_secs(5),
+            },
+            turns: Turns::default(),
             events: EventQueue::start(Recorder::new(client, reporter("detached")), metrics.clone()),
             metrics,
             health,
@@ -119,12 +145,35 @@ impl Context {
 
     /// Whether this replica may decide and write: it leads and its ledger index is complete.
     pub fn may_write(&self) -> bool {
-        self.health.is_leader() && self.index.is_synced()
+        self.health.is_leader() && self.ledger.index.is_synced()
     }
 
     /// The GpuNode of `node`, from the cache.
     pub fn gpunode(&self, node: &str) -> Option<Arc<GpuNode>> {
-        self.gpunodes.get(&ObjectRef::new(node))
+        self.caches.gpunodes.get(&ObjectRef::new(node))
+    }
+
+    /// The pod's GPU request, `None` for pods without GPUs. A request the kubelet would never
+    /// allocate (GPU memory or cores without `nvidia.com/gpu`) is an error naming what to add.
+    pub fn gpu_request(&self, pod: &Pod) -> Result<Option<PodRequest>, String> {
+        let req = podapi::parse_pod(pod, &self.defaults.pod_api).map_err(|e| e.to_string())?;
+        if let Some(e) = podapi::unallocatable_request(pod, &req) {
+            return Err(e.to_string());
+        }
+        Ok(req.wants_gpus().then_some(req))
+    }
+
+    /// Fits `req` on `node` against the ledger as it stands, leaving out the pod's own
+    /// reservation (a pod being re-scheduled must not compete with itself).
+    pub fn fit_on(&self, pod: &Pod, req: &PodRequest, node: &str) -> Result<Placement, String> {
+        let Some(gpunode) = self.gpunode(node) else {
+            return Err(NO_INVENTORY.into());
+        };
+        let usage = self
+            .ledger
+            .index
+            .node_usage(node, pod.metadata.uid.as_deref());
+        schedule::place(req, &gpunode, &usage, self.defaults.policies.for_pod(req))
     }
 
     /// The pod's alignment: annotation, then the winning NumaPolicy of its namespace, then the
@@ -132,13 +181,14 @@ impl Context {
     pub fn resolve_alignment(&self, pod: &Pod) -> Result<ResolvedAlignment, AlignmentError> {
         let ns = pod.namespace().unwrap_or_default();
         let in_ns: Vec<Arc<NumaPolicy>> = self
+            .caches
             .policies
             .state()
             .into_iter()
             .filter(|p| p.namespace().as_deref() == Some(ns.as_str()))
             .collect();
         let matched = matching_policies(in_ns.iter().map(|p| p.as_ref()), pod.labels());
-        alignment::resolve(pod.annotations(), &matched, self.default_alignment)
+        alignment::resolve(pod.annotations(), &matched, self.defaults.alignment)
     }
 
     /// Queues an event on `pod` ([`EventQueue`]: never waits for the API server).

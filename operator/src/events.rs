@@ -11,10 +11,18 @@
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::ObjectReference;
-use kube::runtime::events::{Event, EventType, Recorder};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use tokio::sync::mpsc;
 
 use crate::telemetry::Metrics;
+
+/// The event reporter name of the operator.
+pub fn reporter(identity: &str) -> Reporter {
+    Reporter {
+        controller: "gpuledger-operator".into(),
+        instance: Some(identity.to_string()),
+    }
+}
 
 /// Events waiting to be published before new ones are dropped.
 const QUEUE: usize = 1024;
@@ -103,7 +111,7 @@ mod tests {
         let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
         let client = kube::Client::try_from(config).unwrap();
         let q = EventQueue::start(
-            Recorder::new(client, crate::context::reporter("t")),
+            Recorder::new(client, crate::events::reporter("t")),
             metrics.clone(),
         );
         // On one thread the publisher cannot run before this loop yields: the queue fills.

@@ -87,7 +87,7 @@ fn print_crds(out_dir: Option<PathBuf>) -> Result<(), Box<dyn std::error::Error>
 
 /// Runs the `fit` subcommand: the decision on stdout, or the input error on stderr with exit 2.
 fn run_fit(input: &str) -> ExitCode {
-    match gpuledger_operator::fit::cli::run(input) {
+    match gpuledger_fit::cli::run(input) {
         Ok(json) => {
             println!("{json}");
             ExitCode::SUCCESS

@@ -21,16 +21,17 @@ use kube::{Client, Config};
 use tokio::net::TcpListener;
 
 use crate::config::RunConfig;
-use crate::context::{Context, reporter};
+use crate::context::{Caches, Context, Defaults, Ledger, Timing};
 use crate::events::EventQueue;
-use crate::fit_adapter::FitEngine;
+use crate::events::reporter;
+use crate::lease::leader;
 use crate::ledger::feed::feed_index;
 use crate::ledger::usage::holds_capacity;
 use crate::ledger::{LedgerIndex, LedgerWriter, NodeLocks};
-use crate::placement::Policies;
+use crate::schedule::Policy;
 use crate::telemetry::{Health, Metrics};
 use crate::watches::{drive, strip_managed_fields, tracked};
-use crate::{controllers, extender, leader, ledger};
+use crate::{controllers, extender, ledger};
 
 /// Why the operator could not start or stopped.
 #[derive(Debug, thiserror::Error)]
@@ -172,25 +173,32 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
     let ctx = Arc::new(Context {
         client: client.clone(),
         namespace: config.namespace.clone(),
-        writer: LedgerWriter::new(client.clone(), index.clone()),
-        index: index.clone(),
-        node_locks: Arc::new(NodeLocks::new()),
-        gpunodes: gpunodes.clone(),
-        policies,
-        placer: Arc::new(FitEngine),
-        views: Default::default(),
-        turns: Default::default(),
-        binds: Default::default(),
-        holds: Default::default(),
-        pod_api: PodApiConfig::default(),
-        default_policies: Policies {
-            node: config.node_policy,
-            gpu: config.gpu_policy,
+        ledger: Ledger {
+            writer: LedgerWriter::new(client.clone(), index.clone()),
+            index: index.clone(),
+            node_locks: Arc::new(NodeLocks::new()),
+            holds: Default::default(),
+            binds: Default::default(),
         },
-        default_alignment: config.default_alignment,
-        lease_wait: config.lease_wait,
-        allocating_timeout: config.allocating_timeout,
-        repair_after: config.repair_after,
+        caches: Caches {
+            gpunodes: gpunodes.clone(),
+            policies,
+            views: Default::default(),
+        },
+        defaults: Defaults {
+            pod_api: PodApiConfig::default(),
+            policies: Policy {
+                node: config.node_policy,
+                gpu: config.gpu_policy,
+            },
+            alignment: config.default_alignment,
+        },
+        timing: Timing {
+            lease_wait: config.lease_wait,
+            allocating_timeout: config.allocating_timeout,
+            repair_after: config.repair_after,
+        },
+        turns: Default::default(),
         metrics: metrics.clone(),
         health: health.clone(),
         events: EventQueue::start(
@@ -284,7 +292,7 @@ fn telemetry_router(ctx: Arc<Context>) -> Router {
 
 async fn metrics_handler(State(ctx): State<Arc<Context>>) -> (StatusCode, String) {
     let mut counts = HashMap::new();
-    for r in ctx.index.all() {
+    for r in ctx.ledger.index.all() {
         let phase = r.status.as_ref().and_then(|s| s.phase).unwrap_or_default();
         *counts.entry(phase).or_insert(0) += 1;
     }
@@ -306,7 +314,13 @@ async fn healthz_handler(State(ctx): State<Arc<Context>>) -> (StatusCode, String
 
 async fn readyz_handler(State(ctx): State<Arc<Context>>) -> (StatusCode, String) {
     if ctx.may_write() {
-        let holding = ctx.index.all().iter().filter(|r| holds_capacity(r)).count();
+        let holding = ctx
+            .ledger
+            .index
+            .all()
+            .iter()
+            .filter(|r| holds_capacity(r))
+            .count();
         (
             StatusCode::OK,
             format!("leader; {holding} reservations hold capacity\n"),

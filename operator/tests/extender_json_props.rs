@@ -186,7 +186,7 @@ proptest! {
             prop_assert!(!reason.trim().is_empty(), "{n} refused without a reason");
         }
         let gpu_pod = !matches!(
-            gpuledger_operator::extender::filter::gpu_request(&ctx, &args.pod),
+            ctx.gpu_request(&args.pod),
             Ok(None)
         );
         if gpu_pod {
@@ -269,7 +269,8 @@ fn filter_follows_every_ledger_change_between_calls() {
     };
     // Binpack over equally empty nodes: the smallest name.
     assert_eq!(chosen(&ctx).0, ["gpu-a"]);
-    ctx.index
+    ctx.ledger
+        .index
         .record_write(reservation_on("gpu-a", "other", 80000));
     let (fit, failed) = chosen(&ctx);
     assert_eq!(fit, ["gpu-b"], "gpu-a is full now");
@@ -288,11 +289,13 @@ fn filter_follows_every_ledger_change_between_calls() {
         "{:?}",
         out.failed_nodes
     );
-    ctx.index
+    ctx.ledger
+        .index
         .record_delete(&ReservationKey::new("default", "other"), Some(101));
     assert_eq!(chosen(&ctx).0, ["gpu-a"], "freed again");
     // The pod's own reservation (a retried bind) does not count against it.
-    ctx.index
+    ctx.ledger
+        .index
         .record_write(reservation_on("gpu-a", "big", 80000));
     assert_eq!(chosen(&ctx).0, ["gpu-a"], "its own reservation is left out");
 }
@@ -337,13 +340,13 @@ fn filter_counts_answers_whose_bind_has_not_come_yet() {
         ["gpu-b"],
         "gpu-a's one healthy GPU is promised to p1"
     );
-    assert_eq!(ctx.holds.len(), 2);
+    assert_eq!(ctx.ledger.holds.len(), 2);
     assert!(
         chosen("p3", &["gpu-a"]).is_empty(),
         "gpu-a is still promised"
     );
     // p1's bind failed (or wrote its reservation, which the ledger then counts): the hold goes.
-    ctx.holds.release("uid-p1");
+    ctx.ledger.holds.release("uid-p1");
     assert_eq!(chosen("p3", &["gpu-a"]), ["gpu-a"]);
 }
 
@@ -358,7 +361,7 @@ fn filter_passes_over_a_node_with_a_full_bind_queue() {
     // No pace measured yet: binpack sends both pods to the same node.
     assert_eq!(chosen("p1", &GPU_NODES), ["gpu-a"]);
     assert_eq!(chosen("p2", &GPU_NODES), ["gpu-a"]);
-    ctx.holds.release("uid-p2");
+    ctx.ledger.holds.release("uid-p2");
     // One turn took 60 ms; the detached context waits 50 ms for a Lease: one bind per node.
     let turn = rt
         .block_on(
@@ -368,7 +371,7 @@ fn filter_passes_over_a_node_with_a_full_bind_queue() {
         .unwrap();
     std::thread::sleep(Duration::from_millis(60));
     turn.passed();
-    assert_eq!(ctx.turns.queue_limit(ctx.lease_wait), Some(1));
+    assert_eq!(ctx.turns.queue_limit(ctx.timing.lease_wait), Some(1));
     assert_eq!(
         chosen("p2", &GPU_NODES),
         ["gpu-b"],

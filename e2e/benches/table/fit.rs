@@ -5,8 +5,8 @@ use std::time::Instant;
 
 use gpuledger_crds::podapi::SchedulerPolicy;
 use gpuledger_e2e::bench::Row;
-use gpuledger_operator::fit::fixture::{benchmark_pod, synthetic_cluster};
-use gpuledger_operator::fit::{Policy, fit_pod};
+use gpuledger_fit::fixture::{benchmark_pod, synthetic_cluster};
+use gpuledger_fit::{Policy, fit_pod};
 
 /// Same seed as operator/benches/fit.rs, so both measure the same cluster.
 const SEED: u64 = 20260830;

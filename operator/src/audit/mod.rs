@@ -16,7 +16,7 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
 use serde::Serialize;
 
-use crate::fit::reservation_usage;
+use gpuledger_fit::reservation_usage;
 
 /// Everything the audit looks at.
 #[derive(Clone, Debug, Default)]
@@ -262,7 +262,7 @@ fn check_capacity(snap: &Snapshot, out: &mut Vec<Finding>) {
     let mut used: BTreeMap<(&str, String), Held> = BTreeMap::new();
     for r in snap.reservations.iter().filter(|r| holds_capacity(r)) {
         let name = key(r.metadata.namespace.as_ref(), r.metadata.name.as_ref());
-        for share in reservation_usage(&r.spec) {
+        for share in reservation_usage(r.spec.shares()) {
             let e = used
                 .entry((r.spec.node_name.as_str(), share.uuid))
                 .or_default();

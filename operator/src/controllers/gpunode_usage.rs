@@ -51,14 +51,15 @@ pub async fn run(ctx: Arc<Context>, interval: Duration) {
     loop {
         tokio::time::sleep(interval).await;
         // Housekeeping on the same beat: forget filter's views of nodes that left.
-        ctx.views.retain(|name| ctx.gpunode(name).is_some());
+        ctx.caches.views.retain(|name| ctx.gpunode(name).is_some());
         if !ctx.may_write() {
             continue;
         }
-        let by_node = ctx.index.usage_by_node(ctx.placer.as_ref());
-        for node in ctx.gpunodes.state() {
+        let by_node = ctx.ledger.index.usage_by_node();
+        for node in ctx.caches.gpunodes.state() {
             let name = node.name_any();
             let holding = ctx
+                .ledger
                 .index
                 .on_node(&name)
                 .iter()

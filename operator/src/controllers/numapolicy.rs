@@ -23,7 +23,6 @@ use kube::{Resource, ResourceExt};
 use serde_json::json;
 
 use crate::context::Context;
-use crate::extender::filter::gpu_request;
 
 /// Pods per list request when counting a policy's pods.
 const LIST_PAGE: u32 = 500;
@@ -99,7 +98,7 @@ async fn reconcile(p: Arc<NumaPolicy>, ctx: Arc<Context>) -> Result<Action, Poli
                     pod.status.as_ref().and_then(|s| s.phase.as_deref()),
                     Some("Succeeded" | "Failed")
                 );
-                let gpu = matches!(gpu_request(&ctx, pod), Ok(Some(_)));
+                let gpu = matches!(ctx.gpu_request(pod), Ok(Some(_)));
                 if live
                     && gpu
                     && ctx

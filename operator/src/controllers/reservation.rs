@@ -26,7 +26,8 @@ use kube::{Resource, ResourceExt};
 use super::lifecycle::{Step, next_step};
 use super::pod_facts::{PodFacts, PodFactsCache};
 use crate::context::{Context, pod_ref_by_name};
-use crate::extender::lease;
+use crate::lease::allocation as lease;
+use crate::ledger::render::{devices_summary, numa_summary};
 use crate::ledger::writer::OperatorStatus;
 use crate::ledger::{ReservationKey, WriteError};
 use crate::watches::tracked;
@@ -87,7 +88,7 @@ where
 {
     let (keys, writer) = reflector::store::<GpuReservation>();
     let trigger = reservations.reflect(writer).touched_objects();
-    let facts = Arc::new(PodFactsCache::new(ctx.pod_api));
+    let facts = Arc::new(PodFactsCache::new(ctx.defaults.pod_api));
     // Bound GPU pods without a reservation are found in the same pod cache.
     tokio::spawn(super::unreserved::run(ctx.clone(), facts.clone()));
     let pod_events = {
@@ -146,7 +147,12 @@ async fn decide(
 ) -> Result<Step, ReconcileError> {
     let ctx = &lc.ctx;
     let cached = lc.pods.get(key);
-    let step = next_step(r, cached.as_ref(), Timestamp::now(), ctx.allocating_timeout);
+    let step = next_step(
+        r,
+        cached.as_ref(),
+        Timestamp::now(),
+        ctx.timing.allocating_timeout,
+    );
     if !step.needs_fresh_pod() {
         return Ok(step);
     }
@@ -158,12 +164,12 @@ async fn decide(
             pod: key.to_string(),
             source,
         })?;
-    let fresh = pod.as_ref().map(|p| PodFacts::of(p, &ctx.pod_api));
+    let fresh = pod.as_ref().map(|p| PodFacts::of(p, &ctx.defaults.pod_api));
     Ok(next_step(
         r,
         fresh.as_ref(),
         Timestamp::now(),
-        ctx.allocating_timeout,
+        ctx.timing.allocating_timeout,
     ))
 }
 
@@ -181,7 +187,7 @@ pub(super) async fn reconcile(
     let key = ReservationKey::of(&obj);
     // The index holds the one full copy (the controller's store has keys only), and it is
     // never older than the event that triggered this reconcile: the same stream fed it first.
-    let Some(r) = ctx.index.get(&key) else {
+    let Some(r) = ctx.ledger.index.get(&key) else {
         return Ok(Action::await_change());
     };
     let step = decide(&lc, &key, &r).await?;
@@ -191,7 +197,7 @@ pub(super) async fn reconcile(
         Step::WaitFor(d) => Ok(Action::requeue(d + Duration::from_millis(100))),
         Step::Delete { why } => {
             tracing::info!(reservation = %key, why, "deleting reservation");
-            ctx.writer.delete(&r).await?;
+            ctx.ledger.writer.delete(&r).await?;
             Ok(Action::await_change())
         }
         Step::Phase { phase, free_lease } => {
@@ -204,7 +210,7 @@ pub(super) async fn reconcile(
                 let note = format!(
                     "GPU allocation on node {} did not finish within {}s; reservation failed",
                     r.spec.node_name,
-                    ctx.allocating_timeout.as_secs()
+                    ctx.timing.allocating_timeout.as_secs()
                 );
                 ctx.pod_event(&target, true, "AllocationTimeout", note);
             }
@@ -231,15 +237,18 @@ async fn set_phase(
     status.phase_since = Some(Time(Timestamp::now()));
     status.observed_generation = r.meta().generation;
     if status.devices.is_none() {
-        status.devices = Some(crate::extender::bind::devices_summary(ctx, r));
-        status.numa = Some(crate::extender::bind::numa_summary(r));
+        status.devices = Some(devices_summary(
+            ctx.gpunode(&r.spec.node_name).as_deref(),
+            r,
+        ));
+        status.numa = Some(numa_summary(r));
     }
     if phase == ReservationPhase::Allocated
         && let Some(message) = super::lifecycle::misalignment(r)
     {
         add_misaligned(ctx, r, &mut status, message).await;
     }
-    ctx.writer.apply_status(r, &status).await?;
+    ctx.ledger.writer.apply_status(r, &status).await?;
     tracing::info!(reservation = %ReservationKey::of(r), ?phase, "phase");
     Ok(())
 }
@@ -279,7 +288,7 @@ async fn record_misalignment(
         Some(m) => add_misaligned(ctx, r, &mut status, m).await,
         None => status.conditions.retain(|c| c.type_ != MISALIGNED),
     }
-    ctx.writer.apply_status(r, &status).await?;
+    ctx.ledger.writer.apply_status(r, &status).await?;
     Ok(())
 }
 
@@ -298,11 +307,11 @@ async fn free_allocation_lease(ctx: &Context, r: &GpuReservation) -> Result<(), 
 /// Releases the init containers' usage under the node's lock, so it cannot interleave with a
 /// bind or refit deciding on that node's capacity.
 async fn shrink_init(ctx: &Context, key: &ReservationKey) -> Result<(), ReconcileError> {
-    let Some(current) = ctx.index.get(key) else {
+    let Some(current) = ctx.ledger.index.get(key) else {
         return Ok(());
     };
-    let _node = ctx.node_locks.lock(&current.spec.node_name).await;
-    let Some(current) = ctx.index.get(key) else {
+    let _node = ctx.ledger.node_locks.lock(&current.spec.node_name).await;
+    let Some(current) = ctx.ledger.index.get(key) else {
         return Ok(());
     };
     if current.spec.init_released {
@@ -310,7 +319,7 @@ async fn shrink_init(ctx: &Context, key: &ReservationKey) -> Result<(), Reconcil
     }
     let mut updated = current.as_ref().clone();
     updated.spec.init_released = true;
-    ctx.writer.replace(&updated).await?;
+    ctx.ledger.writer.replace(&updated).await?;
     tracing::info!(reservation = %key, "init containers finished; their GPU usage released");
     Ok(())
 }

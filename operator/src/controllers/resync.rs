@@ -39,10 +39,10 @@ pub(super) async fn run(lc: Arc<Lifecycle>) {
             continue;
         }
         let now = Timestamp::now();
-        let steps = lc.ctx.index.all().into_iter().map(|r| {
+        let steps = lc.ctx.ledger.index.all().into_iter().map(|r| {
             let key = ReservationKey::of(&r);
             let facts = lc.pods.get(&key);
-            let step = next_step(&r, facts.as_ref(), now, lc.ctx.allocating_timeout);
+            let step = next_step(&r, facts.as_ref(), now, lc.ctx.timing.allocating_timeout);
             (key, step, r)
         });
         let (due_now, stuck) = still_due(&due_before, steps);

@@ -22,8 +22,7 @@ use kube::api::Api;
 
 use super::pod_facts::{PodFacts, PodFactsCache};
 use crate::context::{Context, pod_ref};
-use crate::extender::bind::{devices_summary, reservation_for};
-use crate::extender::filter::{fit_on, gpu_request};
+use crate::ledger::render::{devices_summary, reservation_for};
 use crate::ledger::{ReservationKey, WriteError};
 use crate::telemetry::OutcomeLabels;
 
@@ -63,7 +62,7 @@ fn unreserved(ctx: &Context, pods: &PodFactsCache) -> Vec<(ReservationKey, PodFa
     pods.bound_gpu_pods()
         .into_iter()
         .filter(|(key, facts)| {
-            !ctx.index.get(key).is_some_and(|r| {
+            !ctx.ledger.index.get(key).is_some_and(|r| {
                 r.spec.pod_uid == facts.uid
                     && Some(r.spec.node_name.as_str()) == facts.node_name.as_deref()
             })
@@ -96,7 +95,7 @@ pub async fn run(ctx: Arc<Context>, pods: Arc<PodFactsCache>) {
             // Far longer than the ledger index lags the operator's own writes (not at all) or
             // the reservation watch (milliseconds): a pod bound a moment ago is never booked
             // twice.
-            if now.duration_since(since) < ctx.repair_after {
+            if now.duration_since(since) < ctx.timing.repair_after {
                 continue;
             }
             match repair(&ctx, key, facts).await {
@@ -147,7 +146,7 @@ async fn repair(
     let Some(node) = facts.node_name.as_deref() else {
         return Ok(Repair::NotNeeded);
     };
-    let _node = ctx.node_locks.lock(node).await;
+    let _node = ctx.ledger.node_locks.lock(node).await;
     let pod = Api::<Pod>::namespaced(ctx.client.clone(), &key.namespace)
         .get_opt(&key.name)
         .await
@@ -155,23 +154,23 @@ async fn repair(
             pod: key.to_string(),
             source,
         })?;
-    let Some(pod) = pod.filter(|p| PodFacts::of(p, &ctx.pod_api) == *facts) else {
+    let Some(pod) = pod.filter(|p| PodFacts::of(p, &ctx.defaults.pod_api) == *facts) else {
         // Gone, recreated, finished or changed since the cache saw it: decide next sweep.
         return Ok(Repair::NotNeeded);
     };
-    match ctx.writer.reread(key).await? {
+    match ctx.ledger.writer.reread(key).await? {
         Some(r) if is_the_pods(&r, facts, node) => return Ok(Repair::NotNeeded),
         // A stale reservation under the pod's name (an earlier pod's, or one naming another
         // node): the lifecycle controller would delete it too; it is in the way of this one.
-        Some(stale) => ctx.writer.delete(&stale).await?,
+        Some(stale) => ctx.ledger.writer.delete(&stale).await?,
         None => {}
     }
-    let fitted = gpu_request(ctx, &pod).and_then(|req| {
+    let fitted = ctx.gpu_request(&pod).and_then(|req| {
         let Some(req) = req else {
             return Ok(None);
         };
         let alignment = ctx.resolve_alignment(&pod).map_err(|e| e.to_string())?;
-        Ok(Some((fit_on(ctx, &pod, &req, node)?, alignment)))
+        Ok(Some((ctx.fit_on(&pod, &req, node)?, alignment)))
     });
     let (placement, alignment) = match fitted {
         Ok(Some(fitted)) => fitted,
@@ -185,10 +184,16 @@ async fn repair(
         }
     };
     let written = ctx
+        .ledger
         .writer
-        .create(&reservation_for(&pod, node, &placement, &alignment))
+        .create(&reservation_for(
+            &pod,
+            node,
+            placement.containers,
+            &alignment,
+        ))
         .await?;
-    let devices = devices_summary(ctx, &written);
+    let devices = devices_summary(ctx.gpunode(node).as_deref(), &written);
     let note = format!(
         "bound to node {node} without a GPU reservation; the ledger now holds GPUs {devices} for it"
     );

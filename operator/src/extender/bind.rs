@@ -6,7 +6,7 @@
 //!
 //! What keeps the ledger equal to the bindings when binds are slow (every API call taking
 //! seconds) and kube-scheduler retries a pod whose first bind is still running:
-//! - **One bind per pod at a time** ([`super::in_flight`]): a retry that arrives while the first
+//! - **One bind per pod at a time** ([`crate::ledger::in_flight`]): a retry that arrives while the first
 //!   bind runs is refused before it reads or writes anything.
 //! - **A bind runs to its end on its own task**: kube-scheduler closing the connection after its
 //!   `httpTimeout` drops the HTTP handler, never the bind between its reservation and its
@@ -33,21 +33,19 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use gpuledger_crds::alignment::ResolvedAlignment;
-use gpuledger_crds::names::{NODE_LABEL, lease_holder, reservation_name};
-use gpuledger_crds::{GpuReservation, GpuReservationSpec, ReservedDevice};
+use gpuledger_crds::GpuReservation;
+use gpuledger_crds::names::lease_holder;
 use k8s_openapi::api::core::v1::{Binding, ObjectReference, Pod};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::ResourceExt;
 use kube::api::{Api, PostParams};
 
-use super::filter::{fit_on, gpu_request};
-use super::lease::{self, LeaseError};
-use super::turns::Turn;
 use super::wire::{ExtenderBindingArgs, ExtenderBindingResult};
 use crate::context::{Context, pod_ref_by_name};
+use crate::lease::allocation::{self as lease, LeaseError};
+use crate::lease::turns::Turn;
+use crate::ledger::render::{devices_summary, reservation_for};
 use crate::ledger::{ReservationKey, WriteError};
-use crate::placement::Placement;
 
 /// Why a bind failed.
 #[derive(Debug, thiserror::Error)]
@@ -169,7 +167,7 @@ pub async fn bind(ctx: Arc<Context>, args: ExtenderBindingArgs) -> ExtenderBindi
 async fn bind_once(ctx: Arc<Context>, args: ExtenderBindingArgs) -> ExtenderBindingResult {
     let started = Instant::now();
     let pod = format!("{}/{}", args.pod_namespace, args.pod_name);
-    let Some(_only_bind) = ctx.binds.enter(&args.pod_uid) else {
+    let Some(_only_bind) = ctx.ledger.binds.enter(&args.pod_uid) else {
         // Refused before anything is read or written: cheap for the API server, no event.
         ctx.metrics.decision("bind", "in_flight", started);
         tracing::debug!(%pod, node = %args.node, "bind refused: an earlier bind of the pod is running");
@@ -180,7 +178,7 @@ async fn bind_once(ctx: Arc<Context>, args: ExtenderBindingArgs) -> ExtenderBind
     let target = pod_ref_by_name(&args.pod_namespace, &args.pod_name, &args.pod_uid);
     let result = bind_pod(&ctx, &args).await;
     // Written or failed: either way filter's hold for this pod has done its job.
-    ctx.holds.release(&args.pod_uid);
+    ctx.ledger.holds.release(&args.pod_uid);
     match result {
         Ok(Bound::Now(summary)) => {
             ctx.metrics.decision("bind", "bound", started);
@@ -239,7 +237,7 @@ async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Bound, Bi
         return Err(BindError::NotLeader);
     }
     let started = Instant::now();
-    let deadline = started + ctx.lease_wait + BIND_SLACK;
+    let deadline = started + ctx.timing.lease_wait + BIND_SLACK;
     let pod_id = format!("{}/{}", args.pod_namespace, args.pod_name);
     let pod = within(deadline, started, args, "the pod", read_pod(ctx, args)).await?;
     if let Some(node) = bound_node(&pod) {
@@ -249,7 +247,7 @@ async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Bound, Bi
         pod: pod_id.clone(),
         reason,
     };
-    let Some(req) = gpu_request(ctx, &pod).map_err(bad)? else {
+    let Some(req) = ctx.gpu_request(&pod).map_err(bad)? else {
         post_binding(ctx, args).await?;
         return Ok(Bound::NoGpus);
     };
@@ -259,21 +257,23 @@ async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Bound, Bi
 
     let turn = wait_turn(ctx, &args.node, deadline).await?;
     let reservation = {
-        let node_lock = async { Ok(ctx.node_locks.lock(&args.node).await) };
+        let node_lock = async { Ok(ctx.ledger.node_locks.lock(&args.node).await) };
         let _node = within(deadline, started, args, "the node lock", node_lock).await?;
-        let placement = fit_on(ctx, &pod, &req, &args.node).map_err(|reason| BindError::NoFit {
-            pod: pod_id.clone(),
-            node: args.node.clone(),
-            reason,
-        })?;
-        let desired = reservation_for(&pod, &args.node, &placement, &alignment);
+        let placement = ctx
+            .fit_on(&pod, &req, &args.node)
+            .map_err(|reason| BindError::NoFit {
+                pod: pod_id.clone(),
+                node: args.node.clone(),
+                reason,
+            })?;
+        let desired = reservation_for(&pod, &args.node, placement.containers, &alignment);
         let written = match write_fresh(ctx, args, &desired).await? {
             Fresh::Written(r) => *r,
             Fresh::PodBound(node) => return earlier_bind(ctx, args, node),
         };
         // The ledger counts the pod's usage now; its hold keeps counting the pod in the
         // node's queue until the bind ends.
-        ctx.holds.written(&args.pod_uid);
+        ctx.ledger.holds.written(&args.pod_uid);
         written
     };
 
@@ -288,7 +288,10 @@ async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Bound, Bi
     // The Lease is ours: the next bind of the node may write its reservation and wait for it.
     turn.passed();
     // From here the bind completes whatever the time (see the module docs).
-    let summary = devices_summary(ctx, &reservation);
+    let summary = devices_summary(
+        ctx.gpunode(&reservation.spec.node_name).as_deref(),
+        &reservation,
+    );
     match post_binding(ctx, args).await {
         Ok(()) => Ok(Bound::Now(summary)),
         Err(e) => match settle_failed_binding(ctx, args, &reservation, &holder).await {
@@ -333,6 +336,7 @@ fn earlier_bind(
 ) -> Result<Bound, BindError> {
     let key = ReservationKey::new(args.pod_namespace.clone(), args.pod_name.clone());
     let booked = ctx
+        .ledger
         .index
         .get(&key)
         .is_some_and(|r| r.spec.pod_uid == args.pod_uid && r.spec.node_name == node);
@@ -343,43 +347,6 @@ fn earlier_bind(
         pod: format!("{}/{}", args.pod_namespace, args.pod_name),
         node,
     })
-}
-
-/// The reservation bind writes for `pod` on `node`.
-pub fn reservation_for(
-    pod: &Pod,
-    node: &str,
-    placement: &Placement,
-    alignment: &ResolvedAlignment,
-) -> GpuReservation {
-    let name = pod.name_any();
-    let owner = OwnerReference {
-        api_version: "v1".into(),
-        kind: "Pod".into(),
-        name: name.clone(),
-        uid: pod.uid().unwrap_or_default(),
-        controller: Some(false),
-        block_owner_deletion: Some(false),
-    };
-    GpuReservation {
-        metadata: ObjectMeta {
-            name: Some(reservation_name(&name)),
-            namespace: pod.namespace(),
-            labels: Some([(NODE_LABEL.to_string(), node.to_string())].into()),
-            owner_references: Some(vec![owner]),
-            ..Default::default()
-        },
-        spec: GpuReservationSpec {
-            pod_name: name,
-            pod_uid: pod.uid().unwrap_or_default(),
-            node_name: node.to_string(),
-            alignment: alignment.alignment,
-            alignment_source: Some(alignment.source.to_string()),
-            containers: placement.containers.clone(),
-            init_released: false,
-        },
-        status: None,
-    }
 }
 
 /// What [`write_fresh`] found.
@@ -402,11 +369,11 @@ async fn write_fresh(
 ) -> Result<Fresh, BindError> {
     let key = ReservationKey::of(desired);
     for _ in 0..3 {
-        match ctx.writer.create(desired).await {
+        match ctx.ledger.writer.create(desired).await {
             Ok(created) => return Ok(Fresh::Written(Box::new(created))),
             Err(WriteError::Conflict { .. }) => {
                 ctx.metrics.conflicts.inc();
-                let Some(old) = ctx.writer.reread(&key).await? else {
+                let Some(old) = ctx.ledger.writer.reread(&key).await? else {
                     continue;
                 };
                 if old.spec.pod_uid == args.pod_uid
@@ -415,7 +382,7 @@ async fn write_fresh(
                     return Ok(Fresh::PodBound(node));
                 }
                 tracing::info!(reservation = %key, old_uid = %old.spec.pod_uid, "replacing previous reservation");
-                match ctx.writer.delete(&old).await {
+                match ctx.ledger.writer.delete(&old).await {
                     Ok(()) | Err(WriteError::Conflict { .. }) => {}
                     Err(e) => return Err(e.into()),
                 }
@@ -440,7 +407,7 @@ async fn wait_turn<'a>(
     bind_deadline: Instant,
 ) -> Result<Turn<'a>, LeaseError> {
     let asked = Instant::now();
-    let deadline = (asked + ctx.lease_wait).min(bind_deadline);
+    let deadline = (asked + ctx.timing.lease_wait).min(bind_deadline);
     ctx.turns
         .wait(node, deadline)
         .await
@@ -458,7 +425,7 @@ async fn take_lease(
     holder: &str,
     bind_deadline: Instant,
 ) -> Result<(), LeaseError> {
-    let deadline = (Instant::now() + ctx.lease_wait).min(bind_deadline);
+    let deadline = (Instant::now() + ctx.timing.lease_wait).min(bind_deadline);
     let mut pause = Duration::from_millis(20);
     let mut first = true;
     loop {
@@ -572,48 +539,8 @@ async fn undo(ctx: &Context, reservation: &GpuReservation, holder: Option<&str>)
     {
         tracing::warn!(error = %e, "undo: could not free the allocation Lease");
     }
-    if let Err(e) = ctx.writer.delete(reservation).await {
+    if let Err(e) = ctx.ledger.writer.delete(reservation).await {
         // The lifecycle controller removes reservations of unbound pods later.
         tracing::warn!(error = %e, "undo: could not delete the reservation");
-    }
-}
-
-/// `0:4000/30,3:4000/30` (device index on the node: memory MiB / cores).
-pub fn devices_summary(ctx: &Context, r: &GpuReservation) -> String {
-    let node = ctx.gpunode(&r.spec.node_name);
-    let index_of = |uuid: &str| {
-        node.as_ref()
-            .and_then(|n| n.status.as_ref())
-            .and_then(|s| s.devices.iter().find(|d| d.uuid == uuid))
-            .map(|d| d.index.to_string())
-            .unwrap_or_else(|| uuid.to_string())
-    };
-    r.spec
-        .containers
-        .iter()
-        .flat_map(|c| c.devices.iter())
-        .map(|d: &ReservedDevice| format!("{}:{}/{}", index_of(&d.uuid), d.memory_mib, d.cores))
-        .collect::<Vec<_>>()
-        .join(",")
-}
-
-/// `0,1`: the NUMA nodes of the reserved GPUs.
-pub fn numa_summary(r: &GpuReservation) -> String {
-    let mut numa: Vec<u32> = r
-        .spec
-        .containers
-        .iter()
-        .flat_map(|c| c.devices.iter())
-        .filter_map(|d| d.numa_node)
-        .collect();
-    numa.sort_unstable();
-    numa.dedup();
-    if numa.is_empty() {
-        "-".into()
-    } else {
-        numa.iter()
-            .map(u32::to_string)
-            .collect::<Vec<_>>()
-            .join(",")
     }
 }

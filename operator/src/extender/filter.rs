@@ -6,46 +6,13 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
 
-use gpuledger_crds::podapi::{self, PodRequest};
+use gpuledger_crds::podapi::PodRequest;
 use k8s_openapi::api::core::v1::Pod;
 
 use super::wire::{ExtenderArgs, ExtenderFilterResult, HostPriority};
 use crate::context::{Context, pod_ref};
-use crate::fit_adapter::{FitView, node_view, with_extra_usage};
 use crate::ledger::{Held, ReservationKey};
-use crate::placement::{NodeChoice, Placement, Policies, scale_scores};
-
-/// Reason given for nodes without a GpuNode.
-const NO_INVENTORY: &str = "node has no GpuNode inventory (no gpuledger device plugin)";
-
-/// The pod's request, `None` for pods without GPUs. A request the kubelet would never allocate
-/// (GPU memory or cores without `nvidia.com/gpu`) is an error naming what to add.
-pub fn gpu_request(ctx: &Context, pod: &Pod) -> Result<Option<PodRequest>, String> {
-    let req = podapi::parse_pod(pod, &ctx.pod_api).map_err(|e| e.to_string())?;
-    if let Some(e) = podapi::unallocatable_request(pod, &req) {
-        return Err(e.to_string());
-    }
-    Ok(req.wants_gpus().then_some(req))
-}
-
-/// Policies for this pod: its annotations over the operator's defaults.
-pub fn policies_for(ctx: &Context, req: &PodRequest) -> Policies {
-    Policies {
-        node: req.node_policy.unwrap_or(ctx.default_policies.node),
-        gpu: req.gpu_policy.unwrap_or(ctx.default_policies.gpu),
-    }
-}
-
-/// Fits `req` on `node` against the ledger as it stands, leaving out the pod's own reservation.
-pub fn fit_on(ctx: &Context, pod: &Pod, req: &PodRequest, node: &str) -> Result<Placement, String> {
-    let Some(gpunode) = ctx.gpunode(node) else {
-        return Err(NO_INVENTORY.into());
-    };
-    let uid = pod.metadata.uid.as_deref();
-    let usage = ctx.index.node_usage(node, uid, ctx.placer.as_ref());
-    ctx.placer
-        .place(req, &gpunode, &usage, policies_for(ctx, req))
-}
+use crate::schedule::{self, FitView, NodeChoice, Policy, node_view, with_extra_usage};
 
 /// The node of the pod's own reservation, if it holds one (same name and pod UID).
 fn own_reservation_node(ctx: &Context, pod: &Pod) -> Option<String> {
@@ -54,7 +21,8 @@ fn own_reservation_node(ctx: &Context, pod: &Pod) -> Option<String> {
         pod.metadata.namespace.clone().unwrap_or_default(),
         pod.metadata.name.clone().unwrap_or_default(),
     );
-    ctx.index
+    ctx.ledger
+        .index
         .get(&key)
         .filter(|r| r.spec.pod_uid == uid)
         .map(|r| r.spec.node_name.clone())
@@ -70,26 +38,26 @@ fn choose_among_free(
     req: &PodRequest,
     views: &[Arc<FitView>],
     held: &HashMap<String, Held>,
-    policies: Policies,
+    policies: Policy,
 ) -> NodeChoice {
-    let Some(limit) = ctx.turns.queue_limit(ctx.lease_wait) else {
-        return ctx.placer.choose(req, views, policies);
+    let Some(limit) = ctx.turns.queue_limit(ctx.timing.lease_wait) else {
+        return schedule::choose(req, views, policies);
     };
     let queued = |view: &Arc<FitView>| held.get(view.name()).map_or(0, |h| h.pods);
     if views.iter().all(|v| queued(v) < limit) {
-        return ctx.placer.choose(req, views, policies);
+        return schedule::choose(req, views, policies);
     }
     let free: Vec<Arc<FitView>> = views
         .iter()
         .filter(|v| queued(v) < limit)
         .cloned()
         .collect();
-    let choice = ctx.placer.choose(req, &free, policies);
+    let choice = schedule::choose(req, &free, policies);
     if choice.chosen.is_some() {
         ctx.metrics.busy_skips.inc();
         return choice;
     }
-    ctx.placer.choose(req, views, policies)
+    schedule::choose(req, views, policies)
 }
 
 /// The `filter` verb.
@@ -99,7 +67,7 @@ pub async fn filter(ctx: &Context, args: ExtenderArgs) -> ExtenderFilterResult {
         ctx.metrics.decision("filter", "error", started);
         return ExtenderFilterResult::error("gpuledger-operator: not the leader");
     }
-    let req = match gpu_request(ctx, &args.pod) {
+    let req = match ctx.gpu_request(&args.pod) {
         Ok(Some(req)) => req,
         Ok(None) => {
             ctx.metrics.decision("filter", "passthrough", started);
@@ -127,7 +95,7 @@ pub async fn filter(ctx: &Context, args: ExtenderArgs) -> ExtenderFilterResult {
     let own = own_reservation_node(ctx, &args.pod);
     if let Some(own) = &own
         && candidates.contains(own)
-        && fit_on(ctx, &args.pod, &req, own).is_ok()
+        && ctx.fit_on(&args.pod, &req, own).is_ok()
     {
         ctx.metrics.decision("filter", "own_reservation", started);
         return ExtenderFilterResult::verdict(&args, vec![own.clone()], BTreeMap::new());
@@ -140,33 +108,34 @@ pub async fn filter(ctx: &Context, args: ExtenderArgs) -> ExtenderFilterResult {
         match ctx.gpunode(&node) {
             Some(gpunode) => inventory.push(gpunode),
             None => {
-                failed.insert(node, NO_INVENTORY.to_string());
+                failed.insert(node, crate::context::NO_INVENTORY.to_string());
             }
         }
     }
-    let versions = ctx.index.node_versions(
+    let versions = ctx.ledger.index.node_versions(
         inventory
             .iter()
             .map(|n| n.metadata.name.as_deref().unwrap_or_default()),
     );
     let candidates: Vec<_> = inventory.into_iter().zip(versions).collect();
-    let mut views = ctx.views.views(&candidates, |node| {
-        ctx.index.node_usage(node, None, ctx.placer.as_ref())
-    });
+    let mut views = ctx
+        .caches
+        .views
+        .views(&candidates, |node| ctx.ledger.index.node_usage(node, None));
     // A pod that already holds a reservation (a retried bind) must not compete with itself:
     // its node's view is built without it, outside the cache.
     let uid = args.pod.metadata.uid.as_deref();
     if let Some(own) = own {
         for (view, (gpunode, _)) in views.iter_mut().zip(&candidates) {
             if gpunode.metadata.name.as_deref() == Some(own.as_str()) {
-                let usage = ctx.index.node_usage(&own, uid, ctx.placer.as_ref());
+                let usage = ctx.ledger.index.node_usage(&own, uid);
                 *view = Arc::new(FitView::new(node_view(gpunode, &usage)));
             }
         }
     }
     // Count what earlier answers promised and their binds have not written yet (holds).
     let now = Instant::now();
-    let held = ctx.holds.by_node(uid, now);
+    let held = ctx.ledger.holds.by_node(uid, now);
     if !held.is_empty() {
         for view in &mut views {
             if let Some(extra) = held.get(view.name()) {
@@ -174,10 +143,10 @@ pub async fn filter(ctx: &Context, args: ExtenderArgs) -> ExtenderFilterResult {
             }
         }
     }
-    let policies = policies_for(ctx, &req);
+    let policies = ctx.defaults.policies.for_pod(&req);
     let choice = choose_among_free(ctx, &req, &views, &held, policies);
     if let (Some(node), Some(uid)) = (&choice.chosen, uid) {
-        ctx.holds.hold(uid, node, choice.load.clone(), now);
+        ctx.ledger.holds.hold(uid, node, choice.load.clone(), now);
     }
     // Like HAMi, a chosen node is the whole answer: kube-scheduler reads the other nodes'
     // reasons only when no node passes, so they are written only then (a 1000-node answer
@@ -213,7 +182,7 @@ pub async fn filter(ctx: &Context, args: ExtenderArgs) -> ExtenderFilterResult {
 pub async fn prioritize(ctx: &Context, args: ExtenderArgs) -> Vec<HostPriority> {
     let started = Instant::now();
     let names = args.candidate_names();
-    let req = match gpu_request(ctx, &args.pod) {
+    let req = match ctx.gpu_request(&args.pod) {
         Ok(Some(req)) if ctx.may_write() => req,
         _ => {
             ctx.metrics.decision("prioritize", "passthrough", started);
@@ -226,7 +195,7 @@ pub async fn prioritize(ctx: &Context, args: ExtenderArgs) -> Vec<HostPriority> 
     let mut scored = Vec::new();
     let mut zero = Vec::new();
     for node in names {
-        match fit_on(ctx, &args.pod, &req, &node) {
+        match ctx.fit_on(&args.pod, &req, &node) {
             Ok(p) => scored.push((node, p.score)),
             Err(_) => zero.push(node),
         }
@@ -238,4 +207,36 @@ pub async fn prioritize(ctx: &Context, args: ExtenderArgs) -> Vec<HostPriority> 
     out.extend(zero.into_iter().map(|host| HostPriority { host, score: 0 }));
     ctx.metrics.decision("prioritize", "scored", started);
     out
+}
+
+/// Maps node scores onto the extender's 0..=10 scale: the best node gets 10, the worst 0, a
+/// single node (or all equal) 10.
+pub fn scale_scores(scores: &[(String, f64)]) -> Vec<(String, i64)> {
+    let max = scores.iter().map(|(_, s)| *s).fold(f64::MIN, f64::max);
+    let min = scores.iter().map(|(_, s)| *s).fold(f64::MAX, f64::min);
+    let top = super::wire::MAX_EXTENDER_PRIORITY;
+    scores
+        .iter()
+        .map(|(node, s)| {
+            let scaled = if max - min <= f64::EPSILON {
+                top
+            } else {
+                ((s - min) / (max - min) * top as f64).round() as i64
+            };
+            (node.clone(), scaled.clamp(0, top))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scores_scale_to_extender_range() {
+        let s = scale_scores(&[("a".into(), 0.2), ("b".into(), 0.7), ("c".into(), 0.45)]);
+        assert_eq!(s, [("a".into(), 0), ("b".into(), 10), ("c".into(), 5)]);
+        assert_eq!(scale_scores(&[("only".into(), 3.0)]), [("only".into(), 10)]);
+        assert!(scale_scores(&[]).is_empty());
+    }
 }

@@ -2,9 +2,6 @@
 
 pub mod bind;
 pub mod filter;
-pub mod in_flight;
-pub mod lease;
 pub mod server;
 pub mod tls;
-pub mod turns;
 pub mod wire;

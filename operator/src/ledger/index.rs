@@ -24,7 +24,7 @@ use kube::ResourceExt;
 use kube::runtime::watcher::Event;
 use tokio::sync::watch;
 
-use super::usage::{NodeUsage, ReservationLoad, sum_usage};
+use super::usage::{NodeUsage, sum_usage};
 use crate::watches::strip_managed_fields;
 
 /// How long an own write survives a relist that does not (yet) contain it, and how long a
@@ -427,22 +427,17 @@ impl LedgerIndex {
 
     /// Per-device usage on `node`, leaving out the reservation of pod `exclude_pod_uid` (a pod
     /// being re-fitted or re-scheduled must not compete with itself).
-    pub fn node_usage(
-        &self,
-        node: &str,
-        exclude_pod_uid: Option<&str>,
-        load: &dyn ReservationLoad,
-    ) -> NodeUsage {
+    pub fn node_usage(&self, node: &str, exclude_pod_uid: Option<&str>) -> NodeUsage {
         let on_node = self.on_node(node);
         let others = on_node
             .iter()
             .filter(|r| exclude_pod_uid != Some(r.spec.pod_uid.as_str()))
             .map(|r| r.as_ref());
-        sum_usage(others, load)
+        sum_usage(others)
     }
 
     /// Usage of every node, computed in one pass.
-    pub fn usage_by_node(&self, load: &dyn ReservationLoad) -> HashMap<String, NodeUsage> {
+    pub fn usage_by_node(&self) -> HashMap<String, NodeUsage> {
         let mut by_node: HashMap<String, Vec<Arc<GpuReservation>>> = HashMap::new();
         for r in self.all() {
             by_node.entry(r.spec.node_name.clone()).or_default().push(r);
@@ -450,7 +445,7 @@ impl LedgerIndex {
         by_node
             .into_iter()
             .map(|(node, rs)| {
-                let usage = sum_usage(rs.iter().map(|r| r.as_ref()), load);
+                let usage = sum_usage(rs.iter().map(|r| r.as_ref()));
                 (node, usage)
             })
             .collect()
@@ -650,31 +645,31 @@ mod tests {
 
     #[test]
     fn node_usage_excludes_the_pod_itself() {
-        struct One;
-        impl ReservationLoad for One {
-            fn load(&self, r: &GpuReservation) -> Vec<(String, super::super::DeviceUsage)> {
-                vec![(
-                    "gpu".into(),
-                    super::super::DeviceUsage {
-                        memory_mib: 1,
-                        cores: 0,
-                        sharers: 1,
-                    },
-                )]
-                .into_iter()
-                .filter(|_| !r.spec.pod_uid.is_empty())
-                .collect()
-            }
-        }
+        // One share of GPU "gpu" per reservation: 1 MiB, one sharer.
+        let with_share = |name: &str, rv: &str, node: &str| {
+            let mut r = obj(name, rv, node);
+            r.spec.containers = vec![gpuledger_crds::ContainerReservation {
+                index: 0,
+                name: "c".into(),
+                init: false,
+                devices: vec![gpuledger_crds::ReservedDevice {
+                    uuid: "gpu".into(),
+                    memory_mib: 1,
+                    cores: 0,
+                    numa_node: None,
+                }],
+            }];
+            r
+        };
         let idx = LedgerIndex::new();
-        idx.record_write(obj("a", "1", "n1"));
-        idx.record_write(obj("b", "2", "n1"));
-        idx.record_write(obj("c", "3", "n2"));
-        let all = idx.node_usage("n1", None, &One);
+        idx.record_write(with_share("a", "1", "n1"));
+        idx.record_write(with_share("b", "2", "n1"));
+        idx.record_write(with_share("c", "3", "n2"));
+        let all = idx.node_usage("n1", None);
         assert_eq!(all.get("gpu").map(|u| u.sharers), Some(2));
-        let without_a = idx.node_usage("n1", Some("uid-a-1"), &One);
+        let without_a = idx.node_usage("n1", Some("uid-a-1"));
         assert_eq!(without_a.get("gpu").map(|u| u.sharers), Some(1));
-        assert_eq!(idx.usage_by_node(&One).len(), 2);
+        assert_eq!(idx.usage_by_node().len(), 2);
     }
 
     fn names_on(idx: &LedgerIndex, node: &str) -> Vec<String> {

@@ -1,12 +1,14 @@
 //! The reservation ledger as the operator sees it: an in-memory index of every GpuReservation
 //! (fed by a watch plus the operator's own writes), the per-node serialisation that makes
-//! fit-then-write atomic per node, and the writer that talks to the API server with
-//! resourceVersion preconditions.
+//! fit-then-write atomic per node, the writer that talks to the API server with
+//! resourceVersion preconditions, and what an entry looks like (`render`).
 
 pub mod feed;
 pub mod holds;
+pub mod in_flight;
 pub mod index;
 pub mod node_lock;
+pub mod render;
 pub mod usage;
 pub mod writer;
 

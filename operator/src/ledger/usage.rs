@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 
 use gpuledger_crds::GpuReservation;
+use gpuledger_fit::Usage;
 
 /// Capacity one GPU has handed out to reservations.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -27,11 +28,24 @@ impl DeviceUsage {
 /// Usage of every GPU of one node that any reservation holds, keyed by GPU UUID.
 pub type NodeUsage = BTreeMap<String, DeviceUsage>;
 
-/// How one reservation loads each of its GPUs. The fit engine owns the rule (init containers
-/// collapse to max(init, sum of app containers), like HAMi); the ledger only sums.
-pub trait ReservationLoad: Send + Sync {
-    /// Effective per-device usage of `reservation`, keyed by GPU UUID.
-    fn load(&self, reservation: &GpuReservation) -> Vec<(String, DeviceUsage)>;
+impl From<Usage> for DeviceUsage {
+    fn from(u: Usage) -> Self {
+        DeviceUsage {
+            memory_mib: u.memory_mib,
+            cores: u64::from(u.cores),
+            sharers: u.sharers,
+        }
+    }
+}
+
+/// How one reservation loads each of its GPUs, keyed by GPU UUID. The fit engine owns the rule
+/// (init containers collapse to max(init, sum of app containers), like HAMi); the ledger only
+/// sums.
+pub fn reservation_load(reservation: &GpuReservation) -> Vec<(String, DeviceUsage)> {
+    gpuledger_fit::reservation_usage(reservation.spec.shares())
+        .into_iter()
+        .map(|share| (share.uuid, share.usage.into()))
+        .collect()
 }
 
 /// Whether `reservation` currently holds capacity (a missing phase means it was just created by
@@ -46,13 +60,10 @@ pub fn holds_capacity(reservation: &GpuReservation) -> bool {
 }
 
 /// Sums the load of every capacity-holding reservation in `reservations`.
-pub fn sum_usage<'a>(
-    reservations: impl IntoIterator<Item = &'a GpuReservation>,
-    load: &dyn ReservationLoad,
-) -> NodeUsage {
+pub fn sum_usage<'a>(reservations: impl IntoIterator<Item = &'a GpuReservation>) -> NodeUsage {
     let mut usage = NodeUsage::new();
     for r in reservations.into_iter().filter(|r| holds_capacity(r)) {
-        for (uuid, u) in load.load(r) {
+        for (uuid, u) in reservation_load(r) {
             usage.entry(uuid).or_default().add(u);
         }
     }
@@ -66,26 +77,6 @@ mod tests {
         ContainerReservation, GpuReservationSpec, GpuReservationStatus, ReservationPhase,
         ReservedDevice,
     };
-
-    /// Plain sum of every container, enough to test the ledger's arithmetic.
-    struct SumAll;
-    impl ReservationLoad for SumAll {
-        fn load(&self, r: &GpuReservation) -> Vec<(String, DeviceUsage)> {
-            r.spec
-                .containers
-                .iter()
-                .flat_map(|c| c.devices.iter())
-                .map(|d| {
-                    let u = DeviceUsage {
-                        memory_mib: d.memory_mib,
-                        cores: u64::from(d.cores),
-                        sharers: 1,
-                    };
-                    (d.uuid.clone(), u)
-                })
-                .collect()
-        }
-    }
 
     fn reservation(phase: Option<ReservationPhase>, devs: &[(&str, u64, u32)]) -> GpuReservation {
         let devices = devs
@@ -128,7 +119,7 @@ mod tests {
             reservation(Some(ReservationPhase::Released), &[("a", 9999, 99)]),
             reservation(Some(ReservationPhase::Failed), &[("b", 9999, 99)]),
         ];
-        let usage = sum_usage(rs.iter(), &SumAll);
+        let usage = sum_usage(rs.iter());
         assert_eq!(
             usage.get("a"),
             Some(&DeviceUsage {
@@ -154,6 +145,6 @@ mod tests {
             Some(ReservationPhase::Released),
             &[("a", 1, 1)],
         )];
-        assert!(sum_usage(rs.iter(), &SumAll).is_empty());
+        assert!(sum_usage(rs.iter()).is_empty());
     }
 }

@@ -18,7 +18,6 @@ use super::plan::{Plan, plan};
 use super::validation::validate;
 use super::{Answer, ReconcileError};
 use crate::context::Context;
-use crate::fit::Policy;
 use crate::ledger::{ReservationKey, WriteError};
 
 /// Longest a single API call may hold the node's lock (HAMi bounds its patch the same way,
@@ -90,17 +89,14 @@ pub async fn commit(
     pod: &Pod,
 ) -> Result<(Answer, Option<Moved>), ReconcileError> {
     let key = ReservationKey::new(namespace, &spec.reservation);
-    let request = match parse_pod(pod, &ctx.pod_api) {
+    let request = match parse_pod(pod, &ctx.defaults.pod_api) {
         Ok(r) => r,
         Err(e) => return Ok((Answer::refused(format!("pod GPU request: {e}"), true), None)),
     };
-    let defaults = Policy {
-        node: ctx.default_policies.node,
-        gpu: ctx.default_policies.gpu,
-    };
-    let _node = ctx.node_locks.lock(&spec.node_name).await;
+    let defaults = ctx.defaults.policies;
+    let _node = ctx.ledger.node_locks.lock(&spec.node_name).await;
     for _ in 0..ATTEMPTS {
-        let current = ctx.index.get(&key);
+        let current = ctx.ledger.index.get(&key);
         let container = match validate(namespace, spec, Some(pod), current.as_deref()) {
             Ok(c) => c.index,
             Err(refusal) => return Ok((Answer::refused(refusal.reason, refusal.event), None)),
@@ -112,9 +108,10 @@ pub async fn commit(
             let reason = format!("node {} has no GpuNode inventory", spec.node_name);
             return Ok((Answer::refused(reason, true), None));
         };
-        let others =
-            ctx.index
-                .node_usage(&spec.node_name, Some(&spec.pod_uid), ctx.placer.as_ref());
+        let others = ctx
+            .ledger
+            .index
+            .node_usage(&spec.node_name, Some(&spec.pod_uid));
         let decided = plan(
             &node,
             &others,
@@ -136,7 +133,7 @@ pub async fn commit(
         }
         let mut updated = current.as_ref().clone();
         updated.spec = new_spec;
-        match bounded("replace reservation", ctx.writer.replace(&updated)).await? {
+        match bounded("replace reservation", ctx.ledger.writer.replace(&updated)).await? {
             Ok(written) => {
                 let answer = Answer::moved(to.clone());
                 let moved = Moved {
@@ -148,7 +145,7 @@ pub async fn commit(
             }
             Err(WriteError::Conflict { .. }) => {
                 ctx.metrics.conflicts.inc();
-                bounded("re-read reservation", ctx.writer.reread(&key)).await??;
+                bounded("re-read reservation", ctx.ledger.writer.reread(&key)).await??;
             }
             Err(WriteError::NotFound { .. }) => {
                 return Ok((

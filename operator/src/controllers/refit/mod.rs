@@ -275,14 +275,14 @@ async fn decide(
         return Err(ReconcileError::AlreadyAnswered);
     }
     let key = ReservationKey::new(&ns, &spec.reservation);
-    let mut current = ctx.index.get(&key);
+    let mut current = ctx.ledger.index.get(&key);
     if current
         .as_ref()
         .is_none_or(|r| r.spec.pod_uid != spec.pod_uid)
     {
         // The index is fed by a watch: a reservation written by someone else a moment ago may
         // not be in it yet. Ask the API server before refusing (this also records it).
-        current = ctx.writer.reread(&key).await?.map(Arc::new);
+        current = ctx.ledger.writer.reread(&key).await?.map(Arc::new);
     }
     let container = match validation::validate(&ns, spec, pod.as_ref(), current.as_deref()) {
         Ok(c) => c,
@@ -357,11 +357,14 @@ async fn mark_refitted(ctx: &Context, req: &RefitRequest, m: &Moved) {
             Time(Timestamp::now()),
         );
         set_condition(&mut status.conditions, cond);
-        status.devices = Some(crate::extender::bind::devices_summary(ctx, &current));
-        status.numa = Some(crate::extender::bind::numa_summary(&current));
-        match ctx.writer.apply_status(&current, &status).await {
+        status.devices = Some(crate::ledger::render::devices_summary(
+            ctx.gpunode(&current.spec.node_name).as_deref(),
+            &current,
+        ));
+        status.numa = Some(crate::ledger::render::numa_summary(&current));
+        match ctx.ledger.writer.apply_status(&current, &status).await {
             Ok(_) => return,
-            Err(WriteError::Conflict { .. }) => match ctx.writer.reread(&key).await {
+            Err(WriteError::Conflict { .. }) => match ctx.ledger.writer.reread(&key).await {
                 Ok(Some(r)) => current = r,
                 _ => break,
             },

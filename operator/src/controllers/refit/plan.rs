@@ -9,9 +9,9 @@
 use gpuledger_crds::podapi::PodRequest;
 use gpuledger_crds::{GpuNode, GpuReservationSpec, ReservedDevice};
 
-use crate::fit::{self, Policy, RefitOutcome, RefitRefusal};
-use crate::fit_adapter::node_view;
 use crate::ledger::usage::NodeUsage;
+use crate::schedule::node_view;
+use gpuledger_fit::{self as fit, Policy, RefitOutcome, RefitRefusal};
 
 /// What committing the refit means for the reservation.
 #[derive(Clone, Debug, PartialEq)]
@@ -49,7 +49,7 @@ pub fn plan(
         .unwrap_or_default();
     let view = node_view(node, others);
     let from: Vec<String> = current.iter().map(|d| d.uuid.clone()).collect();
-    match fit::refit_reservation(&view, reservation, index, pod, defaults, allowed)? {
+    match fit::refit_reservation(&view, reservation.shares(), index, pod, defaults, allowed)? {
         RefitOutcome::Unchanged => Ok(Plan::Unchanged { devices: from }),
         RefitOutcome::Moved(picks) => {
             let mut spec = reservation.clone();

@@ -11,9 +11,12 @@
 //! first GPU: a percentage request keeps its old absolute MiB) and the ordinary fit runs on the
 //! allowed GPUs only, with the pod's pins, type filters, numa-bind and policy.
 
-use gpuledger_crds::podapi::{GpuRequest, MemoryRequest, PodRequest};
-use gpuledger_crds::refit::MAX_ALLOWED_DEVICES;
-use gpuledger_crds::{GpuReservationSpec, ReservedDevice};
+use crate::podapi::{GpuRequest, MemoryRequest, PodRequest};
+use crate::shares::{PodShares, ReservedDevice};
+
+/// The most GPUs one refit may name as allowed (HAMi's limit); the RefitRequest schema says the
+/// same.
+pub const MAX_ALLOWED_DEVICES: usize = 512;
 
 use super::device_fit::{Ask, DeviceScratch, fit_container};
 use super::model::{NodeView, Pick, Policy, Usage};
@@ -85,7 +88,7 @@ pub fn refit(
 /// container against an init container's peak, this accepts the move, as HAMi does since #2868.
 pub fn refit_reservation(
     node: &NodeView,
-    reservation: &GpuReservationSpec,
+    reservation: PodShares<'_>,
     index: u32,
     pod: &PodRequest,
     defaults: &Policy,

@@ -16,7 +16,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::Client;
 use kube::api::{Api, PostParams};
 
-use crate::extender::lease::expired;
+use crate::lease::allocation::expired;
 use crate::telemetry::{Health, Metrics};
 
 /// Name of the leader-election Lease.

@@ -26,8 +26,8 @@
 use std::collections::BTreeMap;
 use std::io::Read;
 
-use gpuledger_crds::ReservedDevice;
-use gpuledger_crds::podapi::{self, PodApiConfig, PodApiError, PodResources, SchedulerPolicy};
+use crate::podapi::{self, PodApiConfig, PodApiError, PodResources, SchedulerPolicy};
+use crate::shares::ReservedDevice;
 use serde::Serialize;
 use serde_json::{Map, Value};
 

@@ -9,10 +9,10 @@ use std::hint::black_box;
 use std::path::PathBuf;
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
-use gpuledger_crds::ReservedDevice;
-use gpuledger_crds::podapi::SchedulerPolicy;
-use gpuledger_operator::fit::fixture::{benchmark_pod, scenario_json, synthetic_cluster};
-use gpuledger_operator::fit::{Policy, Usage, fit_pod, refit};
+use gpuledger_fit::fixture::{benchmark_pod, scenario_json, synthetic_cluster};
+use gpuledger_fit::podapi::SchedulerPolicy;
+use gpuledger_fit::shares::ReservedDevice;
+use gpuledger_fit::{Policy, Usage, fit_pod, refit};
 
 /// Fixed seed: every run, and the Go side, sees the same cluster.
 const SEED: u64 = 20260830;

@@ -2,20 +2,20 @@
 //! on the NUMA node the kubelet's Topology Manager chose for its CPUs.
 //!
 //! Precedence, highest first: the pod's `hami.io/numa-alignment` annotation, then the matching
-//! [`NumaPolicy`](crate::NumaPolicy) in the pod's namespace, then the operator's
+//! `NumaPolicy` in the pod's namespace, then the operator's
 //! `--default-alignment`. See [`resolve`].
 
 use std::collections::BTreeMap;
 use std::fmt;
 use std::str::FromStr;
 
-use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::annotations::NUMA_ALIGNMENT;
+use crate::keys::annotations::NUMA_ALIGNMENT;
 
 /// Alignment mode.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub enum Alignment {
     /// Never refit; the kubelet's choice stands and any divergence is recorded as `Misaligned`.
     #[default]

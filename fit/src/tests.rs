@@ -2,14 +2,14 @@
 
 use std::collections::BTreeMap;
 
-use gpuledger_crds::ReservedDevice;
-use gpuledger_crds::annotations::{
+use crate::keys::annotations::{
     GPU_SCHEDULER_POLICY, NODE_SCHEDULER_POLICY, NOUSE_GPU_TYPE, NOUSE_GPU_UUID, NUMA_BIND,
     USE_GPU_TYPE, USE_GPU_UUID,
 };
-use gpuledger_crds::podapi::{
+use crate::podapi::{
     self, ContainerResources, PodApiConfig, PodRequest, PodResources, SchedulerPolicy,
 };
+use crate::shares::ReservedDevice;
 
 use super::device_fit::device_score;
 use super::*;

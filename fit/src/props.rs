@@ -1,9 +1,9 @@
 //! Property tests: whatever the cluster and the pod, a decision never over-commits a GPU.
 
-use gpuledger_crds::ReservedDevice;
-use gpuledger_crds::podapi::{
+use crate::podapi::{
     ContainerRequest, DeviceFilters, GpuRequest, MemoryRequest, PodRequest, SchedulerPolicy,
 };
+use crate::shares::ReservedDevice;
 use proptest::prelude::*;
 
 use super::*;
@@ -325,15 +325,15 @@ fn fitting_reservation(
     picks: [usize; 3],
     mem: [u64; 3],
     cores: [u32; 3],
-) -> Option<gpuledger_crds::GpuReservationSpec> {
+) -> Option<crate::shares::OwnedShares> {
     let n = node.devices.len();
     if n == 0 {
         return None;
     }
-    let containers: Vec<gpuledger_crds::ContainerReservation> = (0..3)
+    let containers: Vec<crate::shares::ContainerReservation> = (0..3)
         .map(|k| {
             let d = &node.devices[picks[k] % n];
-            gpuledger_crds::ContainerReservation {
+            crate::shares::ContainerReservation {
                 index: k as u32,
                 name: format!("c{k}"),
                 init: k == 0,
@@ -346,11 +346,11 @@ fn fitting_reservation(
             }
         })
         .collect();
-    let spec = gpuledger_crds::GpuReservationSpec {
+    let spec = crate::shares::OwnedShares {
         containers,
-        ..gpuledger_crds::GpuReservationSpec::default()
+        init_released: false,
     };
-    let fits = reservation_usage(&spec).iter().all(|s| {
+    let fits = reservation_usage(spec.shares()).iter().all(|s| {
         node.position(&s.uuid).is_some_and(|i| {
             let (d, mut u) = (&node.devices[i], node.usage[i]);
             u.add(s.usage);
@@ -387,7 +387,7 @@ proptest! {
             .collect();
         let pod = PodRequest::default();
         if let Ok(RefitOutcome::Moved(new)) =
-            refit_reservation(node, &spec, index, &pod, &Policy::default(), &allowed)
+            refit_reservation(node, spec.shares(), index, &pod, &Policy::default(), &allowed)
         {
             assert_usable(node, &new)?;
             prop_assert!(new.iter().all(|p| allowed.contains(&p.uuid)));
@@ -401,7 +401,7 @@ proptest! {
                 .iter()
                 .map(|p| ReservedDevice { uuid: p.uuid.clone(), memory_mib: p.memory_mib, cores: p.cores, numa_node: p.numa_node })
                 .collect();
-            assert_within_capacity(node, &reservation_usage(&after))?;
+            assert_within_capacity(node, &reservation_usage(after.shares()))?;
         }
     }
 }

@@ -8,7 +8,7 @@
 
 use std::collections::BTreeMap;
 
-use gpuledger_crds::{GpuReservationSpec, ReservedDevice};
+use crate::shares::{PodShares, ReservedDevice};
 
 use super::model::Usage;
 use super::node::Placement;
@@ -69,12 +69,13 @@ where
 }
 
 /// Effective per-GPU usage of a reservation.
-pub fn reservation_usage(spec: &GpuReservationSpec) -> Vec<DeviceShare> {
+pub fn reservation_usage(shares: PodShares<'_>) -> Vec<DeviceShare> {
     effective_usage(
-        spec.containers
+        shares
+            .containers
             .iter()
             .map(|c| (c.init, c.devices.as_slice())),
-        spec.init_released,
+        shares.init_released,
     )
 }
 
@@ -103,7 +104,7 @@ pub fn placement_shares(placement: &Placement) -> Vec<(bool, Vec<ReservedDevice>
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpuledger_crds::ContainerReservation;
+    use crate::shares::{ContainerReservation, OwnedShares};
 
     fn share(uuid: &str, mem: u64, cores: u32) -> ReservedDevice {
         ReservedDevice {
@@ -122,14 +123,14 @@ mod tests {
         }
     }
 
-    fn spec(released: bool) -> GpuReservationSpec {
+    fn spec(released: bool) -> OwnedShares {
         let ctr = |index, init, devices| ContainerReservation {
             index,
             name: format!("c{index}"),
             init,
             devices,
         };
-        GpuReservationSpec {
+        OwnedShares {
             containers: vec![
                 ctr(0, true, vec![share("GPU-a", 30000, 50)]),
                 ctr(
@@ -145,13 +146,12 @@ mod tests {
                 ctr(3, false, vec![share("GPU-a", 6000, 10)]),
             ],
             init_released: released,
-            ..GpuReservationSpec::default()
         }
     }
 
     #[test]
     fn init_peak_against_app_sum_per_field() {
-        let got = reservation_usage(&spec(false));
+        let got = reservation_usage(spec(false).shares());
         assert_eq!(
             got,
             vec![
@@ -175,7 +175,7 @@ mod tests {
 
     #[test]
     fn released_init_usage_leaves_app_only() {
-        let got = reservation_usage(&spec(true));
+        let got = reservation_usage(spec(true).shares());
         assert_eq!(
             got,
             vec![
@@ -193,6 +193,6 @@ mod tests {
 
     #[test]
     fn no_containers_no_usage() {
-        assert!(reservation_usage(&GpuReservationSpec::default()).is_empty());
+        assert!(reservation_usage(PodShares::default()).is_empty());
     }
 }

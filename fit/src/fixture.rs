@@ -6,7 +6,7 @@
 
 use serde_json::{Value, json};
 
-use gpuledger_crds::podapi::{ContainerRequest, GpuRequest, MemoryRequest, PodRequest};
+use crate::podapi::{ContainerRequest, GpuRequest, MemoryRequest, PodRequest};
 
 use super::model::{Device, NodeView, Usage};
 
@@ -139,8 +139,8 @@ pub fn scenario_json(nodes: &[NodeView], count: u32, node_policy: &str, gpu_poli
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fit::{Policy, cli, fit_pod};
-    use gpuledger_crds::podapi::SchedulerPolicy;
+    use crate::podapi::SchedulerPolicy;
+    use crate::{Policy, cli, fit_pod};
 
     #[test]
     fn the_generator_is_reproducible_and_stays_within_capacity() {

@@ -25,7 +25,7 @@
 
 use std::cmp::Ordering;
 
-use gpuledger_crds::podapi::{GpuRequest, PodRequest, SchedulerPolicy};
+use crate::podapi::{GpuRequest, PodRequest, SchedulerPolicy};
 
 use super::model::{NodeView, Usage};
 use super::reason::{FitFailure, Reason, ReasonCounts};

@@ -274,14 +274,12 @@ fn refit_keeps_the_absolute_amount_of_a_percentage_request() {
 
 // ---- phase-aware refits (HAMi #2868): `node` holds other pods only ----
 
-fn reservation(
-    containers: Vec<(u32, bool, Vec<ReservedDevice>)>,
-) -> gpuledger_crds::GpuReservationSpec {
-    gpuledger_crds::GpuReservationSpec {
+fn reservation(containers: Vec<(u32, bool, Vec<ReservedDevice>)>) -> crate::shares::OwnedShares {
+    crate::shares::OwnedShares {
         containers: containers
             .into_iter()
             .map(
-                |(index, init, devices)| gpuledger_crds::ContainerReservation {
+                |(index, init, devices)| crate::shares::ContainerReservation {
                     index,
                     name: format!("c{index}"),
                     init,
@@ -289,7 +287,7 @@ fn reservation(
                 },
             )
             .collect(),
-        ..gpuledger_crds::GpuReservationSpec::default()
+        init_released: false,
     }
 }
 
@@ -310,12 +308,12 @@ fn an_app_container_may_move_onto_its_init_containers_peak() {
     ]);
     let p = pod_with(&[], &[(1, 30000, 10)], &[(1, 20000, 10)]);
     let allowed = strings(&["GPU-b"]);
-    let r = refit_reservation(&others, &spec, 1, &p, &Policy::default(), &allowed).unwrap();
+    let r = refit_reservation(&others, spec.shares(), 1, &p, &Policy::default(), &allowed).unwrap();
     assert_eq!(moved_to(&r), [("GPU-b", 20000, 10)]);
 
     // The release-then-fit refit over the collapsed ledger refuses the same move.
     let mut collapsed = others.clone();
-    for s in reservation_usage(&spec) {
+    for s in reservation_usage(spec.shares()) {
         collapsed.add_usage(&s.uuid, s.usage);
     }
     let current = [share("GPU-a", 20000, 10)];
@@ -328,7 +326,7 @@ fn an_app_container_may_move_onto_its_init_containers_peak() {
     // After the move the collapsed usage stays within capacity.
     let mut after = spec.clone();
     after.containers[1].devices = vec![share("GPU-b", 20000, 10)];
-    let b = reservation_usage(&after);
+    let b = reservation_usage(after.shares());
     assert_eq!(
         b,
         [DeviceShare {
@@ -355,7 +353,7 @@ fn app_containers_still_compete_with_each_other() {
     let p = pod_with(&[], &[], &[(1, 25000, 10), (1, 20000, 10)]);
     let err = refit_reservation(
         &others,
-        &spec,
+        spec.shares(),
         1,
         &p,
         &Policy::default(),
@@ -384,17 +382,24 @@ fn an_init_container_competes_only_with_other_pods() {
     ]);
     let p = pod_with(&[], &[(1, 20000, 10)], &[(1, 35000, 10)]);
     let allowed = strings(&["GPU-b"]);
-    let r = refit_reservation(&others, &spec, 0, &p, &Policy::default(), &allowed).unwrap();
+    let r = refit_reservation(&others, spec.shares(), 0, &p, &Policy::default(), &allowed).unwrap();
     assert_eq!(moved_to(&r), [("GPU-b", 20000, 10)]);
     // Once the init containers are released, the same container is counted with the apps.
     let mut released = spec.clone();
     released.init_released = true;
-    let err =
-        refit_reservation(&others, &released, 0, &p, &Policy::default(), &allowed).unwrap_err();
+    let err = refit_reservation(
+        &others,
+        released.shares(),
+        0,
+        &p,
+        &Policy::default(),
+        &allowed,
+    )
+    .unwrap_err();
     assert!(matches!(err, RefitRefusal::NoAllowedDeviceFits(_)));
     // Nothing reserved at that index.
     assert_eq!(
-        refit_reservation(&others, &spec, 7, &p, &Policy::default(), &allowed),
+        refit_reservation(&others, spec.shares(), 7, &p, &Policy::default(), &allowed),
         Err(RefitRefusal::NothingReserved)
     );
 }

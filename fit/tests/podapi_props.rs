@@ -6,14 +6,14 @@
 
 use std::collections::BTreeMap;
 
-use gpuledger_crds::annotations::{
+use gpuledger_fit::keys::annotations::{
     GPU_SCHEDULER_POLICY, NODE_SCHEDULER_POLICY, NOUSE_GPU_TYPE, NOUSE_GPU_UUID, NUMA_ALIGNMENT,
     NUMA_BIND, USE_GPU_TYPE, USE_GPU_UUID,
 };
-use gpuledger_crds::podapi::{
+use gpuledger_fit::keys::resources::{GPU, GPU_CORES, GPU_MEM, GPU_MEM_PERCENTAGE};
+use gpuledger_fit::podapi::{
     ContainerResources, MemoryRequest, PodApiConfig, PodApiError, PodResources, parse,
 };
-use gpuledger_crds::resources::{GPU, GPU_CORES, GPU_MEM, GPU_MEM_PERCENTAGE};
 use proptest::prelude::*;
 
 const RESOURCE_KEYS: [&str; 5] = [GPU, GPU_MEM, GPU_MEM_PERCENTAGE, GPU_CORES, "cpu"];

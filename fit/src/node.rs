@@ -14,7 +14,7 @@
 use std::borrow::Borrow;
 use std::cmp::Ordering;
 
-use gpuledger_crds::podapi::{ContainerRequest, PodRequest, SchedulerPolicy};
+use crate::podapi::{ContainerRequest, PodRequest, SchedulerPolicy};
 
 use super::device_fit::{Ask, DeviceScratch, RawPick, fit_container};
 use super::model::{NodeView, Pick, Policy, Usage};

@@ -1,7 +1,7 @@
 //! The fit engine's view of the cluster: a node's GPUs, how full each one is, and the policies.
 
-use gpuledger_crds::GpuDevice;
-use gpuledger_crds::podapi::{PodRequest, SchedulerPolicy};
+use crate::podapi::{PodRequest, SchedulerPolicy};
+use crate::shares::GpuDevice;
 
 /// One physical GPU as the fit sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]

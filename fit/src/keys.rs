@@ -1,0 +1,34 @@
+//! The names of the HAMi-compatible pod API: extended resources and pod annotations. Every
+//! component reads pods through these (re-exported as `gpuledger_crds::{resources, annotations}`).
+
+/// Extended resource names of the pod-facing API (HAMi-compatible).
+pub mod resources {
+    /// Number of GPUs (each one a share of a physical GPU).
+    pub const GPU: &str = "nvidia.com/gpu";
+    /// GPU memory per GPU, in MiB.
+    pub const GPU_MEM: &str = "nvidia.com/gpumem";
+    /// GPU memory per GPU, as a percentage of the device's memory.
+    pub const GPU_MEM_PERCENTAGE: &str = "nvidia.com/gpumem-percentage";
+    /// Share of the GPU's streaming multiprocessors, in percent (100 = exclusive).
+    pub const GPU_CORES: &str = "nvidia.com/gpucores";
+}
+
+/// Pod annotations of the pod-facing API (HAMi-compatible).
+pub mod annotations {
+    /// Comma list of GPU UUIDs the pod may use (exact match).
+    pub const USE_GPU_UUID: &str = "nvidia.com/use-gpuuuid";
+    /// Comma list of GPU UUIDs the pod must not use (exact match).
+    pub const NOUSE_GPU_UUID: &str = "nvidia.com/nouse-gpuuuid";
+    /// Comma list of model substrings the pod may use (case-insensitive).
+    pub const USE_GPU_TYPE: &str = "nvidia.com/use-gputype";
+    /// Comma list of model substrings the pod must not use (case-insensitive).
+    pub const NOUSE_GPU_TYPE: &str = "nvidia.com/nouse-gputype";
+    /// `true`: all GPUs of one container come from one NUMA node.
+    pub const NUMA_BIND: &str = "nvidia.com/numa-bind";
+    /// GPU choice policy within a node: `binpack` or `spread`.
+    pub const GPU_SCHEDULER_POLICY: &str = "hami.io/gpu-scheduler-policy";
+    /// Node choice policy: `binpack` or `spread`.
+    pub const NODE_SCHEDULER_POLICY: &str = "hami.io/node-scheduler-policy";
+    /// NUMA alignment mode at admission: `none`, `best-effort` or `strict`.
+    pub const NUMA_ALIGNMENT: &str = "hami.io/numa-alignment";
+}

@@ -1,0 +1,180 @@
+//! The adapter between the ledger's objects and the engine: usage reaches the engine, node
+//! choice follows the policy, cached views and remembered outcomes are reused only while valid.
+
+use super::views::REMEMBERED;
+use super::*;
+use gpuledger_crds::podapi::{ContainerRequest, GpuRequest, MemoryRequest};
+use gpuledger_crds::{GpuDevice, GpuNodeSpec, GpuNodeStatus};
+use gpuledger_fit::FitFailure;
+
+fn node(name: &str, gpus: u32) -> GpuNode {
+    let mut n = GpuNode::new(name, GpuNodeSpec::default());
+    n.status = Some(GpuNodeStatus {
+        devices: (0..gpus)
+            .map(|i| GpuDevice {
+                uuid: format!("GPU-{name}-{i}"),
+                index: i,
+                model: "NVIDIA L4".into(),
+                memory_mib: 20000,
+                cores: 100,
+                numa_node: Some(0),
+                pci_bus_id: None,
+                mig: false,
+                healthy: true,
+            })
+            .collect(),
+        split_count: Some(4),
+        ..Default::default()
+    });
+    n
+}
+
+fn request(mem: u64) -> PodRequest {
+    PodRequest {
+        containers: vec![ContainerRequest {
+            index: 0,
+            name: "main".into(),
+            init: false,
+            gpu: Some(GpuRequest {
+                count: 1,
+                memory: MemoryRequest::Mib(mem),
+                cores: 10,
+            }),
+        }],
+        ..Default::default()
+    }
+}
+
+fn used(uuid: &str, mem: u64) -> NodeUsage {
+    NodeUsage::from([(
+        uuid.to_string(),
+        DeviceUsage {
+            memory_mib: mem,
+            cores: 10,
+            sharers: 1,
+        },
+    )])
+}
+
+fn policies(node: SchedulerPolicy) -> Policy {
+    Policy {
+        node,
+        gpu: SchedulerPolicy::Spread,
+    }
+}
+
+#[test]
+fn ledger_usage_reaches_the_engine() {
+    let n = node("a", 1);
+    let full = used("GPU-a-0", 15000);
+    let err = place(
+        &request(8000),
+        &n,
+        &full,
+        policies(SchedulerPolicy::Binpack),
+    )
+    .unwrap_err();
+    assert!(err.contains("CardInsufficientMemory"), "{err}");
+    let ok = place(
+        &request(5000),
+        &n,
+        &full,
+        policies(SchedulerPolicy::Binpack),
+    )
+    .unwrap();
+    assert_eq!(ok.containers[0].devices[0].uuid, "GPU-a-0");
+    assert_eq!(ok.containers[0].devices[0].memory_mib, 5000);
+}
+
+#[test]
+fn node_choice_follows_the_node_policy() {
+    let (a, b) = (node("a", 1), node("b", 1));
+    let nodes = [
+        Arc::new(FitView::new(node_view(&a, &used("GPU-a-0", 10000)))),
+        Arc::new(FitView::new(node_view(&b, &NodeUsage::new()))),
+    ];
+    let binpack = choose(&request(1000), &nodes, policies(SchedulerPolicy::Binpack));
+    assert_eq!(binpack.chosen.as_deref(), Some("a"));
+    let spread = choose(&request(1000), &nodes, policies(SchedulerPolicy::Spread));
+    assert_eq!(spread.chosen.as_deref(), Some("b"));
+    // Only b has 15000 MiB free: chosen, and no reasons (nobody reads them then).
+    let only_b = choose(&request(15000), &nodes, policies(SchedulerPolicy::Binpack));
+    assert_eq!(only_b.chosen.as_deref(), Some("b"));
+    assert!(only_b.failed.is_empty(), "{:?}", only_b.failed);
+    // Nothing fits: every node with its reason.
+    let none = choose(&request(25000), &nodes, policies(SchedulerPolicy::Binpack));
+    assert_eq!(none.chosen, None);
+    assert_eq!(none.failed.len(), 2);
+    assert!(
+        none.failed[0].1.contains("CardInsufficientMemory"),
+        "{:?}",
+        none.failed
+    );
+}
+
+#[test]
+fn cached_views_follow_the_gpunode_and_the_ledger_version() {
+    let cache = NodeViewCache::default();
+    let a = Arc::new(node("a", 2));
+    let calls = std::cell::Cell::new(0);
+    let usage = |_: &str| {
+        calls.set(calls.get() + 1);
+        used("GPU-a-0", 1000 * calls.get())
+    };
+    let first = cache.views(&[(a.clone(), 1)], usage);
+    assert_eq!(first[0].view().usage[0].memory_mib, 1000);
+    // Same GpuNode object, same version: the same view, no usage read.
+    let again = cache.views(&[(a.clone(), 1)], usage);
+    assert!(Arc::ptr_eq(&first[0], &again[0]));
+    assert_eq!(calls.get(), 1);
+    // The ledger moved on: rebuilt with the new usage.
+    let moved = cache.views(&[(a.clone(), 2)], usage);
+    assert_eq!(moved[0].view().usage[0].memory_mib, 2000);
+    // A new GpuNode object (its status changed), even with equal content: rebuilt.
+    let a2 = Arc::new(node("a", 3));
+    let resized = cache.views(&[(a2.clone(), 2)], usage);
+    assert_eq!(resized[0].view().devices.len(), 3);
+    assert_eq!(calls.get(), 3);
+    assert_eq!(cache.len(), 1);
+    cache.retain(|n| n != "a");
+    assert!(cache.is_empty());
+}
+#[test]
+fn remembered_outcomes_are_per_request_and_per_view() {
+    let a = node("a", 1);
+    let view = Arc::new(FitView::new(node_view(&a, &NodeUsage::new())));
+    let binpack = policies(SchedulerPolicy::Binpack);
+    let first = choose(&request(15000), std::slice::from_ref(&view), binpack);
+    assert_eq!(first.chosen.as_deref(), Some("a"));
+    let key = |mem| FitKey {
+        request: request(mem),
+        gpu: binpack.gpu,
+    };
+    assert!(view.recall(&key(15000)).is_some_and(|o| o.is_ok()));
+    // Another request is not answered from the first one's outcome.
+    assert_eq!(view.recall(&key(25000)), None);
+    // Nor under another GPU policy.
+    let other_policy = FitKey {
+        request: request(15000),
+        gpu: SchedulerPolicy::Binpack,
+    };
+    assert_eq!(view.recall(&other_policy), None);
+    let none = choose(&request(25000), std::slice::from_ref(&view), binpack);
+    assert_eq!(none.chosen, None);
+    assert!(view.recall(&key(25000)).is_some_and(|o| o.is_err()));
+    // The memory is used: a planted outcome decides the node without a fit...
+    let planted = Arc::new(key(1000));
+    view.remember(&planted, Err(FitFailure::NodeInsufficientDevice));
+    let fooled = choose(&request(1000), std::slice::from_ref(&view), binpack);
+    assert_eq!(fooled.chosen, None, "the remembered outcome was not used");
+    // ...but only the last few requests are kept.
+    for mem in 2000..2000 + REMEMBERED as u64 {
+        choose(&request(mem), std::slice::from_ref(&view), binpack);
+    }
+    assert_eq!(view.recall(&key(1000)), None);
+    let fresh = choose(&request(1000), std::slice::from_ref(&view), binpack);
+    assert_eq!(fresh.chosen.as_deref(), Some("a"));
+    // A new view (the node or its ledger changed) starts with nothing remembered.
+    let rebuilt = FitView::new(node_view(&a, &used("GPU-a-0", 19000)));
+    assert_eq!(rebuilt.recall(&key(1000)), None);
+}

@@ -1,0 +1,183 @@
+//! The fit engine's view of each node: a GpuNode plus the ledger's usage, turned into the
+//! engine's `NodeView`, cached between filter calls and remembering the last outcomes fitted on
+//! it.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use gpuledger_crds::GpuNode;
+use gpuledger_crds::podapi::{PodRequest, SchedulerPolicy};
+use gpuledger_fit::{FitFailure, NodeView, Usage};
+
+use crate::ledger::usage::NodeUsage;
+
+/// Sharers per GPU when a GpuNode does not say (HAMi's `deviceSplitCount` default).
+pub const DEFAULT_SPLIT_COUNT: u32 = 10;
+
+/// The engine's view of `node` with `usage` applied.
+pub fn node_view(node: &GpuNode, usage: &NodeUsage) -> NodeView {
+    let name = node.metadata.name.clone().unwrap_or_default();
+    let status = node.status.clone().unwrap_or_default();
+    let split = status.split_count.unwrap_or(DEFAULT_SPLIT_COUNT);
+    let view = NodeView::from_gpu_node(name, &status.devices, split, &node.spec.cordoned);
+    with_usage(view, usage)
+}
+
+/// `view` with `usage` added. Usage on a GPU the inventory no longer lists cannot be placed
+/// against; it is ignored.
+fn with_usage(mut view: NodeView, usage: &NodeUsage) -> NodeView {
+    for (uuid, u) in usage {
+        view.add_usage(
+            uuid,
+            Usage {
+                sharers: u.sharers,
+                memory_mib: u.memory_mib,
+                cores: u32::try_from(u.cores).unwrap_or(u32::MAX),
+            },
+        );
+    }
+    view
+}
+
+/// What a remembered fit outcome was computed for: the pod's parsed request and the GPU policy
+/// applied to it. The node policy is not part of it: it only ranks nodes, it does not change
+/// one node's outcome.
+#[derive(Debug, PartialEq)]
+pub struct FitKey {
+    pub(super) request: PodRequest,
+    pub(super) gpu: SchedulerPolicy,
+}
+
+/// Outcomes remembered per view: the last few distinct requests (a scheduling burst is mostly
+/// replicas of a few pod shapes).
+pub(super) const REMEMBERED: usize = 4;
+
+/// One remembered outcome: the node's score, or why the request does not fit.
+type Remembered = (Arc<FitKey>, Result<f32, FitFailure>);
+
+/// A node's engine view, and the outcomes of the last requests fitted on it.
+///
+/// A view never changes (a change of the node or its reservations makes a new one), so an
+/// outcome remembered on it stays true: in a burst of identical pods, filter fits only the
+/// nodes that changed since the last call instead of every candidate again.
+#[derive(Debug)]
+pub struct FitView {
+    view: NodeView,
+    remembered: Mutex<Vec<Remembered>>,
+}
+
+impl FitView {
+    /// A view with nothing remembered.
+    pub fn new(view: NodeView) -> Self {
+        FitView {
+            view,
+            remembered: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The engine's view.
+    pub fn view(&self) -> &NodeView {
+        &self.view
+    }
+
+    /// The node's name.
+    pub fn name(&self) -> &str {
+        &self.view.name
+    }
+
+    pub(super) fn recall(&self, key: &FitKey) -> Option<Result<f32, FitFailure>> {
+        let remembered = self.remembered.lock().unwrap_or_else(|e| e.into_inner());
+        remembered
+            .iter()
+            .find(|(k, _)| **k == *key)
+            .map(|(_, outcome)| *outcome)
+    }
+
+    pub(super) fn remember(&self, key: &Arc<FitKey>, outcome: Result<f32, FitFailure>) {
+        let mut remembered = self.remembered.lock().unwrap_or_else(|e| e.into_inner());
+        if remembered.iter().any(|(k, _)| **k == **key) {
+            return;
+        }
+        if remembered.len() == REMEMBERED {
+            drop(remembered.remove(0));
+        }
+        remembered.push((key.clone(), outcome));
+    }
+}
+
+/// A cached view and what it was built from.
+struct CachedView {
+    /// The GpuNode object it was built from (the cache compares identity: the GpuNode store
+    /// hands out a new `Arc` for every change).
+    gpunode: Arc<GpuNode>,
+    /// [`crate::ledger::LedgerIndex::node_version`] when its usage was read.
+    version: u64,
+    view: Arc<FitView>,
+}
+
+/// Engine views of nodes, built once per change instead of once per filter call.
+///
+/// A filter over 1000 candidates used to convert 1000 GpuNodes and sum the reservations of
+/// each; almost all of that is the same from one call to the next. A view is reused while its
+/// GpuNode is the same object and the ledger index reports the same version for the node.
+#[derive(Default)]
+pub struct NodeViewCache {
+    entries: Mutex<HashMap<String, CachedView>>,
+}
+
+impl NodeViewCache {
+    /// The views of `nodes` (each a GpuNode and the index's version of its reservations), in
+    /// order. `usage_of(node)` is called for the nodes whose view must be (re)built; read the
+    /// version before the usage, so a change in between only makes the next call rebuild.
+    pub fn views(
+        &self,
+        nodes: &[(Arc<GpuNode>, u64)],
+        usage_of: impl Fn(&str) -> NodeUsage,
+    ) -> Vec<Arc<FitView>> {
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out = Vec::with_capacity(nodes.len());
+        for (gpunode, version) in nodes {
+            let name = gpunode.metadata.name.as_deref().unwrap_or_default();
+            let fresh = entries
+                .get(name)
+                .filter(|c| c.version == *version && Arc::ptr_eq(&c.gpunode, gpunode));
+            let view = match fresh {
+                Some(c) => c.view.clone(),
+                None => {
+                    let view = Arc::new(FitView::new(node_view(gpunode, &usage_of(name))));
+                    let entry = CachedView {
+                        gpunode: gpunode.clone(),
+                        version: *version,
+                        view: view.clone(),
+                    };
+                    entries.insert(name.to_string(), entry);
+                    view
+                }
+            };
+            out.push(view);
+        }
+        out
+    }
+
+    /// Drops the views of nodes for which `keep` is false (nodes that left the cluster; the
+    /// GpuNode usage loop calls it every `--usage-interval`).
+    pub fn retain(&self, keep: impl Fn(&str) -> bool) {
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        entries.retain(|name, _| keep(name));
+    }
+
+    /// How many views are cached.
+    pub fn len(&self) -> usize {
+        self.entries.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Whether no view is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A copy of `view` with `extra` usage added (filter's holds on that node), nothing remembered.
+pub fn with_extra_usage(view: &FitView, extra: &NodeUsage) -> FitView {
+    FitView::new(with_usage(view.view().clone(), extra))
+}
