@@ -15,6 +15,7 @@ pub mod conditions;
 pub mod gpunode;
 pub mod numapolicy;
 pub mod podapi;
+pub mod protocol;
 pub mod refit;
 pub mod reservation;
 
@@ -49,37 +50,8 @@ pub mod names {
     pub const NODE_LABEL: &str = "gpuledger.io/node";
     /// Label on RefitRequests naming the reservation they concern.
     pub const RESERVATION_LABEL: &str = "gpuledger.io/reservation";
-    /// Prefix of the per-node allocation Lease (`gpuledger-alloc-<node>`), held by the pod being
-    /// admitted between bind and its last Allocate.
-    pub const ALLOCATION_LEASE_PREFIX: &str = "gpuledger-alloc-";
     /// Default namespace of the operator's Leases (leader election and per-node allocation).
     pub const DEFAULT_NAMESPACE: &str = "gpuledger-system";
-    /// How long a pod may hold a node's allocation Lease before it is considered stuck (HAMi's
-    /// node-lock timeout).
-    pub const ALLOCATION_LEASE_SECONDS: i32 = 300;
-
-    /// Name of the allocation Lease of `node`.
-    ///
-    /// Contract: the extender's bind takes it (holderIdentity = [`lease_holder`] of the pod)
-    /// before it posts the Binding; the device plugin reads it to find the pod being admitted and
-    /// deletes it after the pod's last GPU container is allocated; the operator frees it when the
-    /// reservation times out in `Allocating`.
-    pub fn allocation_lease_name(node: &str) -> String {
-        format!("{ALLOCATION_LEASE_PREFIX}{node}")
-    }
-
-    /// Holder identity written into an allocation Lease: `<namespace>/<pod name>/<pod uid>`.
-    pub fn lease_holder(namespace: &str, pod: &str, uid: &str) -> String {
-        format!("{namespace}/{pod}/{uid}")
-    }
-
-    /// Splits a holder identity into (namespace, pod name, pod uid).
-    pub fn parse_lease_holder(holder: &str) -> Option<(&str, &str, &str)> {
-        let mut it = holder.splitn(3, '/');
-        let (ns, pod, uid) = (it.next()?, it.next()?, it.next()?);
-        (!ns.is_empty() && !pod.is_empty() && !uid.is_empty()).then_some((ns, pod, uid))
-    }
-
     /// Name of a pod's GpuReservation (same namespace as the pod): the pod's name. The spec's
     /// `podUID` tells a reservation of a recreated pod from a stale one.
     pub fn reservation_name(pod: &str) -> String {

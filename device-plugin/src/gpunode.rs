@@ -6,10 +6,11 @@ use std::time::Duration;
 
 use gpuledger_crds::conditions::{self, types::HEALTHY};
 use gpuledger_crds::names::DEVICE_PLUGIN_MANAGER;
+use gpuledger_crds::protocol::status;
 use gpuledger_crds::{GpuNode, GpuNodeSpec, GpuNodeStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::Client;
 use kube::api::{Api, Patch, PatchParams, PostParams};
-use kube::{Client, Resource};
 use tokio::sync::watch;
 
 use crate::inventory::Inventory;
@@ -76,19 +77,18 @@ pub fn desired_status(
 
 /// The apply body: only our fields (never `usage`, never other conditions).
 fn apply_body(node: &str, s: &GpuNodeStatus) -> serde_json::Value {
-    serde_json::json!({
-        "apiVersion": GpuNode::api_version(&()),
-        "kind": GpuNode::kind(&()),
-        "metadata": { "name": node },
-        "status": {
+    status::apply_body::<GpuNode>(
+        node,
+        None,
+        serde_json::json!({
             "devices": s.devices,
             "splitCount": s.split_count,
             "gpuCount": s.gpu_count,
             "healthyCount": s.healthy_count,
             "numaNodes": s.numa_nodes,
             "conditions": s.conditions,
-        }
-    })
+        }),
+    )
 }
 
 /// Now, to the second (the precision a `Time` is written with).

@@ -3,10 +3,12 @@
 //! the Lease after the pod's last GPU container.
 
 use gpuledger_crds::names::{self, DEVICE_PLUGIN_MANAGER};
+use gpuledger_crds::protocol::lease::{self, Holder, allocation_lease_name};
+use gpuledger_crds::protocol::status::apply_body;
 use gpuledger_crds::{ContainerAllocation, ContainerReservation, GpuReservation};
 use k8s_openapi::api::coordination::v1::Lease;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
-use kube::{Client, Resource};
+use kube::Client;
+use kube::api::{Api, Patch, PatchParams};
 
 /// Why the pod being admitted or its reservation could not be found or used.
 #[derive(Debug, thiserror::Error)]
@@ -163,7 +165,7 @@ impl Ledger {
     }
 
     fn lease_name(&self) -> String {
-        names::allocation_lease_name(&self.node)
+        allocation_lease_name(&self.node)
     }
 
     /// Reads the Lease and the holder's reservation, straight from the API server (never a
@@ -184,9 +186,13 @@ impl Ledger {
                 lease: lease_name.clone(),
             })?;
         let holder = lease.spec.as_ref().and_then(|s| s.holder_identity.clone());
-        let (ns, pod, uid) = holder
+        let Holder {
+            namespace: ns,
+            pod,
+            uid,
+        } = holder
             .as_deref()
-            .and_then(names::parse_lease_holder)
+            .and_then(Holder::parse)
             .ok_or_else(|| LedgerError::BadHolder {
                 namespace: self.namespace.clone(),
                 lease: lease_name.clone(),
@@ -244,12 +250,11 @@ impl Ledger {
             .name
             .clone()
             .unwrap_or_default();
-        let body = serde_json::json!({
-            "apiVersion": GpuReservation::api_version(&()),
-            "kind": GpuReservation::kind(&()),
-            "metadata": { "name": name, "namespace": pending.namespace },
-            "status": { "allocation": allocation },
-        });
+        let body = apply_body::<GpuReservation>(
+            &name,
+            Some(&pending.namespace),
+            serde_json::json!({ "allocation": allocation }),
+        );
         api.patch_status(
             &name,
             &PatchParams::apply(DEVICE_PLUGIN_MANAGER).force(),
@@ -265,46 +270,23 @@ impl Ledger {
         })
     }
 
-    /// Deletes the allocation Lease if it still names this pod. Returns whether it was deleted.
+    /// Deletes the allocation Lease if it still names this pod ([`lease::release`], starting
+    /// from the version [`Ledger::pending`] read). Returns whether it was deleted.
     pub async fn release_lease(&self, pending: &Pending) -> Result<bool, LedgerError> {
         let leases: Api<Lease> = Api::namespaced(self.client.clone(), &self.namespace);
         let lease_name = self.lease_name();
-        let me = names::lease_holder(&pending.namespace, &pending.pod, &pending.uid);
-        let kube_err = |source| LedgerError::Kube {
+        let me = Holder::new(&pending.namespace, &pending.pod, &pending.uid).encode();
+        lease::release(
+            &leases,
+            &lease_name,
+            &me,
+            pending.lease_resource_version.clone(),
+        )
+        .await
+        .map_err(|source| LedgerError::Kube {
             action: format!("releasing Lease {}/{lease_name}", self.namespace),
             source,
-        };
-        let mut resource_version = pending.lease_resource_version.clone();
-        // Two rounds: the Lease may have been renewed (new resourceVersion, same holder) since
-        // we read it; a precondition failure makes us re-read and check the holder again.
-        for _ in 0..2 {
-            let params = DeleteParams {
-                preconditions: Some(Preconditions {
-                    resource_version: resource_version.clone(),
-                    uid: None,
-                }),
-                ..DeleteParams::default()
-            };
-            match leases.delete(&lease_name, &params).await {
-                Ok(_) => return Ok(true),
-                Err(kube::Error::Api(s)) if s.code == 404 => return Ok(false),
-                Err(kube::Error::Api(s)) if s.code == 409 => {
-                    let Some(lease) = leases.get_opt(&lease_name).await.map_err(kube_err)? else {
-                        return Ok(false);
-                    };
-                    let holder = lease
-                        .spec
-                        .as_ref()
-                        .and_then(|s| s.holder_identity.as_deref());
-                    if holder != Some(me.as_str()) {
-                        return Ok(false);
-                    }
-                    resource_version = lease.metadata.resource_version.clone();
-                }
-                Err(e) => return Err(kube_err(e)),
-            }
-        }
-        Ok(false)
+        })
     }
 }
 

@@ -1,5 +1,6 @@
 //! End-to-end harness for gpuledger.
 
+pub mod allocator;
 pub mod bench;
 pub mod cluster;
 pub mod demo;

@@ -220,7 +220,10 @@ async fn allocate_without_a_pending_reservation_is_a_clear_error(
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::NotFound, "{err:?}");
     assert!(
-        err.message().contains(&names::allocation_lease_name(NODE)),
+        err.message()
+            .contains(&gpuledger_crds::protocol::lease::allocation_lease_name(
+                NODE
+            )),
         "{}",
         err.message()
     );
@@ -271,13 +274,15 @@ async fn bind(admin: &Client, pod: &str, containers: Vec<ContainerReservation>) 
         .unwrap();
     let lease = Lease {
         metadata: ObjectMeta {
-            name: Some(names::allocation_lease_name(NODE)),
+            name: Some(gpuledger_crds::protocol::lease::allocation_lease_name(NODE)),
             namespace: Some(DEFAULT_NAMESPACE.into()),
             ..Default::default()
         },
         spec: Some(LeaseSpec {
-            holder_identity: Some(names::lease_holder(NS, pod, &uid)),
-            lease_duration_seconds: Some(names::ALLOCATION_LEASE_SECONDS),
+            holder_identity: Some(
+                gpuledger_crds::protocol::lease::Holder::new(NS, pod, &uid).encode(),
+            ),
+            lease_duration_seconds: Some(gpuledger_crds::protocol::lease::ALLOCATION_LEASE_SECONDS),
             ..Default::default()
         }),
     };
@@ -290,7 +295,9 @@ async fn bind(admin: &Client, pod: &str, containers: Vec<ContainerReservation>) 
 
 async fn lease_exists(admin: &Client) -> bool {
     Api::<Lease>::namespaced(admin.clone(), DEFAULT_NAMESPACE)
-        .get_opt(&names::allocation_lease_name(NODE))
+        .get_opt(&gpuledger_crds::protocol::lease::allocation_lease_name(
+            NODE,
+        ))
         .await
         .unwrap()
         .is_some()
@@ -481,7 +488,10 @@ async fn bind_again_and_refuse_unknown_ids(
     );
     // Clean up for the next step: the operator would free the Lease on timeout.
     Api::<Lease>::namespaced(admin.clone(), DEFAULT_NAMESPACE)
-        .delete(&names::allocation_lease_name(NODE), &Default::default())
+        .delete(
+            &gpuledger_crds::protocol::lease::allocation_lease_name(NODE),
+            &Default::default(),
+        )
         .await
         .unwrap();
 }

@@ -1,4 +1,5 @@
 use super::*;
+use crate::protocol::pod::pod_wants_gpus;
 
 use crate::annotations::NUMA_BIND;
 
@@ -145,7 +146,7 @@ fn memory_or_cores_without_a_gpu_count_are_named_as_never_allocated() {
 }
 
 mod finished {
-    use super::super::pod_finished;
+    use crate::protocol::pod::pod_finished;
     use k8s_openapi::api::core::v1::{Pod, PodSpec, PodStatus};
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
     use k8s_openapi::jiff::Timestamp;

@@ -16,6 +16,7 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use futures::{StreamExt, TryStreamExt};
 use gpuledger_crds::names::{NODE_LABEL, RESERVATION_LABEL};
+use gpuledger_crds::protocol;
 use gpuledger_crds::{RefitPhase, RefitRequest, RefitRequestSpec, RefitRequestStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, OwnerReference};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
@@ -79,14 +80,6 @@ impl RefitHook for RefitClient {
     }
 }
 
-/// How much earlier than the plugin stops waiting the operator must have committed: the answer
-/// still has to travel back through the API server's watch. A move committed after the plugin
-/// gave up would be a refit the kubelet never honours (it is then recorded as `Misaligned`, but
-/// the point of the margin is not to get there). A fifth of the budget, at most 250 ms.
-fn commit_margin(timeout: SignedDuration) -> SignedDuration {
-    (timeout / 5).min(SignedDuration::from_millis(250))
-}
-
 /// The request for `ctx`, created at `now`.
 pub fn request_for(ctx: &RefitContext, now: Timestamp) -> RefitRequest {
     let reservation = &ctx.reservation;
@@ -100,9 +93,7 @@ pub fn request_for(ctx: &RefitContext, now: Timestamp) -> RefitRequest {
         block_owner_deletion: Some(false),
     };
     let timeout = SignedDuration::try_from(ctx.timeout).unwrap_or(SignedDuration::ZERO);
-    let deadline = now
-        .checked_add(timeout - commit_margin(timeout))
-        .unwrap_or(now);
+    let deadline = protocol::refit::deadline(now, timeout);
     // generateName adds 5 characters; names may have 253.
     let mut prefix: String = ctx.pod_name.chars().take(230).collect();
     prefix.push_str(&format!("-c{}-", ctx.container.index));

@@ -1,29 +1,23 @@
 //! A GPU fleet written straight into the API server, for loads too large for simulated nodes
 //! with real device plugins (hundreds to thousands of nodes): Node objects, GpuNode inventories
-//! as the device plugin publishes them, GPU pods, and [`spawn_allocator`], which plays the
-//! device plugin's part of the allocation contract (record the allocation, release the node's
-//! Lease) so the operator's pipeline runs end to end.
+//! as the device plugin publishes them, and GPU pods. [`crate::allocator`] plays the device
+//! plugin's part of the allocation contract for them, so the operator's pipeline runs end to
+//! end.
 
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
 
-use gpuledger_crds::names::{
-    ALLOCATION_LEASE_PREFIX, DEVICE_PLUGIN_MANAGER, parse_lease_holder, reservation_name,
-};
-use gpuledger_crds::{GpuDevice, GpuNode, GpuNodeSpec, GpuReservation};
-use k8s_openapi::api::coordination::v1::Lease;
+use gpuledger_crds::names::DEVICE_PLUGIN_MANAGER;
+use gpuledger_crds::{GpuDevice, GpuNode, GpuNodeSpec};
 use k8s_openapi::api::core::v1::{Container, Node, Pod, PodSpec, ResourceRequirements};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
-use kube::runtime::watcher;
+use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
 use tokio::sync::Semaphore;
-use tokio::task::{JoinHandle, JoinSet};
-use tokio_stream::StreamExt;
+use tokio::task::JoinSet;
 
 use crate::cluster::{ClusterError, FakeGpuNode, FakeNode};
 
@@ -228,115 +222,6 @@ where
         out[i] = Some(result?);
     }
     Ok(out.into_iter().flatten().collect())
-}
-
-/// Plays the device plugin's part of the allocation contract for fleet nodes: whenever a pod
-/// takes a node's allocation Lease in `lease_namespace`, record that the kubelet allocated
-/// exactly the reserved GPUs for every reserved container, then delete the Lease (what the
-/// plugin does after the pod's last GPU container). Runs until the handle is aborted.
-pub fn spawn_allocator(client: Client, lease_namespace: &str) -> JoinHandle<()> {
-    spawn_allocator_after(client, lease_namespace, Duration::ZERO)
-}
-
-/// [`spawn_allocator`], allocating `delay` after the pod took the Lease: the window in which a
-/// real kubelet would be admitting the pod, and a device plugin could ask for a refit. The
-/// allocation is read from the reservation as it is then, so a committed refit is honoured.
-pub fn spawn_allocator_after(
-    client: Client,
-    lease_namespace: &str,
-    delay: Duration,
-) -> JoinHandle<()> {
-    let leases: Api<Lease> = Api::namespaced(client.clone(), lease_namespace);
-    tokio::spawn(async move {
-        let mut events = std::pin::pin!(watcher(leases.clone(), watcher::Config::default()));
-        let mut pending = JoinSet::new();
-        while let Some(ev) = events.next().await {
-            let lease = match ev {
-                Ok(watcher::Event::Apply(l) | watcher::Event::InitApply(l)) => l,
-                _ => continue,
-            };
-            if !lease.name_any().starts_with(ALLOCATION_LEASE_PREFIX) {
-                continue;
-            }
-            // Each node has its own kubelet and plugin: allocations on different nodes run
-            // side by side, not one after another behind a single loop.
-            let (client, leases) = (client.clone(), leases.clone());
-            pending.spawn(async move {
-                if !delay.is_zero() {
-                    tokio::time::sleep(delay).await;
-                }
-                allocate(&client, &leases, &lease).await;
-            });
-            while pending.try_join_next().is_some() {}
-        }
-    })
-}
-
-async fn allocate(client: &Client, leases: &Api<Lease>, lease: &Lease) {
-    let holder = lease
-        .spec
-        .as_ref()
-        .and_then(|s| s.holder_identity.clone())
-        .unwrap_or_default();
-    let Some((ns, pod, uid)) = parse_lease_holder(&holder) else {
-        return;
-    };
-    let api: Api<GpuReservation> = Api::namespaced(client.clone(), ns);
-    let Ok(Some(r)) = api.get_opt(&reservation_name(pod)).await else {
-        return;
-    };
-    if r.spec.pod_uid != uid {
-        return;
-    }
-    let allocation: Vec<_> = r
-        .spec
-        .containers
-        .iter()
-        .map(|c| {
-            json!({
-                "index": c.index,
-                "name": c.name,
-                "replicaIds": c.devices.iter().map(|d| format!("{}-0", d.uuid)).collect::<Vec<_>>(),
-                "devices": c.devices.iter().map(|d| d.uuid.clone()).collect::<Vec<_>>(),
-            })
-        })
-        .collect();
-    let body = json!({
-        "apiVersion": "gpuledger.io/v1alpha1", "kind": "GpuReservation",
-        "metadata": {"name": r.name_any(), "namespace": ns},
-        "status": {"allocation": allocation},
-    });
-    let params = PatchParams::apply(DEVICE_PLUGIN_MANAGER).force();
-    if api
-        .patch_status(&r.name_any(), &params, &Patch::Apply(&body))
-        .await
-        .is_ok()
-    {
-        release_if_still_held(leases, &lease.name_any(), &holder).await;
-    }
-}
-
-/// Deletes Lease `name` only while `holder` holds it, with a resourceVersion precondition: a
-/// late or repeated allocation must never free a Lease another pod has taken since.
-async fn release_if_still_held(leases: &Api<Lease>, name: &str, holder: &str) {
-    let Ok(Some(current)) = leases.get_opt(name).await else {
-        return;
-    };
-    let held_by = current
-        .spec
-        .as_ref()
-        .and_then(|s| s.holder_identity.as_deref());
-    if held_by != Some(holder) {
-        return;
-    }
-    let params = DeleteParams {
-        preconditions: Some(Preconditions {
-            resource_version: current.metadata.resource_version.clone(),
-            uid: current.metadata.uid.clone(),
-        }),
-        ..Default::default()
-    };
-    let _ = leases.delete(name, &params).await;
 }
 
 #[cfg(test)]

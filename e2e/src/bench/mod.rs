@@ -11,7 +11,8 @@ pub mod refit_output;
 pub mod stats;
 pub mod throttle;
 
-pub use fleet::{Fleet, GpuShape, gpu_pod, spawn_allocator, spawn_allocator_after};
+pub use crate::allocator::{spawn_allocator, spawn_allocator_after};
+pub use fleet::{Fleet, GpuShape, gpu_pod};
 pub use operator::{ChildOperator, OperatorOptions};
 pub use proxy::TimingProxy;
 pub use stats::{Row, Summary, print_table};

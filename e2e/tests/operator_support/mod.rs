@@ -9,19 +9,17 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use futures::StreamExt;
-use gpuledger_crds::names::{
-    ALLOCATION_LEASE_PREFIX, DEVICE_PLUGIN_MANAGER, parse_lease_holder, reservation_name,
-};
+use std::sync::Arc;
+
+use gpuledger_crds::names::DEVICE_PLUGIN_MANAGER;
 use gpuledger_crds::{GpuDevice, GpuNode, GpuNodeSpec, GpuReservation};
+use gpuledger_e2e::allocator::{Admission, spawn_allocator_with};
 use gpuledger_e2e::cluster::{
     ControlPlane, ControlPlaneOptions, FakeGpuNode, FakeNode, apply_path, wait_for,
 };
-use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
-use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Client, ResourceExt};
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::Client;
 use serde_json::json;
 use tokio::task::JoinHandle;
 
@@ -190,72 +188,25 @@ pub async fn reservations(client: &Client) -> Vec<GpuReservation> {
 /// GPU the fake kubelet hands to pods named `misaligned-*` instead of their reserved ones.
 pub const KUBELET_CHOICE: &str = "GPU-kubelet-choice";
 
-/// Plays the device plugin's part of the allocation contract for fake nodes: whenever a pod
-/// takes a node's allocation Lease, record an allocation of exactly the reserved GPUs for every
-/// reserved container (the kubelet agreed with the reservation) and delete the Lease, as the
-/// plugin does after the pod's last GPU container. Pods named `stuck-*` are never admitted
-/// (the kubelet never calls); pods named `misaligned-*` get [`KUBELET_CHOICE`] instead of
-/// their reserved GPUs (a best-effort fallback).
+/// The allocation contract played for fake nodes ([`gpuledger_e2e::allocator`]): the kubelet
+/// agrees with every reservation, except that pods named `stuck-*` are never admitted (the
+/// kubelet never calls) and pods named `misaligned-*` get [`KUBELET_CHOICE`] instead of their
+/// reserved GPUs (a best-effort fallback).
 pub fn spawn_fake_allocator(client: Client) -> JoinHandle<()> {
-    tokio::spawn(async move {
-        let leases: Api<Lease> = Api::namespaced(client.clone(), LEASE_NS);
-        let mut events = std::pin::pin!(
-            watcher::watcher(leases.clone(), watcher::Config::default()).default_backoff()
-        );
-        while let Some(ev) = events.next().await {
-            let lease = match ev {
-                Ok(watcher::Event::Apply(l) | watcher::Event::InitApply(l)) => l,
-                _ => continue,
-            };
-            if !lease.name_any().starts_with(ALLOCATION_LEASE_PREFIX) {
-                continue;
+    spawn_allocator_with(
+        client,
+        LEASE_NS,
+        Duration::ZERO,
+        Arc::new(|pod: &str| {
+            if pod.starts_with("stuck-") {
+                Admission::Never
+            } else if pod.starts_with("misaligned-") {
+                Admission::Other(KUBELET_CHOICE.to_string())
+            } else {
+                Admission::Reserved
             }
-            let holder = lease
-                .spec
-                .as_ref()
-                .and_then(|s| s.holder_identity.clone())
-                .unwrap_or_default();
-            let Some((ns, pod, uid)) = parse_lease_holder(&holder) else {
-                continue;
-            };
-            let res_api: Api<GpuReservation> = Api::namespaced(client.clone(), ns);
-            let Ok(Some(r)) = res_api.get_opt(&reservation_name(pod)).await else {
-                continue;
-            };
-            if r.spec.pod_uid != uid || pod.starts_with("stuck-") {
-                continue;
-            }
-            let misaligned = pod.starts_with("misaligned-");
-            let allocation: Vec<_> = r
-                .spec
-                .containers
-                .iter()
-                .map(|c| {
-                    json!({
-                        "index": c.index,
-                        "name": c.name,
-                        "replicaIds": c.devices.iter().map(|d| format!("{}::0", d.uuid)).collect::<Vec<_>>(),
-                        "devices": c.devices.iter().map(|d| if misaligned { KUBELET_CHOICE.to_string() } else { d.uuid.clone() }).collect::<Vec<_>>(),
-                    })
-                })
-                .collect();
-            let body = json!({
-                "apiVersion": "gpuledger.io/v1alpha1", "kind": "GpuReservation",
-                "metadata": {"name": r.name_any(), "namespace": ns},
-                "status": {"allocation": allocation},
-            });
-            let params = PatchParams::apply(DEVICE_PLUGIN_MANAGER).force();
-            if res_api
-                .patch_status(&r.name_any(), &params, &Patch::Apply(&body))
-                .await
-                .is_ok()
-            {
-                let _ = leases
-                    .delete(&lease.name_any(), &DeleteParams::default())
-                    .await;
-            }
-        }
-    })
+        }),
+    )
 }
 
 /// A GPU's load summed from the ledger.

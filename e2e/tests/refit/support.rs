@@ -481,7 +481,12 @@ pub async fn reserve(
         .await
         .expect("reservation created");
     if lease {
-        take_lease(admin, &node, &names::lease_holder(NS, &name, &uid)).await;
+        take_lease(
+            admin,
+            &node,
+            &gpuledger_crds::protocol::lease::Holder::new(NS, &name, &uid).encode(),
+        )
+        .await;
     }
     created
 }
@@ -491,13 +496,13 @@ pub async fn take_lease(admin: &Client, node: &str, holder: &str) {
     let api: Api<Lease> = Api::namespaced(admin.clone(), DEFAULT_NAMESPACE);
     let lease = Lease {
         metadata: ObjectMeta {
-            name: Some(names::allocation_lease_name(node)),
+            name: Some(gpuledger_crds::protocol::lease::allocation_lease_name(node)),
             namespace: Some(DEFAULT_NAMESPACE.into()),
             ..Default::default()
         },
         spec: Some(LeaseSpec {
             holder_identity: Some(holder.to_string()),
-            lease_duration_seconds: Some(names::ALLOCATION_LEASE_SECONDS),
+            lease_duration_seconds: Some(gpuledger_crds::protocol::lease::ALLOCATION_LEASE_SECONDS),
             ..Default::default()
         }),
     };
@@ -519,7 +524,9 @@ pub async fn take_lease(admin: &Client, node: &str, holder: &str) {
 /// Whether `node`'s allocation Lease exists.
 pub async fn lease_held(admin: &Client, node: &str) -> bool {
     Api::<Lease>::namespaced(admin.clone(), DEFAULT_NAMESPACE)
-        .get_opt(&names::allocation_lease_name(node))
+        .get_opt(&gpuledger_crds::protocol::lease::allocation_lease_name(
+            node,
+        ))
         .await
         .expect("read Lease")
         .is_some()

@@ -10,7 +10,8 @@ use std::fmt;
 
 use gpuledger_crds::conditions::{self, types};
 use gpuledger_crds::names::OPERATOR_MANAGER;
-use gpuledger_crds::podapi::{PodApiConfig, pod_finished, pod_wants_gpus};
+use gpuledger_crds::podapi::PodApiConfig;
+use gpuledger_crds::protocol::pod::{pod_finished, pod_wants_gpus};
 use gpuledger_crds::{GpuNode, GpuReservation, RefitPhase, RefitRequest, ReservationPhase};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;

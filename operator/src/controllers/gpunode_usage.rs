@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gpuledger_crds::names::OPERATOR_MANAGER;
+use gpuledger_crds::protocol::status::apply_body;
 use gpuledger_crds::{GpuNode, GpuNodeUsage};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
@@ -81,12 +82,7 @@ pub async fn run(ctx: Arc<Context>, interval: Duration) {
                 updated_at: Some(Time(Timestamp::now())),
                 ..usage
             };
-            let body = json!({
-                "apiVersion": "gpuledger.io/v1alpha1",
-                "kind": "GpuNode",
-                "metadata": { "name": name },
-                "status": { "usage": usage },
-            });
+            let body = apply_body::<GpuNode>(&name, None, json!({ "usage": usage }));
             let params = PatchParams::apply(OPERATOR_MANAGER).force();
             if let Err(e) = api.patch_status(&name, &params, &Patch::Apply(&body)).await {
                 tracing::warn!(node = %name, error = %e, "could not write GpuNode usage");

@@ -13,6 +13,7 @@ use gpuledger_crds::alignment::AlignmentSource;
 use gpuledger_crds::conditions::{condition, set_condition, types::READY};
 use gpuledger_crds::names::OPERATOR_MANAGER;
 use gpuledger_crds::numapolicy::selector_matches;
+use gpuledger_crds::protocol::status::apply_body;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
@@ -139,16 +140,15 @@ async fn reconcile(p: Arc<NumaPolicy>, ctx: Arc<Context>) -> Result<Action, Poli
         && status.observed_generation == p.meta().generation
         && status.conditions == conditions;
     if !unchanged {
-        let body = json!({
-            "apiVersion": "gpuledger.io/v1alpha1",
-            "kind": "NumaPolicy",
-            "metadata": { "name": name, "namespace": ns },
-            "status": {
+        let body = apply_body::<NumaPolicy>(
+            &name,
+            Some(&ns),
+            json!({
                 "observedGeneration": p.meta().generation,
                 "matchedPods": matched,
                 "conditions": conditions,
-            }
-        });
+            }),
+        );
         let api: Api<NumaPolicy> = Api::namespaced(ctx.client.clone(), &ns);
         api.patch_status(
             &name,

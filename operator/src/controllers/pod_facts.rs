@@ -14,7 +14,8 @@
 use std::collections::HashMap;
 use std::sync::RwLock;
 
-use gpuledger_crds::podapi::{PodApiConfig, pod_finished, pod_wants_gpus};
+use gpuledger_crds::podapi::PodApiConfig;
+use gpuledger_crds::protocol::pod::{pod_finished, pod_wants_gpus};
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use kube::runtime::watcher::Event;

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use futures::{Stream, StreamExt, TryStreamExt};
 use gpuledger_crds::conditions::{condition, set_condition, types::MISALIGNED};
-use gpuledger_crds::names::lease_holder;
+use gpuledger_crds::protocol::lease::Holder;
 use gpuledger_crds::{GpuReservation, ReservationPhase};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -293,11 +293,8 @@ async fn record_misalignment(
 }
 
 async fn free_allocation_lease(ctx: &Context, r: &GpuReservation) -> Result<(), ReconcileError> {
-    let holder = lease_holder(
-        &r.namespace().unwrap_or_default(),
-        &r.spec.pod_name,
-        &r.spec.pod_uid,
-    );
+    let namespace = r.namespace().unwrap_or_default();
+    let holder = Holder::new(&namespace, &r.spec.pod_name, &r.spec.pod_uid).encode();
     if lease::release(&ctx.client, &ctx.namespace, &r.spec.node_name, &holder).await? {
         tracing::info!(node = %r.spec.node_name, holder, "freed allocation Lease");
     }

@@ -34,7 +34,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpuledger_crds::GpuReservation;
-use gpuledger_crds::names::lease_holder;
+use gpuledger_crds::protocol::lease::Holder;
 use k8s_openapi::api::core::v1::{Binding, ObjectReference, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::ResourceExt;
@@ -277,7 +277,7 @@ async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Bound, Bi
         written
     };
 
-    let holder = lease_holder(&args.pod_namespace, &args.pod_name, &args.pod_uid);
+    let holder = Holder::new(&args.pod_namespace, &args.pod_name, &args.pod_uid).encode();
     if let Err(e) = take_lease(ctx, &args.node, &holder, deadline).await {
         // Free the Lease too: a create whose answer was lost may have made this pod its holder
         // (release touches it only if this pod holds it), and an unbound holder would keep the

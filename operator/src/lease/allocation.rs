@@ -6,12 +6,15 @@
 //! under the same name, or finished) → take over with a resourceVersion precondition; held by
 //! another live pod within its duration → [`LeaseError::Held`].
 
-use gpuledger_crds::names::{ALLOCATION_LEASE_SECONDS, allocation_lease_name, parse_lease_holder};
+use gpuledger_crds::protocol::lease::{
+    self, ALLOCATION_LEASE_SECONDS, HOLDER_CHECK_AFTER, Holder, allocation_lease_name, expired,
+    held_for,
+};
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
-use k8s_openapi::jiff::{SignedDuration, Timestamp};
-use kube::api::{Api, DeleteParams, PostParams, Preconditions};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
 
 /// Why the Lease could not be taken or released.
@@ -52,37 +55,18 @@ pub enum LeaseError {
     },
 }
 
-/// Whether a Lease with this spec has expired at `now`.
-pub fn expired(spec: &LeaseSpec, now: Timestamp) -> bool {
-    let Some(renewed) = spec.renew_time.as_ref().or(spec.acquire_time.as_ref()) else {
-        return true;
-    };
-    let duration = i64::from(
-        spec.lease_duration_seconds
-            .unwrap_or(ALLOCATION_LEASE_SECONDS),
-    );
-    renewed.0 + SignedDuration::from_secs(duration) < now
-}
-
-/// How long the current holder has held the Lease (since it was taken or last renewed).
-fn held_for(spec: &LeaseSpec, now: Timestamp) -> SignedDuration {
-    spec.renew_time
-        .as_ref()
-        .or(spec.acquire_time.as_ref())
-        .map_or(SignedDuration::MAX, |t| now.duration_since(t.0))
-}
-
 fn is_conflict(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(s) if s.is_conflict() || s.is_already_exists())
 }
 
-fn is_not_found(e: &kube::Error) -> bool {
-    matches!(e, kube::Error::Api(s) if s.is_not_found())
-}
-
 /// Whether the pod named by `holder` no longer needs the Lease.
 async fn holder_gone(client: &Client, holder: &str) -> Result<bool, kube::Error> {
-    let Some((ns, name, uid)) = parse_lease_holder(holder) else {
+    let Some(Holder {
+        namespace: ns,
+        pod: name,
+        uid,
+    }) = Holder::parse(holder)
+    else {
         // Unreadable holder: nobody we could wait for.
         return Ok(true);
     };
@@ -91,7 +75,9 @@ async fn holder_gone(client: &Client, holder: &str) -> Result<bool, kube::Error>
         .await?;
     Ok(match pod {
         None => true,
-        Some(p) => p.uid().as_deref() != Some(uid) || gpuledger_crds::podapi::pod_finished(&p),
+        Some(p) => {
+            p.uid().as_deref() != Some(uid) || gpuledger_crds::protocol::pod::pod_finished(&p)
+        }
     })
 }
 
@@ -104,11 +90,6 @@ fn lease_spec(holder: &str, now: Timestamp) -> LeaseSpec {
         ..Default::default()
     }
 }
-
-/// How long a holder keeps the Lease before a waiting bind asks whether the holder's pod is
-/// still there: a pod that took the Lease a moment ago is being admitted, and asking on every
-/// poll was a GET per poll.
-const HOLDER_CHECK_AFTER: SignedDuration = SignedDuration::from_secs(1);
 
 /// One attempt to take `node`'s Lease for `holder`. With `likely_free` (a bind's first try: the
 /// plugin deletes the Lease after each admission) it creates the Lease straight away and reads
@@ -184,8 +165,8 @@ pub async fn try_take(
     }
 }
 
-/// Deletes `node`'s Lease if `holder` holds it (and nobody changed it since we read it).
-/// Returns whether it deleted anything.
+/// Deletes `node`'s Lease if `holder` still holds it, the way the device plugin does
+/// ([`lease::release`]). Returns whether it deleted anything.
 pub async fn release(
     client: &Client,
     namespace: &str,
@@ -193,36 +174,18 @@ pub async fn release(
     holder: &str,
 ) -> Result<bool, LeaseError> {
     let api: Api<Lease> = Api::namespaced(client.clone(), namespace);
-    let name = allocation_lease_name(node);
-    let api_err = |source| LeaseError::Api {
-        node: node.to_string(),
-        source,
-    };
-    let Some(lease) = api.get_opt(&name).await.map_err(api_err)? else {
-        return Ok(false);
-    };
-    let current = lease
-        .spec
-        .as_ref()
-        .and_then(|s| s.holder_identity.as_deref())
-        .unwrap_or_default();
-    if current != holder {
-        return Ok(false);
-    }
-    let params = DeleteParams::default().preconditions(Preconditions {
-        resource_version: lease.resource_version(),
-        uid: lease.uid(),
-    });
-    match api.delete(&name, &params).await {
-        Ok(_) => Ok(true),
-        Err(e) if is_not_found(&e) || is_conflict(&e) => Ok(false),
-        Err(e) => Err(api_err(e)),
-    }
+    lease::release(&api, &allocation_lease_name(node), holder, None)
+        .await
+        .map_err(|source| LeaseError::Api {
+            node: node.to_string(),
+            source,
+        })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use k8s_openapi::jiff::SignedDuration;
 
     #[test]
     fn expiry_counts_from_renew_time() {

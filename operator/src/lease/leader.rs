@@ -16,8 +16,8 @@ use k8s_openapi::jiff::Timestamp;
 use kube::Client;
 use kube::api::{Api, PostParams};
 
-use crate::lease::allocation::expired;
 use crate::telemetry::{Health, Metrics};
+use gpuledger_crds::protocol::lease::expired;
 
 /// Name of the leader-election Lease.
 pub const LEADER_LEASE: &str = "gpuledger-operator-leader";

@@ -7,6 +7,7 @@
 use std::sync::Arc;
 
 use gpuledger_crds::names::OPERATOR_MANAGER;
+use gpuledger_crds::protocol::status::apply_body;
 use gpuledger_crds::{GpuReservation, ReservationPhase};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
@@ -187,12 +188,9 @@ impl LedgerWriter {
     ) -> Result<GpuReservation, WriteError> {
         let key = ReservationKey::of(current);
         let rv = current.resource_version();
-        let body = json!({
-            "apiVersion": "gpuledger.io/v1alpha1",
-            "kind": "GpuReservation",
-            "metadata": { "name": key.name, "namespace": key.namespace, "resourceVersion": rv },
-            "status": status,
-        });
+        let mut body = apply_body::<GpuReservation>(&key.name, Some(&key.namespace), status);
+        // The version this status was decided on: a newer object refuses the write.
+        body["metadata"]["resourceVersion"] = json!(rv);
         let params = PatchParams::apply(OPERATOR_MANAGER).force();
         let updated = self
             .api(&key.namespace)

@@ -28,9 +28,10 @@ pub const LOCKED_CALL_BOUND: Duration = Duration::from_secs(2);
 /// How often a commit re-decides after losing a resourceVersion race.
 const ATTEMPTS: usize = 3;
 
-/// Whether `deadline` has passed.
+/// Whether the request's deadline has passed (the plugin has stopped waiting, less the margin
+/// the answer needs to reach it: [`gpuledger_crds::protocol::refit`]).
 pub fn expired(spec: &RefitRequestSpec, now: Timestamp) -> bool {
-    now >= spec.deadline.0
+    gpuledger_crds::protocol::refit::past_deadline(spec.deadline.0, now)
 }
 
 /// A committed move: the reservation as written and the GPUs before and after.
