@@ -291,6 +291,9 @@ impl Ledger {
 }
 
 #[cfg(test)]
+mod scripted_tests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use gpuledger_crds::{GpuReservationSpec, GpuReservationStatus, ReservedDevice};

@@ -30,4 +30,6 @@ pub mod plugin;
 pub mod preferred;
 pub mod refit;
 pub mod service;
+#[cfg(test)]
+mod testing;
 pub mod uds;

@@ -367,3 +367,6 @@ impl DevicePluginService {
         })
     }
 }
+
+#[cfg(test)]
+mod scripted_tests;

@@ -181,6 +181,9 @@ async fn ask(client: &Client, ctx: &RefitContext) -> Answer {
 }
 
 #[cfg(test)]
+mod scripted_tests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use crate::inventory::Inventory;

@@ -1,0 +1,139 @@
+//! Allocate against a scripted API server (see [`crate::testing::scripted_api`]): which ledger
+//! calls one kubelet call makes, in which order, and what the kubelet gets when one fails.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::Method;
+use serde_json::json;
+use tokio::sync::watch;
+use tonic::{Code, Request};
+
+use super::{DevicePluginService, ServiceConfig, Shared};
+use crate::api::device_plugin_server::DevicePlugin;
+use crate::api::{AllocateRequest, ContainerAllocateRequest};
+use crate::discovery::gpu;
+use crate::inventory::Inventory;
+use crate::ledger::Ledger;
+use crate::metrics::Metrics;
+use crate::refit::NoRefit;
+use crate::testing::fixtures::{
+    HOLDER, LEASE, LEASE_NS, NODE, RESERVATION, delete_lease, json_of, lease, reservation,
+};
+use crate::testing::scripted_api::{Expect, Step, expect, scripted, status};
+
+fn service(client: kube::Client) -> DevicePluginService {
+    let inventory = Inventory::new(vec![gpu("GPU-0", 0, Some(0)), gpu("GPU-1", 1, Some(0))], 2);
+    let (_, inventory) = watch::channel(inventory);
+    let shared = Shared::new(
+        inventory,
+        Ledger::new(client, NODE, LEASE_NS),
+        Arc::new(NoRefit),
+        ServiceConfig {
+            hami_core_dir: None,
+            refit_timeout: Duration::from_secs(2),
+        },
+        Arc::new(Metrics::default()),
+    );
+    let (_, stop) = watch::channel(false);
+    DevicePluginService::new(Arc::new(shared), stop)
+}
+
+/// The kubelet's Allocate for one container with these replicas.
+fn allocate_one(replicas: &[&str]) -> Request<AllocateRequest> {
+    Request::new(AllocateRequest {
+        container_requests: vec![ContainerAllocateRequest {
+            devices_ids: replicas.iter().map(|r| r.to_string()).collect(),
+        }],
+    })
+}
+
+/// Lease and reservation reads, the reservation with containers `recorded` already allocated.
+fn reads(recorded: &[u32]) -> Vec<Step> {
+    vec![
+        expect(Method::GET, LEASE).reply(200, lease(Some(HOLDER), "41")),
+        expect(Method::GET, RESERVATION)
+            .reply(200, json_of(&reservation("pod-uid", NODE, recorded))),
+    ]
+}
+
+fn record() -> Expect {
+    expect(Method::PATCH, format!("{RESERVATION}/status"))
+}
+
+/// One more Allocate than the pod has GPU containers: refused before anything is written.
+#[tokio::test]
+async fn allocate_when_every_container_is_recorded_is_nothing_pending() {
+    let (client, api) = scripted(reads(&[0, 1]));
+    let got = service(client).allocate(allocate_one(&["GPU-1-0"])).await;
+    api.finish().await;
+    let s = got.unwrap_err();
+    assert_eq!(s.code(), Code::FailedPrecondition);
+    assert!(
+        s.message()
+            .contains("every GPU container of pod ml/train is already allocated"),
+        "{s:?}"
+    );
+}
+
+/// The record keeps the entries written by earlier calls (server-side apply would drop the
+/// ones left out), then the Lease goes, on the version read at the start of the call.
+#[tokio::test]
+async fn allocate_of_the_last_container_records_then_releases_the_lease() {
+    let mut steps = reads(&[0]);
+    steps.push(
+        record()
+            .body_field("/status/allocation/0/index", json!(0))
+            .body_field("/status/allocation/1/index", json!(1))
+            .body_field("/status/allocation/1/replicaIds", json!(["GPU-1-0"]))
+            .body_field("/status/allocation/1/devices", json!(["GPU-1"]))
+            .reply(200, json_of(&reservation("pod-uid", NODE, &[0, 1]))),
+    );
+    steps.push(delete_lease("41").reply(200, lease(Some(HOLDER), "41")));
+    let (client, api) = scripted(steps);
+    let got = service(client).allocate(allocate_one(&["GPU-1-0"])).await;
+    api.finish().await;
+    assert_eq!(got.unwrap().into_inner().container_responses.len(), 1);
+}
+
+/// Not the last container: the Lease stays for the next one.
+#[tokio::test]
+async fn allocate_of_an_earlier_container_keeps_the_lease() {
+    let mut steps = reads(&[]);
+    steps.push(
+        record()
+            .body_field("/status/allocation/0/index", json!(0))
+            .reply(200, json_of(&reservation("pod-uid", NODE, &[0]))),
+    );
+    let (client, api) = scripted(steps);
+    let got = service(client).allocate(allocate_one(&["GPU-0-1"])).await;
+    api.finish().await;
+    assert!(got.is_ok(), "{got:?}");
+}
+
+/// An allocation that could not be recorded is not admitted, and the Lease is kept so the
+/// kubelet's retry finds the pod again.
+#[tokio::test]
+async fn allocate_whose_record_fails_is_unavailable_and_keeps_the_lease() {
+    let mut steps = reads(&[0]);
+    steps.push(record().reply(409, status(409, "Conflict", "the object has been modified")));
+    let (client, api) = scripted(steps);
+    let got = service(client).allocate(allocate_one(&["GPU-1-0"])).await;
+    api.finish().await;
+    let s = got.unwrap_err();
+    assert_eq!(s.code(), Code::Unavailable);
+    assert!(s.message().contains("recording the allocation"), "{s:?}");
+}
+
+/// The allocation stands when only the Lease release fails (the operator frees a stuck Lease
+/// on its timeout).
+#[tokio::test]
+async fn allocate_succeeds_when_only_the_lease_release_fails() {
+    let mut steps = reads(&[0]);
+    steps.push(record().reply(200, json_of(&reservation("pod-uid", NODE, &[0, 1]))));
+    steps.push(delete_lease("41").reply(500, status(500, "InternalError", "etcd timeout")));
+    let (client, api) = scripted(steps);
+    let got = service(client).allocate(allocate_one(&["GPU-1-0"])).await;
+    api.finish().await;
+    assert!(got.is_ok(), "{got:?}");
+}

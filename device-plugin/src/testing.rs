@@ -1,0 +1,4 @@
+//! Test-only helpers shared by several modules' tests.
+
+pub mod fixtures;
+pub mod scripted_api;
