@@ -18,8 +18,8 @@ use gpuledger_e2e::cluster::{
     ControlPlane, ControlPlaneOptions, FakeGpuNode, FakeNode, apply_path, wait_for,
 };
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::Client;
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 use tokio::task::JoinHandle;
 
