@@ -12,7 +12,9 @@
 
 pub use gpuledger_fit::alignment;
 pub mod conditions;
+pub mod duration;
 pub mod gpunode;
+pub mod kubeclient;
 pub mod numapolicy;
 pub mod podapi;
 pub mod protocol;

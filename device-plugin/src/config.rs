@@ -4,6 +4,8 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use gpuledger_crds::duration::parse_duration;
+
 use clap::Parser;
 
 use crate::plugin::PluginOptions;
@@ -56,31 +58,6 @@ pub struct Cli {
     pub refresh_interval: Duration,
 }
 
-/// A flag value that is not a duration.
-#[derive(Debug, thiserror::Error)]
-#[error("invalid duration {0:?}: expected a number with ms, s or m (e.g. 2s, 500ms)")]
-pub struct DurationError(String);
-
-/// Parses `500ms`, `2s`, `1m` or plain seconds (`2`, `0.5`).
-pub fn parse_duration(raw: &str) -> Result<Duration, DurationError> {
-    let s = raw.trim();
-    let bad = || DurationError(raw.to_string());
-    let (num, scale) = if let Some(n) = s.strip_suffix("ms") {
-        (n, 0.001)
-    } else if let Some(n) = s.strip_suffix('s') {
-        (n, 1.0)
-    } else if let Some(n) = s.strip_suffix('m') {
-        (n, 60.0)
-    } else {
-        (s, 1.0)
-    };
-    let v: f64 = num.trim().parse().map_err(|_| bad())?;
-    if !v.is_finite() || v < 0.0 {
-        return Err(bad());
-    }
-    Duration::try_from_secs_f64(v * scale).map_err(|_| bad())
-}
-
 /// A socket address, or none when the flag is empty.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OptionalAddr(pub Option<SocketAddr>);
@@ -109,17 +86,6 @@ impl Cli {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn durations() {
-        assert_eq!(parse_duration("2s").unwrap(), Duration::from_secs(2));
-        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
-        assert_eq!(parse_duration("1m").unwrap(), Duration::from_secs(60));
-        assert_eq!(parse_duration("0.25").unwrap(), Duration::from_millis(250));
-        for bad in ["", "fast", "-1s", "2h", "NaNs"] {
-            assert!(parse_duration(bad).is_err(), "{bad:?}");
-        }
-    }
 
     #[test]
     fn defaults_and_env_names() {

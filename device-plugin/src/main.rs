@@ -14,23 +14,6 @@ use gpuledger_device_plugin::refit::{NoRefit, RefitHook};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::watch;
 
-async fn client(cli: &Cli) -> Result<kube::Client, String> {
-    let config = match &cli.kubeconfig {
-        Some(path) => {
-            let kubeconfig = kube::config::Kubeconfig::read_from(path)
-                .map_err(|e| format!("reading kubeconfig {}: {e}", path.display()))?;
-            kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
-                .await
-                .map_err(|e| format!("loading kubeconfig {}: {e}", path.display()))?
-        }
-        None => kube::Config::infer()
-            .await
-            .map_err(|e| format!("inferring the Kubernetes configuration: {e}"))?,
-    };
-    gpuledger_device_plugin::refit::transport::client(config)
-        .map_err(|e| format!("building the Kubernetes client: {e}"))
-}
-
 fn discovery(cli: &Cli) -> Result<Arc<dyn Discovery>, String> {
     Ok(match &cli.devices_from {
         Some(path) => Arc::new(FileDiscovery::new(path)),
@@ -47,7 +30,15 @@ async fn main() -> ExitCode {
         )
         .init();
     let cli = Cli::parse();
-    let prepared = async { Ok::<_, String>((client(&cli).await?, discovery(&cli)?)) }.await;
+    let prepared = async {
+        Ok::<_, String>((
+            gpuledger_crds::kubeclient::client(cli.kubeconfig.as_deref())
+                .await
+                .map_err(|e| e.to_string())?,
+            discovery(&cli)?,
+        ))
+    }
+    .await;
     let (client, discovery) = match prepared {
         Ok(p) => p,
         Err(e) => {

@@ -15,7 +15,6 @@
 
 pub mod client;
 pub mod outcome;
-pub mod transport;
 
 use std::time::Duration;
 

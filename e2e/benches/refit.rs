@@ -17,6 +17,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+// The refit suite's fixtures (tests/refit/support.rs), shared with this bench.
 #[path = "../tests/refit/support.rs"]
 mod support;
 

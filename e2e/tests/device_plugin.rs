@@ -45,12 +45,7 @@ const PLUGIN_SA: &str = "gpuledger-device-plugin";
 /// Generous for a loaded two-core machine; never a timing assertion.
 const WAIT: Duration = Duration::from_secs(120);
 
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
+use gpuledger_e2e::sim::binaries::repo_root;
 
 /// UUID of GPU `i` in config/samples/devices-8gpu-2numa.yaml (0-3 on NUMA 0, 4-7 on NUMA 1).
 fn uuid(i: u32) -> String {

@@ -6,7 +6,7 @@
 //! (NVIDIA_VISIBLE_DEVICES, CUDA_DEVICE_MEMORY_LIMIT_i, CUDA_DEVICE_SM_LIMIT) and the events,
 //! then deletes its pods so the next one starts from an idle cluster.
 //!
-//! Placement facts the scenarios rely on (operator/src/fit/device_fit.rs): on an idle node the
+//! Placement facts the scenarios rely on (fit/src/device_fit.rs): on an idle node the
 //! default `spread` GPU policy takes the highest NUMA node and index first, so a new pod's
 //! reservation lands on NUMA node 1; the `sim.gpuledger.io/cpu-numa` annotation then puts the
 //! pod's CPUs on NUMA 1 (aligned) or 0 (the kubelet allows only NUMA-0 GPUs).

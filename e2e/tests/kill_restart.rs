@@ -6,8 +6,7 @@
 
 mod operator_support;
 
-use std::process::{Child, Command, Stdio};
-
+use gpuledger_e2e::bench::operator::{ChildOperator, OperatorOptions};
 use gpuledger_e2e::cluster::{ControlPlane, wait_for};
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
@@ -16,59 +15,24 @@ use operator_support::*;
 
 const NS: &str = "default";
 
-struct OperatorProcess {
-    child: Child,
-    metrics_port: u16,
-}
-
-impl OperatorProcess {
-    fn spawn(cp: &ControlPlane, extender_port: u16) -> Self {
-        let metrics_port = free_port();
-        let child = Command::new(
-            gpuledger_e2e::bench::operator::operator_binary().expect("operator binary"),
-        )
-        .arg("run")
-        .arg("--kubeconfig")
-        .arg(cp.kubeconfig())
-        .arg(format!("--extender-addr=127.0.0.1:{extender_port}"))
-        .arg(format!("--metrics-addr=127.0.0.1:{metrics_port}"))
-        .env(
-            "RUST_LOG",
-            std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
-        )
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("operator starts");
-        OperatorProcess {
-            child,
-            metrics_port,
-        }
-    }
-
-    async fn wait_ready(&mut self) {
-        let port = self.metrics_port;
-        wait_for("operator process ready", WAIT, || async move {
-            let code = http(port, "GET", "/readyz", "").await.map(|(c, _)| c);
-            Ok::<_, std::io::Error>((code.ok() == Some(200)).then_some(()))
-        })
-        .await
-        .unwrap();
-        assert!(self.child.try_wait().unwrap().is_none(), "operator exited");
-    }
-
-    /// SIGKILL: no shutdown path runs.
-    fn kill9(mut self) {
-        self.child.kill().unwrap();
-        self.child.wait().unwrap();
-    }
-}
-
-impl Drop for OperatorProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// The operator as a child process ([`ChildOperator`], the harness's one), with the test's
+/// admin kubeconfig and no leader election.
+fn spawn_operator(
+    cp: &ControlPlane,
+    extender_port: u16,
+    log_dir: &std::path::Path,
+) -> ChildOperator {
+    ChildOperator::spawn(OperatorOptions {
+        kubeconfig: cp.kubeconfig().to_path_buf(),
+        extender_port,
+        metrics_port: free_port(),
+        namespace: LEASE_NS.into(),
+        identity: "kill-restart".into(),
+        leader_elect: false,
+        extra_args: Vec::new(),
+        log_dir: log_dir.to_path_buf(),
+    })
+    .expect("operator starts")
 }
 
 async fn bound_pods(pods: &Api<Pod>) -> Vec<Pod> {
@@ -89,8 +53,9 @@ async fn kill_minus_nine_mid_burst_then_restart_never_double_books() {
     // 3 GPUs × 4 shares of 5000 MiB: 12 pods fit; 20 are created.
     let _node = gpu_node(&client, "solo", &gpus("solo", 3, "NVIDIA L4", 20000), 10).await;
     let _allocator = spawn_fake_allocator(client.clone());
-    let mut op = OperatorProcess::spawn(&cp, port);
-    op.wait_ready().await;
+    let logs = tempfile::tempdir().unwrap();
+    let mut op = spawn_operator(&cp, port, logs.path());
+    op.wait_ready(WAIT).await.expect("operator ready");
 
     let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
     for i in 0..20 {
@@ -108,11 +73,12 @@ async fn kill_minus_nine_mid_burst_then_restart_never_double_books() {
     })
     .await
     .unwrap();
-    op.kill9();
+    // SIGKILL: no shutdown path runs.
+    op.kill().await.expect("operator killed");
     let killed_at = bound_pods(&pods).await.len();
 
-    let mut op = OperatorProcess::spawn(&cp, port);
-    op.wait_ready().await;
+    let mut op = spawn_operator(&cp, port, logs.path());
+    op.wait_ready(WAIT).await.expect("operator ready again");
     let bound = wait_for("12 pods bound", WAIT, || {
         let pods = pods.clone();
         async move {

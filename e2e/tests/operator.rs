@@ -10,15 +10,15 @@ mod operator_support;
 use std::time::Duration;
 
 use gpuledger_crds::names::OPERATOR_MANAGER;
-use gpuledger_crds::podapi::{PodApiConfig, SchedulerPolicy, parse_pod};
+use gpuledger_crds::podapi::{PodApiConfig, parse_pod};
 use gpuledger_crds::{
     Alignment, GpuNode, GpuReservation, NumaPolicy, NumaPolicySpec, ReservationPhase,
 };
 use gpuledger_e2e::cluster::{ControlPlane, delete_bound_pod, mark_pod_finished, wait_for};
+use gpuledger_e2e::sim::InProcessOperator;
+use gpuledger_e2e::sim::in_process::test_config;
 use gpuledger_fit::{Policy, fit_pod};
-use gpuledger_operator::config::RunConfig;
 use gpuledger_operator::ledger::usage::{NodeUsage, sum_usage};
-use gpuledger_operator::run::RunError;
 use gpuledger_operator::schedule::node_view;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
@@ -26,19 +26,19 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
 use kube::api::{Api, ListParams, PostParams};
 use kube::{Client, ResourceExt};
 use operator_support::*;
-use tokio::task::JoinHandle;
 
 const NS: &str = "default";
 
-/// An in-process operator.
-struct Operator {
-    task: JoinHandle<Result<(), RunError>>,
-    metrics_port: u16,
-    extender_port: u16,
-}
+/// The harness's in-process operator, started the way these tests need it.
+struct Operator;
 
 impl Operator {
-    fn start(cp: &ControlPlane, extender_port: u16, leader_elect: bool, identity: &str) -> Self {
+    fn start(
+        cp: &ControlPlane,
+        extender_port: u16,
+        leader_elect: bool,
+        identity: &str,
+    ) -> InProcessOperator {
         Self::start_with(
             cp,
             extender_port,
@@ -54,53 +54,17 @@ impl Operator {
         leader_elect: bool,
         identity: &str,
         allocating_timeout: Duration,
-    ) -> Self {
-        let metrics_port = free_port();
-        let config = RunConfig {
-            kubeconfig: Some(cp.kubeconfig().to_path_buf()),
-            extender_addr: format!("127.0.0.1:{extender_port}").parse().unwrap(),
-            tls_cert: None,
-            tls_key: None,
-            metrics_addr: format!("127.0.0.1:{metrics_port}").parse().unwrap(),
-            namespace: LEASE_NS.into(),
-            default_alignment: Alignment::None,
-            leader_elect,
-            identity: Some(identity.into()),
-            allocating_timeout,
-            node_policy: SchedulerPolicy::Binpack,
-            gpu_policy: SchedulerPolicy::Spread,
-            lease_wait: Duration::from_secs(3),
-            usage_interval: Duration::from_secs(1),
-            refit_ttl: Duration::from_secs(600),
-            repair_after: Duration::from_secs(5),
-        };
-        let task = tokio::spawn(gpuledger_operator::run::run(config, std::future::pending()));
-        Operator {
-            task,
-            metrics_port,
+    ) -> InProcessOperator {
+        let mut config = test_config(
+            cp.kubeconfig().to_path_buf(),
             extender_port,
-        }
-    }
-
-    /// Drops the operator mid-flight: every task it spawned dies with it, nothing is cleaned up.
-    async fn kill(self) {
-        self.task.abort();
-        let _ = self.task.await;
-    }
-
-    async fn readyz(&self) -> u16 {
-        http(self.metrics_port, "GET", "/readyz", "")
-            .await
-            .map(|(code, _)| code)
-            .unwrap_or(0)
-    }
-
-    async fn wait_ready(&self) {
-        wait_for("operator ready (leader, ledger synced)", WAIT, || async {
-            Ok::<_, std::io::Error>((self.readyz().await == 200).then_some(()))
-        })
-        .await
-        .expect("operator becomes ready");
+            free_port(),
+            LEASE_NS,
+            identity,
+        );
+        config.leader_elect = leader_elect;
+        config.allocating_timeout = allocating_timeout;
+        InProcessOperator::spawn(config)
     }
 }
 
@@ -159,7 +123,7 @@ async fn pods_land_where_the_fit_says_and_the_ledger_follows_their_lives() {
     .await;
     let _t4 = gpu_node(&client, "t4-node", &gpus("t4", 2, "Tesla T4", 15000), 4).await;
     let op = Operator::start(&cp, port, false, "solo");
-    op.wait_ready().await;
+    op.wait_ready(WAIT).await.expect("operator becomes ready");
     let _allocator = spawn_fake_allocator(client.clone());
 
     // A model filter leaves one node.
@@ -356,7 +320,7 @@ async fn pods_land_where_the_fit_says_and_the_ledger_follows_their_lives() {
 
     let (_, problems) = over_commits(&client).await;
     assert!(problems.is_empty(), "{problems:?}");
-    op.kill().await;
+    op.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -370,7 +334,7 @@ async fn a_burst_of_100_pods_on_4_nodes_never_overcommits_a_gpu() {
         nodes.push(gpu_node(&client, &name, &gpus(&name, 8, "NVIDIA H100", 24000), 10).await);
     }
     let op = Operator::start(&cp, port, false, "solo");
-    op.wait_ready().await;
+    op.wait_ready(WAIT).await.expect("operator becomes ready");
     let _allocator = spawn_fake_allocator(client.clone());
 
     // 8000 MiB each: three per 24000 MiB GPU, 96 in all; four pods must stay Pending.
@@ -454,7 +418,7 @@ async fn a_burst_of_100_pods_on_4_nodes_never_overcommits_a_gpu() {
             );
         }
     }
-    op.kill().await;
+    op.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -465,7 +429,7 @@ async fn a_killed_operator_rebuilds_its_index_and_never_double_books() {
     let _node = gpu_node(&client, "small", &gpus("small", 2, "NVIDIA L4", 10000), 10).await;
     let _allocator = spawn_fake_allocator(client.clone());
     let op = Operator::start(&cp, port, false, "first");
-    op.wait_ready().await;
+    op.wait_ready(WAIT).await.expect("operator becomes ready");
 
     // Two GPUs × two 5000 MiB shares: four pods fit in all.
     for i in 0..2 {
@@ -477,19 +441,19 @@ async fn a_killed_operator_rebuilds_its_index_and_never_double_books() {
         })
         .await;
     }
-    op.kill().await;
+    op.stop().await;
 
     // A new process knows only what the ledger says.
     let op = loop {
         let op = Operator::start(&cp, port, false, "second");
         tokio::time::sleep(Duration::from_millis(200)).await;
-        if !op.task.is_finished() {
+        if !op.is_finished() {
             break op;
         }
         // The old listener may linger for a moment; try again.
-        let _ = op.task.await;
+        op.stop().await;
     };
-    op.wait_ready().await;
+    op.wait_ready(WAIT).await.expect("operator becomes ready");
     for i in 0..4 {
         create_pod(&client, NS, &gpu_pod(&format!("after-{i}"), 1, 5000, 10)).await;
     }
@@ -546,7 +510,7 @@ async fn a_killed_operator_rebuilds_its_index_and_never_double_books() {
         })
         .count();
     assert_eq!(bound_after, 2);
-    op.kill().await;
+    op.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -558,7 +522,7 @@ async fn with_two_replicas_only_the_leader_writes_and_the_other_takes_over() {
     let _allocator = spawn_fake_allocator(client.clone());
 
     let a = Operator::start(&cp, port, true, "replica-a");
-    a.wait_ready().await;
+    a.wait_ready(WAIT).await.expect("operator becomes ready");
     let b = Operator::start(&cp, free_port(), true, "replica-b");
     // B has started its election (its metrics answer) but does not lead.
     wait_for("replica-b serving", WAIT, || async {
@@ -605,8 +569,8 @@ async fn with_two_replicas_only_the_leader_writes_and_the_other_takes_over() {
     assert!(!b_metrics.contains(r#"outcome="bound""#), "{b_metrics}");
 
     // The leader dies; the follower takes over within the lease duration and carries on.
-    a.kill().await;
-    b.wait_ready().await;
+    a.stop().await;
+    b.wait_ready(WAIT).await.expect("operator becomes ready");
     assert_eq!(
         holder(leases.get("gpuledger-operator-leader").await.unwrap()),
         "replica-b"
@@ -614,7 +578,7 @@ async fn with_two_replicas_only_the_leader_writes_and_the_other_takes_over() {
     mark_pod_finished(&client, NS, "ha-0", true).await.unwrap();
     let r = wait_reservation(&client, NS, "ha-0", "Released", |r| phase(r) == "Released").await;
     assert_eq!(r.status.unwrap().phase, Some(ReservationPhase::Released));
-    b.kill().await;
+    b.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -625,7 +589,7 @@ async fn misallocation_is_recorded_and_a_stuck_admission_times_out_freeing_the_n
     let _node = gpu_node(&client, "edge", &gpus("edge", 2, "NVIDIA L4", 20000), 10).await;
     let _allocator = spawn_fake_allocator(client.clone());
     let op = Operator::start_with(&cp, port, false, "solo", Duration::from_secs(3));
-    op.wait_ready().await;
+    op.wait_ready(WAIT).await.expect("operator becomes ready");
 
     // The kubelet handed out another GPU than the reserved one: visible, never silent.
     create_pod(&client, NS, &gpu_pod("misaligned-0", 1, 1000, 10)).await;
@@ -763,5 +727,5 @@ async fn misallocation_is_recorded_and_a_stuck_admission_times_out_freeing_the_n
         metrics.contains(r#"gpuledger_reservations{phase="Failed"} 1"#),
         "{metrics}"
     );
-    op.kill().await;
+    op.stop().await;
 }

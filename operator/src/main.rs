@@ -15,7 +15,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the operator: scheduler extender, reservation ledger and controllers.
-    Run(Box<gpuledger_operator::config::RunConfig>),
+    Run(Box<gpuledger_operator::run::config::RunConfig>),
     /// Print every gpuledger CRD as YAML, or write one file per CRD into --out-dir.
     Crds {
         /// Directory to write `<crd name>.yaml` files into (stdout when absent).
@@ -123,7 +123,7 @@ fn run_audit(kubeconfig: Option<PathBuf>, json: bool, refit_grace_seconds: i64) 
 
 /// Runs the operator until SIGINT/SIGTERM. Logs go to stderr, filtered by `RUST_LOG`
 /// (default `info`); `GPULEDGER_LOG_FORMAT=json` prints one JSON object per line.
-fn run_operator(config: gpuledger_operator::config::RunConfig) -> ExitCode {
+fn run_operator(config: gpuledger_operator::run::config::RunConfig) -> ExitCode {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()

@@ -8,7 +8,7 @@ use gpuledger_e2e::bench::Row;
 use gpuledger_fit::fixture::{benchmark_pod, synthetic_cluster};
 use gpuledger_fit::{Policy, fit_pod};
 
-/// Same seed as operator/benches/fit.rs, so both measure the same cluster.
+/// Same seed as fit/benches/fit.rs, so both measure the same cluster.
 const SEED: u64 = 20260830;
 
 pub fn fit_decision() -> Row {

@@ -12,48 +12,18 @@ use rustix::process::{Pid, Signal};
 use crate::cluster::ClusterError;
 use crate::cluster::process::{ProcessGroup, TAIL_LINES, is_alive, tail};
 
-/// Overrides the directory holding `gpuledger-operator`.
-pub const BIN_DIR_ENV: &str = "GPULEDGER_BIN_DIR";
-
-/// Where `gpuledger-operator` is: `$GPULEDGER_BIN_DIR`, else the cargo profile directory this
-/// executable runs from (`target/<profile>`; tests and benches live in its `deps/`). `make test`
-/// and `make bench` build it first.
+/// Where `gpuledger-operator` is ([`crate::sim::binaries::locate`]). `make test` and
+/// `make bench` build it first.
 pub fn operator_binary() -> Result<PathBuf, ClusterError> {
-    let dir = match std::env::var_os(BIN_DIR_ENV).filter(|v| !v.is_empty()) {
-        Some(d) => PathBuf::from(d),
-        None => {
-            let exe = std::env::current_exe().map_err(|e| ClusterError::io("locate", "self", e))?;
-            let mut dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
-            if dir.file_name().is_some_and(|n| n == "deps") {
-                dir.pop();
-            }
-            dir
-        }
-    };
-    let path = dir.join("gpuledger-operator");
-    if path.is_file() {
-        return Ok(path);
-    }
-    // A release-profile bench finds a debug build too, and the other way round.
-    let other = dir
-        .parent()
-        .map(|t| {
-            t.join(if dir.ends_with("release") {
-                "debug"
-            } else {
-                "release"
-            })
-        })
-        .map(|d| d.join("gpuledger-operator"));
-    match other {
-        Some(p) if p.is_file() => Ok(p),
-        _ => Err(ClusterError::MissingBinary {
+    crate::sim::binaries::locate(crate::sim::binaries::OPERATOR).map_err(|e| {
+        ClusterError::MissingBinary {
             what: "gpuledger-operator",
-            path,
-            hint: "build it with `cargo build -p gpuledger-operator` (make test and make bench do)"
-                .into(),
-        }),
-    }
+            path: crate::sim::binaries::bin_dir().join(crate::sim::binaries::OPERATOR),
+            hint: format!(
+                "{e}; build it with `cargo build -p gpuledger-operator` (make test and make bench do)"
+            ),
+        }
+    })
 }
 
 /// How to run one operator replica.

@@ -318,7 +318,7 @@ pub async fn client_from_kubeconfig(path: &Path, who: &str) -> Result<Client, Cl
     let cfg = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
         .await
         .map_err(kubeconfig_err)?;
-    Client::try_from(cfg).map_err(|source| ClusterError::Client {
+    gpuledger_crds::kubeclient::client_for(cfg).map_err(|source| ClusterError::Client {
         who: who.to_string(),
         source,
     })

@@ -37,13 +37,23 @@ pub fn bin_dir() -> PathBuf {
     }
 }
 
-/// The path of executable `name` in [`bin_dir`], checked to exist.
+/// The path of executable `name` in [`bin_dir`], checked to exist. A release-profile bench
+/// finds a debug build too, and the other way round. The one place the harness looks for the
+/// gpuledger executables.
 pub fn locate(name: &'static str) -> Result<PathBuf, SimNodeError> {
-    let path = bin_dir().join(name);
+    let dir = bin_dir();
+    let path = dir.join(name);
     if path.is_file() {
-        Ok(path)
+        return Ok(path);
+    }
+    let other_profile = if dir.ends_with("release") {
+        "debug"
     } else {
-        Err(SimNodeError::MissingBinary { name, path })
+        "release"
+    };
+    match dir.parent().map(|t| t.join(other_profile).join(name)) {
+        Some(p) if p.is_file() => Ok(p),
+        _ => Err(SimNodeError::MissingBinary { name, path }),
     }
 }
 

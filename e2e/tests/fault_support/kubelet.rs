@@ -2,7 +2,7 @@
 //! identity under config/rbac and config/admission) registered with the kubelet simulator, for
 //! faults that involve the kubelet's side of an admission.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,12 +21,7 @@ use super::WAIT;
 /// GPUs × split count of config/samples/devices-8gpu-2numa.yaml with the plugin's default split.
 pub const REPLICAS: usize = 80;
 
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_default()
-}
+use gpuledger_e2e::sim::binaries::repo_root;
 
 /// UUID of GPU `i` in the sample devices file.
 pub fn sample_uuid(i: u32) -> String {

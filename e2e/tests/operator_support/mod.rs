@@ -271,4 +271,6 @@ pub async fn pod_events(client: &Client, ns: &str, name: &str) -> Vec<(String, S
         .collect()
 }
 
+/// A raw HTTP call to the operator (not every test binary including this module makes one).
+#[allow(unused_imports)]
 pub use gpuledger_e2e::http::request as http;

@@ -17,7 +17,6 @@ use std::time::Duration;
 use gpuledger_crds::names::{
     self, DEFAULT_NAMESPACE, DEVICE_PLUGIN_MANAGER, NODE_LABEL, RESERVATION_LABEL,
 };
-use gpuledger_crds::podapi::SchedulerPolicy;
 use gpuledger_crds::{
     Alignment, ContainerReservation, GpuDevice, GpuNode, GpuNodeSpec, GpuReservation,
     GpuReservationSpec, RefitPhase, RefitRequest, ReservedDevice,
@@ -30,8 +29,8 @@ use gpuledger_e2e::cluster::{
     wait_for,
 };
 use gpuledger_e2e::kubelet::KubeletSimulator;
-use gpuledger_operator::config::RunConfig;
-use gpuledger_operator::run::RunError;
+use gpuledger_e2e::sim::InProcessOperator;
+use gpuledger_e2e::sim::in_process::test_config;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, ResourceRequirements};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -60,13 +59,7 @@ pub const SPLIT: u32 = 4;
 /// The plugins' `--refit-timeout` (the default).
 pub const REFIT_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// The workspace root.
-pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("workspace root")
-        .to_path_buf()
-}
+pub use gpuledger_e2e::sim::binaries::repo_root;
 
 /// UUID of GPU `i` of `node`.
 pub fn uuid(node: &str, i: u32) -> String {
@@ -113,65 +106,34 @@ pub fn free_port() -> u16 {
     gpuledger_e2e::cluster::free_port().expect("free port")
 }
 
-/// The real operator, in-process, with the gpuledger-operator ServiceAccount's rights.
-pub struct Operator {
-    task: JoinHandle<Result<(), RunError>>,
-    /// Port of /metrics, /healthz, /readyz.
-    pub metrics_port: u16,
-}
+/// The real operator, in-process ([`InProcessOperator`]), with the gpuledger-operator
+/// ServiceAccount's rights.
+pub struct Operator;
 
 impl Operator {
-    /// Starts it; `extender_port` is where kube-scheduler calls it; `refit_ttl` is
-    /// `--refit-ttl`.
-    pub async fn start(cp: &ControlPlane, extender_port: u16, refit_ttl: Duration) -> Self {
+    /// Starts it and waits until it is ready; `extender_port` is where kube-scheduler calls
+    /// it; `refit_ttl` is `--refit-ttl`.
+    pub async fn start(
+        cp: &ControlPlane,
+        extender_port: u16,
+        refit_ttl: Duration,
+    ) -> InProcessOperator {
         let kubeconfig = cp
             .service_account_kubeconfig(DEFAULT_NAMESPACE, OPERATOR_SA, None)
             .await
             .expect("operator kubeconfig");
-        let metrics_port = free_port();
-        let config = RunConfig {
-            kubeconfig: Some(kubeconfig),
-            extender_addr: format!("127.0.0.1:{extender_port}").parse().expect("addr"),
-            tls_cert: None,
-            tls_key: None,
-            metrics_addr: format!("127.0.0.1:{metrics_port}").parse().expect("addr"),
-            namespace: DEFAULT_NAMESPACE.into(),
-            default_alignment: Alignment::None,
-            leader_elect: false,
-            identity: Some("refit-e2e".into()),
-            allocating_timeout: Duration::from_secs(600),
-            node_policy: SchedulerPolicy::Binpack,
-            gpu_policy: SchedulerPolicy::Spread,
-            lease_wait: Duration::from_secs(3),
-            usage_interval: Duration::from_secs(1),
-            refit_ttl,
-            repair_after: Duration::from_secs(5),
-        };
-        let task = tokio::spawn(gpuledger_operator::run::run(config, std::future::pending()));
-        let op = Operator { task, metrics_port };
-        wait_for("operator ready", WAIT, || async {
-            let ready = gpuledger_e2e::http::get(op.metrics_port, "/readyz")
-                .await
-                .is_ok_and(|(code, _)| code == 200);
-            Ok::<_, std::io::Error>(ready.then_some(()))
-        })
-        .await
-        .expect("operator ready");
+        let mut config = test_config(
+            kubeconfig,
+            extender_port,
+            free_port(),
+            DEFAULT_NAMESPACE,
+            "refit-e2e",
+        );
+        config.allocating_timeout = Duration::from_secs(600);
+        config.refit_ttl = refit_ttl;
+        let op = InProcessOperator::spawn(config);
+        op.wait_ready(WAIT).await.expect("operator ready");
         op
-    }
-
-    /// The operator's /metrics text.
-    pub async fn metrics(&self) -> String {
-        gpuledger_e2e::http::get(self.metrics_port, "/metrics")
-            .await
-            .map(|(_, body)| body)
-            .unwrap_or_default()
-    }
-
-    /// Drops it mid-flight, like a killed process.
-    pub async fn stop(self) {
-        self.task.abort();
-        let _ = self.task.await;
     }
 }
 
@@ -627,13 +589,13 @@ pub async fn wait_event(admin: &Client, name: &str, reason: &str) -> String {
 }
 
 /// A client for `kubeconfig` built the way the device plugin's binary builds its own
-/// (`TCP_NODELAY` on; see `gpuledger_device_plugin::refit::transport`).
+/// (`TCP_NODELAY` on; see `gpuledger_crds::kubeclient`).
 pub async fn plugin_client(kubeconfig: &Path) -> Client {
     let kc = kube::config::Kubeconfig::read_from(kubeconfig).expect("kubeconfig");
     let config = kube::Config::from_custom_kubeconfig(kc, &Default::default())
         .await
         .expect("client config");
-    gpuledger_device_plugin::refit::transport::client(config).expect("client")
+    gpuledger_crds::kubeclient::client_for(config).expect("client")
 }
 
 /// The device plugin's identity on `node`: a node-bound ServiceAccount token.

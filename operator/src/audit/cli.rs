@@ -10,7 +10,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, ListParams, VersionMatch};
 
 use super::{Finding, Options, Snapshot, audit};
-use crate::kubeclient::{self, ClientError};
+use gpuledger_crds::kubeclient::{self, ClientError};
 
 /// Why the audit could not run.
 #[derive(Debug, thiserror::Error)]

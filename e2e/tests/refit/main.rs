@@ -18,20 +18,16 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-#[path = "refit/faults.rs"]
 mod faults;
-#[path = "refit/matrix.rs"]
 mod matrix;
-#[path = "refit/races.rs"]
 mod races;
-#[path = "refit/support.rs"]
 mod support;
-#[path = "refit/validation.rs"]
 mod validation;
 
 use std::time::Duration;
 
 use gpuledger_crds::{RefitRequest, ReservationPhase};
+use gpuledger_e2e::sim::InProcessOperator;
 use gpuledger_operator::audit::{self, Finding};
 use kube::api::{Api, ListParams};
 use support::*;
@@ -119,7 +115,7 @@ fn sample(text: &str, series: &str) -> f64 {
         .unwrap_or_else(|| panic!("no sample {series} in:\n{text}"))
 }
 
-async fn metrics_count_outcomes(op: &Operator) {
+async fn metrics_count_outcomes(op: &InProcessOperator) {
     // The restarted operator's counters: it answered the four requests left pending (the two
     // strict ones refused as expired, be-timeout's and be-paused's as already allocated), and
     // it recorded those two pods' Misaligned (it was stopped when they were allocated).

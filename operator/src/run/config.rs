@@ -4,34 +4,11 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use gpuledger_crds::duration::parse_duration;
+
 use gpuledger_crds::Alignment;
 use gpuledger_crds::names::DEFAULT_NAMESPACE;
 use gpuledger_crds::podapi::SchedulerPolicy;
-
-/// How a duration flag failed to parse.
-#[derive(Debug, thiserror::Error)]
-#[error("invalid duration {raw:?}: expected a number followed by ms, s, m or h (e.g. 5m)")]
-pub struct DurationError {
-    raw: String,
-}
-
-/// Parses `500ms`, `30s`, `5m`, `1h` (a bare number is seconds).
-pub fn parse_duration(raw: &str) -> Result<Duration, DurationError> {
-    let err = || DurationError {
-        raw: raw.to_string(),
-    };
-    let s = raw.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: u64 = num.parse().map_err(|_| err())?;
-    match unit {
-        "ms" => Ok(Duration::from_millis(n)),
-        "" | "s" => Ok(Duration::from_secs(n)),
-        "m" => Ok(Duration::from_secs(n * 60)),
-        "h" => Ok(Duration::from_secs(n * 3600)),
-        _ => Err(err()),
-    }
-}
 
 fn parse_policy(raw: &str) -> Result<SchedulerPolicy, String> {
     SchedulerPolicy::parse("policy", raw).map_err(|e| e.to_string())
@@ -109,15 +86,6 @@ mod tests {
     struct Cli {
         #[command(flatten)]
         run: RunConfig,
-    }
-
-    #[test]
-    fn durations() {
-        assert_eq!(parse_duration("5m").unwrap(), Duration::from_secs(300));
-        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
-        assert_eq!(parse_duration("7").unwrap(), Duration::from_secs(7));
-        assert!(parse_duration("5 minutes").is_err());
-        assert!(parse_duration("m").is_err());
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! `gpuledger-operator run`: wires the watches, the ledger, leader election, the extender, the
 //! controllers and the telemetry server together, and runs them until shutdown.
 
+pub mod config;
+
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
@@ -10,17 +12,16 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::get;
 use axum::serve::ListenerExt;
+use gpuledger_crds::kubeclient::{self, ClientError};
 use gpuledger_crds::podapi::PodApiConfig;
 use gpuledger_crds::{GpuNode, GpuReservation, NumaPolicy};
 use k8s_openapi::api::core::v1::Namespace;
+use kube::Client;
 use kube::api::{Api, ObjectMeta, PostParams};
-use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::events::Recorder;
 use kube::runtime::{WatchStreamExt, reflector, watcher};
-use kube::{Client, Config};
 use tokio::net::TcpListener;
 
-use crate::config::RunConfig;
 use crate::context::{Caches, Context, Defaults, Ledger, Timing};
 use crate::events::EventQueue;
 use crate::events::reporter;
@@ -32,22 +33,14 @@ use crate::schedule::Policy;
 use crate::telemetry::{Health, Metrics};
 use crate::watches::{drive, strip_managed_fields, tracked};
 use crate::{controllers, extender, ledger};
+use config::RunConfig;
 
 /// Why the operator could not start or stopped.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
-    /// The kubeconfig could not be read.
-    #[error("kubeconfig {path}: {source}")]
-    Kubeconfig {
-        /// The file.
-        path: String,
-        /// Why.
-        #[source]
-        source: kube::config::KubeconfigError,
-    },
-    /// No usable client configuration.
-    #[error("client configuration: {0}")]
-    ClientConfig(String),
+    /// No usable Kubernetes client.
+    #[error(transparent)]
+    Client(#[from] ClientError),
     /// A listener could not be bound.
     #[error("listen on {addr}: {source}")]
     Listen {
@@ -63,27 +56,6 @@ pub enum RunError {
     /// A server or essential task ended.
     #[error("{0} stopped unexpectedly")]
     TaskEnded(&'static str),
-}
-
-async fn client(config: &RunConfig) -> Result<Client, RunError> {
-    let cfg = match &config.kubeconfig {
-        Some(path) => {
-            let kc = Kubeconfig::read_from(path).map_err(|source| RunError::Kubeconfig {
-                path: path.display().to_string(),
-                source,
-            })?;
-            Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
-                .await
-                .map_err(|source| RunError::Kubeconfig {
-                    path: path.display().to_string(),
-                    source,
-                })?
-        }
-        None => Config::infer()
-            .await
-            .map_err(|e| RunError::ClientConfig(e.to_string()))?,
-    };
-    Client::try_from(cfg).map_err(|e| RunError::ClientConfig(e.to_string()))
 }
 
 /// Creates the Lease namespace when it does not exist yet (best effort: without the right
@@ -110,7 +82,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         (Some(cert), Some(key)) => Some(extender::tls::acceptor(cert, key)?),
         _ => None,
     };
-    let client = client(&config).await?;
+    let client = kubeclient::client(config.kubeconfig.as_deref()).await?;
     ensure_namespace(&client, &config.namespace).await;
     let identity = config
         .identity

@@ -32,13 +32,9 @@ use kube::api::{
 use kube::{Client, Resource, ResourceExt};
 use serde_json::json;
 
-#[path = "control_plane/binary.rs"]
 mod binary;
-#[path = "control_plane/objects.rs"]
 mod objects;
-#[path = "control_plane/rbac.rs"]
 mod rbac;
-#[path = "control_plane/scheduling.rs"]
 mod scheduling;
 
 use objects::{
@@ -63,12 +59,7 @@ const RESERVATION: &str = "train-0";
 /// Long enough for a loaded two-core machine; the GC rediscovers new kinds every 30 s.
 const WAIT: Duration = Duration::from_secs(120);
 
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
+use gpuledger_e2e::sim::binaries::repo_root;
 
 /// An extender URL on a port nobody listens on: GPU pods must fail scheduling naming it.
 fn dead_extender_url() -> String {

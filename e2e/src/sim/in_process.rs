@@ -1,0 +1,109 @@
+//! The real operator (`gpuledger_operator::run::run`) as a task of the test's own process: what
+//! tests use when they need no SIGKILL, only a start, a look at `/metrics`, and an abrupt stop
+//! (the task is aborted mid-flight, so nothing is cleaned up, as when a process dies).
+//!
+//! The child-process forms are [`super::OperatorProcess`] (the demo's and the suite's operator,
+//! started with its ServiceAccount) and [`crate::bench::operator::ChildOperator`] (killable and
+//! weighed, for fault tests and benchmarks).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use gpuledger_crds::Alignment;
+use gpuledger_crds::podapi::SchedulerPolicy;
+use gpuledger_operator::run::RunError;
+use gpuledger_operator::run::config::RunConfig;
+use tokio::task::JoinHandle;
+
+use crate::cluster::{ClusterError, wait_for};
+
+/// The flags a test operator runs with unless the test changes them: the extender and the
+/// telemetry server on loopback ports, no TLS, no leader election, the production defaults for
+/// policies, and the short waits a test cluster affords (`--lease-wait=3s`,
+/// `--usage-interval=1s`).
+pub fn test_config(
+    kubeconfig: PathBuf,
+    extender_port: u16,
+    metrics_port: u16,
+    namespace: &str,
+    identity: &str,
+) -> RunConfig {
+    RunConfig {
+        kubeconfig: Some(kubeconfig),
+        extender_addr: std::net::SocketAddr::from(([127, 0, 0, 1], extender_port)),
+        tls_cert: None,
+        tls_key: None,
+        metrics_addr: std::net::SocketAddr::from(([127, 0, 0, 1], metrics_port)),
+        namespace: namespace.to_string(),
+        default_alignment: Alignment::None,
+        leader_elect: false,
+        identity: Some(identity.to_string()),
+        allocating_timeout: Duration::from_secs(300),
+        node_policy: SchedulerPolicy::Binpack,
+        gpu_policy: SchedulerPolicy::Spread,
+        lease_wait: Duration::from_secs(3),
+        usage_interval: Duration::from_secs(1),
+        refit_ttl: Duration::from_secs(600),
+        repair_after: Duration::from_secs(5),
+    }
+}
+
+/// A running in-process operator.
+pub struct InProcessOperator {
+    task: JoinHandle<Result<(), RunError>>,
+    /// Port of `/metrics`, `/healthz`, `/readyz`.
+    pub metrics_port: u16,
+    /// Port of the extender.
+    pub extender_port: u16,
+}
+
+impl InProcessOperator {
+    /// Starts `config` on a task (does not wait for it to be ready).
+    pub fn spawn(config: RunConfig) -> Self {
+        let metrics_port = config.metrics_addr.port();
+        let extender_port = config.extender_addr.port();
+        let task = tokio::spawn(gpuledger_operator::run::run(config, std::future::pending()));
+        InProcessOperator {
+            task,
+            metrics_port,
+            extender_port,
+        }
+    }
+
+    /// `/readyz`'s status code, 0 when it does not answer.
+    pub async fn readyz(&self) -> u16 {
+        crate::http::get(self.metrics_port, "/readyz")
+            .await
+            .map(|(code, _)| code)
+            .unwrap_or(0)
+    }
+
+    /// Waits until `/readyz` answers 200 (leader, ledger synced).
+    pub async fn wait_ready(&self, timeout: Duration) -> Result<(), ClusterError> {
+        wait_for(
+            "operator ready (leader, ledger synced)",
+            timeout,
+            || async { Ok::<_, std::io::Error>((self.readyz().await == 200).then_some(())) },
+        )
+        .await
+    }
+
+    /// The `/metrics` text (empty when it does not answer).
+    pub async fn metrics(&self) -> String {
+        crate::http::get(self.metrics_port, "/metrics")
+            .await
+            .map(|(_, body)| body)
+            .unwrap_or_default()
+    }
+
+    /// Whether `run` has returned (it failed to start, or stopped).
+    pub fn is_finished(&self) -> bool {
+        self.task.is_finished()
+    }
+
+    /// Drops it mid-flight: every task it spawned dies with it, nothing is cleaned up.
+    pub async fn stop(self) {
+        self.task.abort();
+        let _ = self.task.await;
+    }
+}
