@@ -20,6 +20,9 @@ pub mod podapi;
 pub mod protocol;
 pub mod refit;
 pub mod reservation;
+#[cfg(feature = "scripted-api")]
+#[allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
+pub mod scripted_api;
 
 pub use alignment::{Alignment, AlignmentError, AlignmentSource, ResolvedAlignment};
 pub use gpunode::{GpuDevice, GpuNode, GpuNodeSpec, GpuNodeStatus, GpuNodeUsage};

@@ -1,4 +1,6 @@
 //! Test-only helpers shared by several modules' tests.
 
 pub mod fixtures;
-pub mod scripted_api;
+/// The scripted API server lives in `gpuledger-crds` (feature `scripted-api`), shared with
+/// the operator's tests.
+pub use gpuledger_crds::scripted_api;

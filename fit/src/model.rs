@@ -168,3 +168,15 @@ pub struct Pick {
     /// Cores reserved on it.
     pub cores: u32,
 }
+
+impl From<&Pick> for crate::shares::ReservedDevice {
+    /// The share a pick becomes in a reservation.
+    fn from(p: &Pick) -> Self {
+        crate::shares::ReservedDevice {
+            uuid: p.uuid.clone(),
+            memory_mib: p.memory_mib,
+            cores: p.cores,
+            numa_node: p.numa_node,
+        }
+    }
+}

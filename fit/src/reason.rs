@@ -109,6 +109,8 @@ pub enum FitFailure {
     AllowedDeviceSetUnmatched,
 }
 
+impl std::error::Error for FitFailure {}
+
 impl fmt::Display for FitFailure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

@@ -86,16 +86,7 @@ pub fn placement_shares(placement: &Placement) -> Vec<(bool, Vec<ReservedDevice>
         .iter()
         .filter(|c| !c.devices.is_empty())
         .map(|c| {
-            let shares = c
-                .devices
-                .iter()
-                .map(|p| ReservedDevice {
-                    uuid: p.uuid.clone(),
-                    memory_mib: p.memory_mib,
-                    cores: p.cores,
-                    numa_node: p.numa_node,
-                })
-                .collect();
+            let shares = c.devices.iter().map(ReservedDevice::from).collect();
             (c.init, shares)
         })
         .collect()

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use gpuledger_crds::alignment::{self, ResolvedAlignment};
 use gpuledger_crds::numapolicy::matching_policies;
-use gpuledger_crds::podapi::{self, PodApiConfig, PodRequest};
+use gpuledger_crds::podapi::{self, PodApiConfig, PodApiError, PodRequest};
 use gpuledger_crds::{Alignment, AlignmentError, GpuNode, NumaPolicy};
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use kube::runtime::events::Recorder;
@@ -17,7 +17,7 @@ use crate::events::{EventQueue, reporter};
 use crate::lease::turns::Turns;
 use crate::ledger::in_flight::BindsInFlight;
 use crate::ledger::{Holds, LedgerIndex, LedgerWriter, NodeLocks};
-use crate::schedule::{self, NodeViewCache, Placement, Policy};
+use crate::schedule::{self, NodeViewCache, PlaceError, Placement, Policy};
 use crate::telemetry::{Health, Metrics};
 
 /// Shared state of one operator process, grouped by concern.
@@ -90,9 +90,6 @@ pub struct Timing {
     pub repair_after: Duration,
 }
 
-/// Reason given for nodes without a GpuNode.
-pub const NO_INVENTORY: &str = "node has no GpuNode inventory (no gpuledger device plugin)";
-
 impl Context {
     /// A context that decides from `index` and `gpunodes` alone, with the operator's default
     /// policies and no NumaPolicies: for benches and tests of the extender that run without an
@@ -155,19 +152,19 @@ impl Context {
 
     /// The pod's GPU request, `None` for pods without GPUs. A request the kubelet would never
     /// allocate (GPU memory or cores without `nvidia.com/gpu`) is an error naming what to add.
-    pub fn gpu_request(&self, pod: &Pod) -> Result<Option<PodRequest>, String> {
-        let req = podapi::parse_pod(pod, &self.defaults.pod_api).map_err(|e| e.to_string())?;
+    pub fn gpu_request(&self, pod: &Pod) -> Result<Option<PodRequest>, PodApiError> {
+        let req = podapi::parse_pod(pod, &self.defaults.pod_api)?;
         if let Some(e) = podapi::unallocatable_request(pod, &req) {
-            return Err(e.to_string());
+            return Err(e);
         }
         Ok(req.wants_gpus().then_some(req))
     }
 
     /// Fits `req` on `node` against the ledger as it stands, leaving out the pod's own
     /// reservation (a pod being re-scheduled must not compete with itself).
-    pub fn fit_on(&self, pod: &Pod, req: &PodRequest, node: &str) -> Result<Placement, String> {
+    pub fn fit_on(&self, pod: &Pod, req: &PodRequest, node: &str) -> Result<Placement, PlaceError> {
         let Some(gpunode) = self.gpunode(node) else {
-            return Err(NO_INVENTORY.into());
+            return Err(PlaceError::NoInventory);
         };
         let usage = self
             .ledger

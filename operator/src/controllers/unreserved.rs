@@ -165,13 +165,17 @@ async fn repair(
         Some(stale) => ctx.ledger.writer.delete(&stale).await?,
         None => {}
     }
-    let fitted = ctx.gpu_request(&pod).and_then(|req| {
-        let Some(req) = req else {
-            return Ok(None);
-        };
-        let alignment = ctx.resolve_alignment(&pod).map_err(|e| e.to_string())?;
-        Ok(Some((ctx.fit_on(&pod, &req, node)?, alignment)))
-    });
+    let fitted = ctx
+        .gpu_request(&pod)
+        .map_err(|e| e.to_string())
+        .and_then(|req| {
+            let Some(req) = req else {
+                return Ok(None);
+            };
+            let alignment = ctx.resolve_alignment(&pod).map_err(|e| e.to_string())?;
+            let placement = ctx.fit_on(&pod, &req, node).map_err(|e| e.to_string())?;
+            Ok(Some((placement, alignment)))
+        });
     let (placement, alignment) = match fitted {
         Ok(Some(fitted)) => fitted,
         Ok(None) => return Ok(Repair::NotNeeded),

@@ -34,6 +34,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpuledger_crds::GpuReservation;
+use gpuledger_crds::podapi::PodApiError;
 use gpuledger_crds::protocol::lease::Holder;
 use k8s_openapi::api::core::v1::{Binding, ObjectReference, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -46,6 +47,7 @@ use crate::lease::allocation::{self as lease, LeaseError};
 use crate::lease::turns::Turn;
 use crate::ledger::render::{devices_summary, reservation_for};
 use crate::ledger::{ReservationKey, WriteError};
+use crate::schedule::PlaceError;
 
 /// Why a bind failed.
 #[derive(Debug, thiserror::Error)]
@@ -73,7 +75,7 @@ pub enum BindError {
         /// namespace/name.
         pod: String,
         /// Why.
-        reason: String,
+        reason: PodApiError,
     },
     /// No longer fits on the chosen node (another pod took the capacity since filter).
     #[error("pod {pod} no longer fits on node {node}: {reason}")]
@@ -83,7 +85,7 @@ pub enum BindError {
         /// Node.
         node: String,
         /// Why.
-        reason: String,
+        reason: PlaceError,
     },
     /// The pod is already bound (an earlier bind of it finished after kube-scheduler gave up
     /// on it); its reservation stays as it is.
@@ -243,7 +245,7 @@ async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Bound, Bi
     if let Some(node) = bound_node(&pod) {
         return earlier_bind(ctx, args, node);
     }
-    let bad = |reason: String| BindError::BadRequest {
+    let bad = |reason: PodApiError| BindError::BadRequest {
         pod: pod_id.clone(),
         reason,
     };
@@ -251,9 +253,7 @@ async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Bound, Bi
         post_binding(ctx, args).await?;
         return Ok(Bound::NoGpus);
     };
-    let alignment = ctx
-        .resolve_alignment(&pod)
-        .map_err(|e| bad(e.to_string()))?;
+    let alignment = ctx.resolve_alignment(&pod).map_err(|e| bad(e.into()))?;
 
     let turn = wait_turn(ctx, &args.node, deadline).await?;
     let reservation = {

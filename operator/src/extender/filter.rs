@@ -73,8 +73,9 @@ pub async fn filter(ctx: &Context, args: ExtenderArgs) -> ExtenderFilterResult {
             ctx.metrics.decision("filter", "passthrough", started);
             return ExtenderFilterResult::pass_through(&args);
         }
-        Err(reason) => {
+        Err(e) => {
             // The pod itself is malformed: no node will ever fit it, and the user must know why.
+            let reason = e.to_string();
             let failed: BTreeMap<String, String> = args
                 .candidate_names()
                 .into_iter()
@@ -108,7 +109,7 @@ pub async fn filter(ctx: &Context, args: ExtenderArgs) -> ExtenderFilterResult {
         match ctx.gpunode(&node) {
             Some(gpunode) => inventory.push(gpunode),
             None => {
-                failed.insert(node, crate::context::NO_INVENTORY.to_string());
+                failed.insert(node, schedule::PlaceError::NoInventory.to_string());
             }
         }
     }

@@ -183,6 +183,9 @@ pub async fn release(
 }
 
 #[cfg(test)]
+mod scripted_tests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use k8s_openapi::jiff::SignedDuration;

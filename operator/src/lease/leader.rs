@@ -6,6 +6,12 @@
 //! win a round), and we need one behaviour crates differ on — a leader that cannot renew within
 //! [`RENEW_DEADLINE`] steps down *before* its Lease can expire, so two replicas never write at
 //! once. Timings follow client-go's defaults (15 s lease, 10 s renew deadline, 2 s retry).
+//!
+//! kube-lease-manager 0.13.1 (which tracks kube 5) was evaluated as a replacement and kept out
+//! for that reason: when its renewal fails with an API error (the API server unreachable from
+//! this replica), its watch loop logs the error and backs off without ever reporting "no longer
+//! leader", so a partitioned leader would keep writing after its Lease expired and another
+//! replica took over. A ledger with two writers is exactly what leader election is for.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -11,13 +11,27 @@ use std::sync::Arc;
 
 use gpuledger_crds::podapi::{PodRequest, SchedulerPolicy};
 use gpuledger_crds::{ContainerReservation, GpuNode, ReservedDevice};
-use gpuledger_fit::{self as fit, NodeView};
+use gpuledger_fit::{self as fit, FitFailure, NodeView};
 
 pub use gpuledger_fit::Policy;
 pub use views::{FitView, NodeViewCache, node_view, with_extra_usage};
 
 use crate::ledger::usage::{DeviceUsage, NodeUsage};
 use views::FitKey;
+
+/// Why a pod cannot be placed on a node.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PlaceError {
+    /// No GpuNode for the node: no gpuledger device plugin runs there.
+    #[error("node has no GpuNode inventory (no gpuledger device plugin)")]
+    NoInventory,
+    /// The GpuNode lists no GPU.
+    #[error("node has no GPUs in its GpuNode inventory")]
+    NoGpus,
+    /// The engine's reason, in HAMi's words.
+    #[error(transparent)]
+    DoesNotFit(#[from] FitFailure),
+}
 
 /// A pod placed on one node.
 #[derive(Clone, Debug, PartialEq)]
@@ -77,19 +91,19 @@ pub fn choose(request: &PodRequest, views: &[Arc<FitView>], policies: Policy) ->
     }
 }
 
-/// Fits `request` on `node`, whose GPUs already carry `usage`; `Err` is the human reason it
-/// does not fit (shown in FailedNodes and the pod's FilteringFailed event).
+/// Fits `request` on `node`, whose GPUs already carry `usage`; the error's text is what
+/// FailedNodes and the pod's FilteringFailed event show.
 pub fn place(
     request: &PodRequest,
     node: &GpuNode,
     usage: &NodeUsage,
     policies: Policy,
-) -> Result<Placement, String> {
+) -> Result<Placement, PlaceError> {
     let view = node_view(node, usage);
     if view.devices.is_empty() {
-        return Err("node has no GPUs in its GpuNode inventory".into());
+        return Err(PlaceError::NoGpus);
     }
-    let placed = fit::fit_on_node(&view, 0, request, &policies).map_err(|f| f.to_string())?;
+    let placed = fit::fit_on_node(&view, 0, request, &policies)?;
     let containers = placed
         .containers
         .into_iter()
@@ -98,16 +112,7 @@ pub fn place(
             index: c.index,
             name: c.name,
             init: c.init,
-            devices: c
-                .devices
-                .into_iter()
-                .map(|p| ReservedDevice {
-                    uuid: p.uuid,
-                    memory_mib: p.memory_mib,
-                    cores: p.cores,
-                    numa_node: p.numa_node,
-                })
-                .collect(),
+            devices: c.devices.iter().map(ReservedDevice::from).collect(),
         })
         .collect();
     // The engine's node score is the node's utilisation before the pod: binpack prefers the

@@ -74,7 +74,7 @@ fn ledger_usage_reaches_the_engine() {
         policies(SchedulerPolicy::Binpack),
     )
     .unwrap_err();
-    assert!(err.contains("CardInsufficientMemory"), "{err}");
+    assert!(err.to_string().contains("CardInsufficientMemory"), "{err}");
     let ok = place(
         &request(5000),
         &n,

@@ -53,15 +53,7 @@ pub fn plan(
         RefitOutcome::Unchanged => Ok(Plan::Unchanged { devices: from }),
         RefitOutcome::Moved(picks) => {
             let mut spec = reservation.clone();
-            let moved: Vec<ReservedDevice> = picks
-                .into_iter()
-                .map(|p| ReservedDevice {
-                    uuid: p.uuid,
-                    memory_mib: p.memory_mib,
-                    cores: p.cores,
-                    numa_node: p.numa_node,
-                })
-                .collect();
+            let moved: Vec<ReservedDevice> = picks.iter().map(ReservedDevice::from).collect();
             let to = moved.iter().map(|d| d.uuid.clone()).collect();
             for c in spec.containers.iter_mut().filter(|c| c.index == index) {
                 c.devices = moved.clone();

@@ -9,6 +9,10 @@
 //! the "API server" answers, so every error and edge path runs in milliseconds and a request
 //! that is made, missing, reordered or malformed fails the test.
 //!
+//! Behind the `scripted-api` feature, for the tests of every crate that talks to the API
+//! server (the device plugin's ledger and refit client, the operator's Lease and bind); the
+//! product binaries never build it. Failing the test is its job, so it may panic.
+//!
 //! The client is built on `tower_test::mock`; a task takes the requests off the mock's
 //! handle, checks each one against the next [`Step`] and sends its answer. Mismatches are
 //! recorded rather than panicked on (a panic in that task would surface only as an opaque
