@@ -9,6 +9,7 @@
 //! nothing at all (a kubelet that never calls).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use gpuledger_crds::names::{DEVICE_PLUGIN_MANAGER, reservation_name};
@@ -72,6 +73,9 @@ pub fn spawn_allocator_with(
     rule: AdmissionRule,
 ) -> JoinHandle<()> {
     let leases: Api<Lease> = Api::namespaced(client.clone(), lease_namespace);
+    // Replica numbers are never reused, so no two live containers are recorded with the same
+    // replica (the audit's runtime check would rightly report it).
+    let replicas = Arc::new(AtomicU64::new(0));
     tokio::spawn(async move {
         let mut events =
             std::pin::pin!(watcher(leases.clone(), watcher::Config::default()).default_backoff());
@@ -87,11 +91,12 @@ pub fn spawn_allocator_with(
             // Each node has its own kubelet and plugin: allocations on different nodes run
             // side by side, not one after another behind a single loop.
             let (client, leases, rule) = (client.clone(), leases.clone(), rule.clone());
+            let replicas = replicas.clone();
             pending.spawn(async move {
                 if !delay.is_zero() {
                     tokio::time::sleep(delay).await;
                 }
-                allocate(&client, &leases, &lease, rule.as_ref()).await;
+                allocate(&client, &leases, &lease, rule.as_ref(), &replicas).await;
             });
             while pending.try_join_next().is_some() {}
         }
@@ -103,6 +108,7 @@ async fn allocate(
     leases: &Api<Lease>,
     lease: &Lease,
     rule: &(dyn Fn(&str) -> Admission + Send + Sync),
+    replicas: &AtomicU64,
 ) {
     let Some(identity) = lease::holder_identity(lease) else {
         return;
@@ -131,7 +137,14 @@ async fn allocate(
         .map(|c| ContainerAllocation {
             index: c.index,
             name: c.name.clone(),
-            replica_ids: c.devices.iter().map(|d| format!("{}-0", d.uuid)).collect(),
+            replica_ids: c
+                .devices
+                .iter()
+                .map(|d| {
+                    let n = replicas.fetch_add(1, Ordering::Relaxed);
+                    format!("{}-{n}", chosen(&d.uuid))
+                })
+                .collect(),
             devices: c.devices.iter().map(|d| chosen(&d.uuid)).collect(),
             ..Default::default()
         })

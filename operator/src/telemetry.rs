@@ -7,7 +7,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use gpuledger_crds::ReservationPhase;
@@ -60,6 +60,13 @@ pub struct OutcomeLabels {
     pub outcome: String,
 }
 
+/// Labels naming one node.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NodeLabels {
+    /// Node name.
+    pub node: String,
+}
+
 /// Labels of a failed reconcile: the controller, and what kind of failure.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct FailureLabels {
@@ -84,6 +91,11 @@ pub struct Metrics {
     pub refits: Family<OutcomeLabels, Counter>,
     /// Time from the refit controller picking up a RefitRequest to its answer in status.
     pub refit_latency: Histogram,
+    /// The operator's clock minus each node's plugin clock, measured on the last RefitRequest
+    /// from that node (it includes the request's trip through the API server).
+    pub refit_clock_offset: Family<NodeLabels, Gauge<f64, AtomicU64>>,
+    /// RefitRequests whose clock offset exceeded the commit margin their deadline tolerates.
+    pub refit_clock_skew_warnings: Counter,
     /// Reservations found Misaligned.
     pub misaligned: Counter,
     /// Ledger writes that lost a resourceVersion race and were re-decided.
@@ -201,6 +213,18 @@ impl Metrics {
             "Lifecycle steps the resync sweep took because the controller had not taken them",
             lifecycle_resyncs.clone(),
         );
+        let refit_clock_offset = Family::<NodeLabels, Gauge<f64, AtomicU64>>::default();
+        registry.register(
+            "refit_clock_offset_seconds",
+            "Operator clock minus the node's device-plugin clock, from its last RefitRequest",
+            refit_clock_offset.clone(),
+        );
+        let refit_clock_skew_warnings = Counter::default();
+        registry.register(
+            "refit_clock_skew_warnings",
+            "RefitRequests whose clock offset exceeded the commit margin of their deadline",
+            refit_clock_skew_warnings.clone(),
+        );
         let reconcile_failures = Family::<FailureLabels, Counter>::default();
         registry.register(
             "reconcile_failures",
@@ -221,6 +245,8 @@ impl Metrics {
             reservations,
             refits,
             refit_latency,
+            refit_clock_offset,
+            refit_clock_skew_warnings,
             misaligned,
             conflicts,
             busy_skips,

@@ -109,6 +109,11 @@ pub fn request_for(ctx: &RefitContext, now: Timestamp) -> RefitRequest {
                 .into(),
             ),
             owner_references: Some(vec![owner]),
+            // This clock's reading, so the operator can measure the offset between the clock
+            // that wrote the deadline and the one that checks it.
+            annotations: Some(
+                [(protocol::refit::REQUESTED_AT.to_string(), now.to_string())].into(),
+            ),
             ..Default::default()
         },
         spec: RefitRequestSpec {
@@ -230,6 +235,9 @@ mod tests {
             ("GpuReservation", "res-uid")
         );
         assert_eq!(owner.api_version, "gpuledger.io/v1alpha1");
+        // Stamped with this clock, for the operator's clock-offset measure.
+        let stamped = &r.metadata.annotations.as_ref().unwrap()[protocol::refit::REQUESTED_AT];
+        assert_eq!(stamped.parse::<Timestamp>().unwrap(), now);
         assert_eq!(r.spec.container_index, 2);
         assert_eq!(r.spec.container_name, "main");
         assert_eq!(r.spec.allowed_devices, ["GPU-b", "GPU-a"]);

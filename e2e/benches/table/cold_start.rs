@@ -150,6 +150,8 @@ async fn pod_and_reservation(
 ) -> Result<(), String> {
     let node = format!("gpu-{}", slot / per_node);
     let gpu = (slot % per_node) as u32 % shape.gpus;
+    // The replica the kubelet would have handed out: distinct per GPU on the node.
+    let replica = (slot % per_node) as u32 / shape.gpus;
     let name = format!("cold-{slot}");
     let mut pod = gpu_pod(&name, 1, 8192, 10);
     if let Some(spec) = pod.spec.as_mut() {
@@ -187,7 +189,7 @@ async fn pod_and_reservation(
     // Phase as the operator would have written it, allocation as the plugin would have.
     let status = json!({"status": {
         "phase": "Allocated",
-        "allocation": [{"index": 0, "name": "main", "replicaIds": [format!("{}-0", device.uuid)],
+        "allocation": [{"index": 0, "name": "main", "replicaIds": [format!("{}-{replica}", device.uuid)],
                         "devices": [device.uuid.clone()]}],
     }});
     api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))

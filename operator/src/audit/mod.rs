@@ -4,6 +4,7 @@
 //! hand-made objects and run unchanged against a live cluster by the e2e fault tests.
 
 pub mod cli;
+pub mod runtime;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -108,6 +109,38 @@ pub enum Finding {
         /// The field managers other than the operator that own parts of the spec.
         managers: Vec<String>,
     },
+    /// One replica ID is recorded for two live containers: the kubelet never hands a device to
+    /// two containers at once, so a record is stale or a plugin lies.
+    ReplicaTwice {
+        /// Node.
+        node: String,
+        /// The replica ID.
+        replica: String,
+        /// `ns/name#container` of each holder.
+        holders: Vec<String>,
+    },
+    /// A recorded replica belongs to a GPU the same record does not name.
+    ReplicaOfOtherGpu {
+        /// Reservation `ns/name`.
+        reservation: String,
+        /// Container index.
+        container: u32,
+        /// The replica ID.
+        replica: String,
+        /// The GPUs the record names.
+        devices: Vec<String>,
+    },
+    /// Live containers hold more replicas of one GPU than the node advertises.
+    KubeletOverSubscribed {
+        /// Node.
+        node: String,
+        /// GPU UUID.
+        uuid: String,
+        /// Replicas recorded for live containers.
+        replicas: u32,
+        /// The node's split count.
+        split: u32,
+    },
     /// A RefitRequest is still pending past its deadline.
     #[serde(rename_all = "camelCase")]
     RefitNotTerminal {
@@ -176,6 +209,34 @@ impl fmt::Display for Finding {
                 "edited outside the operator: {reservation} spec written by {}",
                 managers.join(", ")
             ),
+            Finding::ReplicaTwice {
+                node,
+                replica,
+                holders,
+            } => write!(
+                f,
+                "replica allocated twice: {node}/{replica} recorded for {}",
+                holders.join(", ")
+            ),
+            Finding::ReplicaOfOtherGpu {
+                reservation,
+                container,
+                replica,
+                devices,
+            } => write!(
+                f,
+                "replica of another GPU: {reservation} container {container} records replica {replica} but GPUs [{}]",
+                devices.join(",")
+            ),
+            Finding::KubeletOverSubscribed {
+                node,
+                uuid,
+                replicas,
+                split,
+            } => write!(
+                f,
+                "kubelet over-subscribed: {node}/{uuid} has {replicas} live replicas, the node advertises {split}"
+            ),
             Finding::RefitNotTerminal {
                 refit,
                 overdue_seconds,
@@ -239,6 +300,7 @@ pub fn audit(snap: &Snapshot, now: Timestamp, opts: Options) -> Vec<Finding> {
     check_capacity(snap, &mut out);
     check_pods(snap, &mut out);
     check_alignment(snap, &mut out);
+    runtime::check_runtime(snap, &mut out);
     check_spec_writers(snap, &mut out);
     check_refits(snap, now, opts, &mut out);
     out.sort();

@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use gpuledger_crds::conditions::{condition, set_condition, types};
+use gpuledger_crds::protocol;
 use gpuledger_crds::{RefitPhase, RefitRequest, RefitRequestStatus};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -33,7 +34,7 @@ use serde_json::json;
 use crate::context::{Context, pod_ref_by_name};
 use crate::ledger::writer::OperatorStatus;
 use crate::ledger::{ReservationKey, WriteError};
-use crate::telemetry::OutcomeLabels;
+use crate::telemetry::{NodeLabels, OutcomeLabels};
 use commit::{Moved, expired};
 
 /// Default of `--refit-ttl`: how long answered requests stay for `kubectl get refit`.
@@ -225,6 +226,7 @@ async fn reconcile(
         return expire_answered(&req, &status, &rc).await;
     }
     let started = Instant::now();
+    measure_clock_offset(ctx, &req);
     let (answer, moved) = match decide(ctx, &req).await {
         Ok(decided) => decided,
         Err(ReconcileError::AlreadyAnswered) => return Ok(Action::await_change()),
@@ -250,6 +252,42 @@ async fn reconcile(
     }
     publish_event(ctx, &req, &answer, moved.as_ref()).await;
     Ok(Action::requeue(rc.ttl))
+}
+
+/// Records the offset between this clock and the clock of the plugin that wrote `req` (its
+/// [`protocol::refit::REQUESTED_AT`] stamp), and warns when it is larger than the commit margin
+/// the request's deadline leaves: beyond it, this operator may commit after the plugin stopped
+/// waiting (a Misaligned container) or refuse a request the plugin still waits for. The measure
+/// includes the request's trip through the API server (milliseconds), so it errs towards
+/// "operator ahead".
+fn measure_clock_offset(ctx: &Context, req: &RefitRequest) {
+    let stamp = req.annotations().get(protocol::refit::REQUESTED_AT);
+    let Some(requested_at) = stamp.and_then(|s| s.parse::<Timestamp>().ok()) else {
+        return;
+    };
+    let offset = protocol::refit::clock_offset(requested_at, Timestamp::now());
+    // A request picked up after its whole budget (this operator was restarting, or behind) says
+    // more about the wait than about the clocks: it is not a sample.
+    if offset > req.spec.deadline.0.duration_since(requested_at) {
+        return;
+    }
+    let tolerated = protocol::refit::tolerated_offset(requested_at, req.spec.deadline.0);
+    ctx.metrics
+        .refit_clock_offset
+        .get_or_create(&NodeLabels {
+            node: req.spec.node_name.clone(),
+        })
+        .set(offset.as_secs_f64());
+    if offset.abs() > tolerated {
+        ctx.metrics.refit_clock_skew_warnings.inc();
+        tracing::warn!(
+            request = %id(req),
+            node = %req.spec.node_name,
+            offset_ms = offset.as_millis(),
+            tolerated_ms = tolerated.as_millis(),
+            "the clocks of this operator and the node's device plugin differ by more than the refit deadline tolerates; synchronise them (NTP)"
+        );
+    }
 }
 
 /// The answer to a Pending request.
