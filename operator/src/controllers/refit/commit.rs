@@ -95,7 +95,14 @@ pub async fn commit(
         Err(e) => return Ok((Answer::refused(format!("pod GPU request: {e}"), true), None)),
     };
     let defaults = ctx.defaults.policies;
-    let _node = ctx.ledger.node_locks.lock(&spec.node_name).await;
+    // The wait for the node's lock is bounded by the request's deadline: past it, no answer
+    // could be used, and the reason says the lock was what it waited for.
+    let patience = Duration::try_from(spec.deadline.0.duration_since(Timestamp::now()))
+        .unwrap_or(Duration::ZERO);
+    let lock = ctx.ledger.node_locks.lock(&spec.node_name);
+    let Ok(_node) = tokio::time::timeout(patience, lock).await else {
+        return Ok((Answer::lock_wait_expired(&spec.node_name), None));
+    };
     for _ in 0..ATTEMPTS {
         let current = ctx.ledger.index.get(&key);
         let container = match validate(namespace, spec, Some(pod), current.as_deref()) {
@@ -159,4 +166,71 @@ pub async fn commit(
     }
     let reason = format!("reservation {key} kept changing during the refit; not moved");
     Ok((Answer::refused(reason, true), None))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use gpuledger_crds::GpuNode;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+    use k8s_openapi::jiff::SignedDuration;
+    use kube::runtime::{reflector, watcher};
+
+    use super::*;
+    use crate::ledger::LedgerIndex;
+
+    /// A synced leader whose client reaches nothing: the refit must give up before any call.
+    fn context() -> Context {
+        let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
+        let client = kube::Client::try_from(config).unwrap();
+        let index = Arc::new(LedgerIndex::new());
+        index.apply_event(watcher::Event::Init);
+        index.apply_event(watcher::Event::InitDone);
+        let (gpunodes, _writer) = reflector::store::<GpuNode>();
+        Context::detached(client, index, gpunodes, true)
+    }
+
+    fn spec(deadline: Timestamp) -> RefitRequestSpec {
+        RefitRequestSpec {
+            pod_name: "train".into(),
+            pod_uid: "uid".into(),
+            node_name: "n1".into(),
+            reservation: "train".into(),
+            container_index: 0,
+            container_name: "main".into(),
+            allowed_devices: vec!["GPU-a".into()],
+            deadline: MicroTime(deadline),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_refit_waits_for_the_node_lock_only_until_its_deadline_and_says_so() {
+        let ctx = context();
+        let held = ctx.ledger.node_locks.lock("n1").await;
+        let deadline = Timestamp::now() + SignedDuration::from_millis(100);
+        let started = std::time::Instant::now();
+        let (answer, moved) = commit(&ctx, "ml", &spec(deadline), &Pod::default())
+            .await
+            .unwrap();
+        assert!(moved.is_none());
+        assert!(started.elapsed() < Duration::from_secs(5), "it waited on");
+        match answer {
+            Answer::Failed {
+                reason, outcome, ..
+            } => {
+                assert_eq!(outcome, "expired");
+                assert!(reason.contains("node n1's lock"), "{reason}");
+            }
+            other => panic!("expected a failure, got {other:?}"),
+        }
+        drop(held);
+        // Past the deadline already: no wait at all.
+        let past = Timestamp::now() - SignedDuration::from_secs(1);
+        let _held = ctx.ledger.node_locks.lock("n1").await;
+        let (answer, _) = commit(&ctx, "ml", &spec(past), &Pod::default())
+            .await
+            .unwrap();
+        assert_eq!(answer.outcome(), "expired");
+    }
 }

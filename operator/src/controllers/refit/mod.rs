@@ -71,6 +71,18 @@ impl Answer {
         }
     }
 
+    /// The deadline passed while the refit waited for the node's lock (binds, repairs or other
+    /// refits of the node held it): nothing was decided, and the reason says what it waited for.
+    pub fn lock_wait_expired(node: &str) -> Self {
+        Answer::Failed {
+            reason: format!(
+                "expired: waited for node {node}'s lock (held by binds or other refits of the node) until the request's deadline"
+            ),
+            event: true,
+            outcome: "expired",
+        }
+    }
+
     /// The deadline passed before anything was committed.
     pub fn expired() -> Self {
         Answer::Failed {
