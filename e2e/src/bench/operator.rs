@@ -158,6 +158,23 @@ impl ChildOperator {
         parse_status_kib(&status, "VmHWM:")
     }
 
+    /// The operator's pid and its group's watchdog.
+    pub fn processes(&self) -> Vec<(String, u32)> {
+        let mut pids = self.group.pids();
+        pids.push(("watchdog".into(), self.group.pgid()));
+        pids
+    }
+
+    /// Fails if the operator has exited.
+    pub fn check_running(&mut self) -> Result<(), ClusterError> {
+        self.group.check_running()
+    }
+
+    /// Stops the operator (its process group goes with it).
+    pub fn stop(mut self) {
+        self.group.stop();
+    }
+
     /// SIGKILLs the operator (no cleanup, no lease release) and waits until it is gone.
     pub async fn kill(mut self) -> Result<(), ClusterError> {
         signal(self.pid, Signal::KILL)?;

@@ -2,9 +2,9 @@
 //! tests use when they need no SIGKILL, only a start, a look at `/metrics`, and an abrupt stop
 //! (the task is aborted mid-flight, so nothing is cleaned up, as when a process dies).
 //!
-//! The child-process forms are [`super::OperatorProcess`] (the demo's and the suite's operator,
-//! started with its ServiceAccount) and [`crate::bench::operator::ChildOperator`] (killable and
-//! weighed, for fault tests and benchmarks).
+//! The child-process form is [`crate::bench::operator::ChildOperator`] (killable and weighed);
+//! [`super::OperatorProcess`] is one started with the operator's ServiceAccount, for the demo
+//! and the suite.
 
 use std::path::PathBuf;
 use std::time::Duration;
