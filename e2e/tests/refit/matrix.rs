@@ -156,6 +156,7 @@ async fn refused_rows(admin: &Client, b: &PluginNode) {
             false,
         )
         .await;
+        seen_by_operator(admin, &name).await;
     }
 
     let (_, got) = admit_row(admin, b, BEST_EFFORT_REFUSED, Alignment::BestEffort, 2, 0).await;

@@ -28,6 +28,7 @@ async fn holder(admin: &Client, name: &str, node: &str, gpu: u32, mib: u64) -> S
         false,
     )
     .await;
+    seen_by_operator(admin, name).await;
     p.uid().unwrap()
 }
 

@@ -525,6 +525,17 @@ pub async fn wait_reservation(
         .expect("reservation")
 }
 
+/// Waits until the running operator has taken reservation `name` into its ledger (its
+/// lifecycle controller wrote a phase). A fixture written straight into the API server must be
+/// in the operator's index before a refit is decided against it, or the refit may be planned
+/// on a node that looks emptier than it is. Only for fixtures written while an operator runs.
+pub async fn seen_by_operator(admin: &Client, name: &str) -> GpuReservation {
+    wait_reservation(admin, name, "taken into the operator's ledger", |r| {
+        r.status.as_ref().and_then(|s| s.phase).is_some()
+    })
+    .await
+}
+
 /// GPUs of container `index` of a reservation.
 pub fn reserved(r: &GpuReservation, index: u32) -> Vec<String> {
     r.spec
