@@ -192,12 +192,7 @@ async fn gpunode_is_published_and_shown_by_kubectl(cp: &ControlPlane) {
 }
 
 fn kubectl() -> PathBuf {
-    let gcloud = PathBuf::from("/usr/lib/google-cloud-sdk/bin/kubectl.1.33");
-    if gcloud.is_file() {
-        gcloud
-    } else {
-        PathBuf::from("kubectl")
-    }
+    gpuledger_e2e::cluster::kubectl_path()
 }
 
 async fn allocate_without_a_pending_reservation_is_a_clear_error(

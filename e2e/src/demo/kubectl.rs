@@ -7,12 +7,7 @@ use crate::demo::DemoError;
 /// kubectl 1.33 from the Cloud SDK when installed (closest to the 1.34 server), else `kubectl`
 /// from PATH.
 pub fn kubectl_binary() -> PathBuf {
-    let sdk = PathBuf::from("/usr/lib/google-cloud-sdk/bin/kubectl.1.33");
-    if sdk.is_file() {
-        sdk
-    } else {
-        PathBuf::from("kubectl")
-    }
+    crate::cluster::kubectl_path()
 }
 
 /// Runs `kubectl --kubeconfig <kubeconfig> <args>` and returns its standard output; a non-zero

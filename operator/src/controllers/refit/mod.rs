@@ -24,7 +24,7 @@ use gpuledger_crds::protocol;
 use gpuledger_crds::{RefitPhase, RefitRequest, RefitRequestStatus};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use k8s_openapi::jiff::Timestamp;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::watcher;
@@ -273,17 +273,9 @@ async fn reconcile(
 /// includes the request's trip through the API server (milliseconds), so it errs towards
 /// "operator ahead".
 fn measure_clock_offset(ctx: &Context, req: &RefitRequest) {
-    let stamp = req.annotations().get(protocol::refit::REQUESTED_AT);
-    let Some(requested_at) = stamp.and_then(|s| s.parse::<Timestamp>().ok()) else {
+    let Some((offset, tolerated)) = clock_sample(req, Timestamp::now()) else {
         return;
     };
-    let offset = protocol::refit::clock_offset(requested_at, Timestamp::now());
-    // A request picked up after its whole budget (this operator was restarting, or behind) says
-    // more about the wait than about the clocks: it is not a sample.
-    if offset > req.spec.deadline.0.duration_since(requested_at) {
-        return;
-    }
-    let tolerated = protocol::refit::tolerated_offset(requested_at, req.spec.deadline.0);
     ctx.metrics
         .refit_clock_offset
         .get_or_create(&NodeLabels {
@@ -300,6 +292,22 @@ fn measure_clock_offset(ctx: &Context, req: &RefitRequest) {
             "the clocks of this operator and the node's device plugin differ by more than the refit deadline tolerates; synchronise them (NTP)"
         );
     }
+}
+
+/// The offset `req` shows at `now`, and the offset its deadline tolerates; `None` when it is no
+/// sample. The stamp is the plugin's word: a forged or garbled one moves only this gauge and its
+/// warning, never a decision (the deadline alone decides).
+fn clock_sample(req: &RefitRequest, now: Timestamp) -> Option<(SignedDuration, SignedDuration)> {
+    let stamp = req.annotations().get(protocol::refit::REQUESTED_AT)?;
+    let requested_at = stamp.parse::<Timestamp>().ok()?;
+    let offset = protocol::refit::clock_offset(requested_at, now);
+    // A request picked up after its whole budget (this operator was restarting, or behind) says
+    // more about the wait than about the clocks: it is not a sample.
+    if offset > req.spec.deadline.0.duration_since(requested_at) {
+        return None;
+    }
+    let tolerated = protocol::refit::tolerated_offset(requested_at, req.spec.deadline.0);
+    Some((offset, tolerated))
 }
 
 /// The answer to a Pending request.
@@ -493,6 +501,47 @@ async fn expire_answered(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A request written at `stamp` (the plugin's word) with a 2 s budget from `t0`.
+    fn stamped(stamp: Option<&str>, t0: Timestamp) -> RefitRequest {
+        let mut r = RefitRequest::new(
+            "r",
+            gpuledger_crds::RefitRequestSpec {
+                pod_name: "p".into(),
+                pod_uid: "u".into(),
+                node_name: "n1".into(),
+                reservation: "p".into(),
+                container_index: 0,
+                container_name: "main".into(),
+                allowed_devices: vec!["GPU-a".into()],
+                deadline: k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(
+                    protocol::refit::deadline(t0, SignedDuration::from_secs(2)),
+                ),
+            },
+        );
+        r.metadata.annotations =
+            stamp.map(|s| [(protocol::refit::REQUESTED_AT.to_string(), s.to_string())].into());
+        r
+    }
+
+    #[test]
+    fn a_garbled_forged_or_late_stamp_moves_only_the_clock_gauge() {
+        let t0: Timestamp = "2026-01-01T00:00:00Z".parse().unwrap();
+        let ms = SignedDuration::from_millis;
+        let honest = stamped(Some("2026-01-01T00:00:00Z"), t0);
+        assert_eq!(clock_sample(&honest, t0 + ms(7)), Some((ms(7), ms(250))));
+        // No stamp, or one that is not a time: no sample.
+        assert_eq!(clock_sample(&stamped(None, t0), t0), None);
+        assert_eq!(clock_sample(&stamped(Some("soon"), t0), t0), None);
+        // Picked up after the whole budget (an operator restart): the wait, not the clocks.
+        assert_eq!(clock_sample(&honest, t0 + ms(1800)), None);
+        // A stamp forged an hour ahead reads as a large negative offset (a warning), and the
+        // deadline, not the stamp, still decides whether the request may be committed.
+        let forged = stamped(Some("2026-01-01T01:00:00Z"), t0);
+        let (offset, tolerated) = clock_sample(&forged, t0).unwrap();
+        assert!(offset.abs() > tolerated, "{offset:?}");
+        assert!(!commit::expired(&forged.spec, t0));
+    }
 
     #[test]
     fn status_of_a_move_a_no_op_and_a_refusal() {
