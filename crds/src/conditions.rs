@@ -10,6 +10,10 @@ pub mod types {
     pub const MISALIGNED: &str = "Misaligned";
     /// GpuReservation: a NUMA refit moved the reservation.
     pub const REFITTED: &str = "Refitted";
+    /// GpuReservation: the kubelet's pod-resources record gives the replicas the plugin answered
+    /// for this reservation to another pod (the device plugin's cross-check; the only condition
+    /// the plugin writes).
+    pub const KUBELET_MISMATCH: &str = "KubeletMismatch";
     /// NumaPolicy / RefitRequest: the object was processed.
     pub const READY: &str = "Ready";
 }

@@ -48,6 +48,11 @@ pub struct Cli {
     /// Host directory with HAMi-core (libvgpu.so, ld.so.preload); adds its mounts to Allocate.
     #[arg(long, env = "GPULEDGER_HAMI_CORE_DIR")]
     pub hami_core_dir: Option<PathBuf>,
+    /// The kubelet's pod-resources socket (e.g. /var/lib/kubelet/pod-resources/kubelet.sock):
+    /// when set, every Allocate is checked against what the kubelet recorded (see
+    /// `kubelet_check`). Off by default: it needs the socket mounted into the plugin.
+    #[arg(long, env = "GPULEDGER_POD_RESOURCES_SOCKET")]
+    pub pod_resources_socket: Option<PathBuf>,
     /// Whether to ask the operator for a NUMA refit (a RefitRequest) when a reserved GPU is not
     /// among the replicas the kubelet allows; `false` always lets the kubelet choose (strict
     /// pods included, as in HAMi without a refit endpoint) and the divergence is recorded.
@@ -77,6 +82,7 @@ impl Cli {
         o.split_count = self.split_count;
         o.refit_timeout = self.refit_timeout;
         o.hami_core_dir = self.hami_core_dir.clone();
+        o.pod_resources_socket = self.pod_resources_socket.clone();
         o.refresh_interval = self.refresh_interval;
         o.metrics_addr = self.metrics_addr.0;
         o

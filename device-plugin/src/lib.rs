@@ -18,11 +18,25 @@ pub mod api {
     tonic::include_proto!("v1beta1");
 }
 
+/// Code generated from `proto/podresources/v1/api.proto`: the kubelet pod-resources API, v1,
+/// which the cross-check reads (and the e2e crate, to see what the kubelet recorded).
+#[allow(
+    clippy::all,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    missing_docs
+)]
+pub mod podresources_api {
+    tonic::include_proto!("v1");
+}
+
 pub mod allocate;
 pub mod config;
 pub mod discovery;
 pub mod gpunode;
 pub mod inventory;
+pub mod kubelet_check;
 pub mod ledger;
 pub mod lifecycle;
 pub mod metrics;

@@ -25,6 +25,8 @@ pub struct Metrics {
     pub preferred: Family<OutcomeLabel, Counter>,
     /// Successful registrations with the kubelet (one more per kubelet restart).
     pub registrations: Counter,
+    /// Pod-resources cross-checks by outcome (`agrees`, `mismatch`, `unseen`).
+    pub kubelet_checks: Family<OutcomeLabel, Counter>,
     /// Healthy GPUs in the current inventory.
     pub healthy_gpus: Gauge,
     /// GPUs in the current inventory.
@@ -37,6 +39,7 @@ impl Default for Metrics {
         let allocations = Family::<OutcomeLabel, Counter>::default();
         let preferred = Family::<OutcomeLabel, Counter>::default();
         let registrations = Counter::default();
+        let kubelet_checks = Family::<OutcomeLabel, Counter>::default();
         let healthy_gpus = Gauge::default();
         let gpus = Gauge::default();
         registry.register(
@@ -55,6 +58,11 @@ impl Default for Metrics {
             registrations.clone(),
         );
         registry.register(
+            "kubelet_checks",
+            "Pod-resources cross-checks of an Allocate against the kubelet's record, by outcome",
+            kubelet_checks.clone(),
+        );
+        registry.register(
             "healthy_gpus",
             "Healthy GPUs on the node",
             healthy_gpus.clone(),
@@ -65,6 +73,7 @@ impl Default for Metrics {
             allocations,
             preferred,
             registrations,
+            kubelet_checks,
             healthy_gpus,
             gpus,
         }

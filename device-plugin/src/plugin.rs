@@ -11,6 +11,7 @@ use tokio::sync::watch;
 
 use crate::discovery::{Discovery, DiscoveryError};
 use crate::inventory::Inventory;
+use crate::kubelet_check::KubeletCheck;
 use crate::ledger::Ledger;
 use crate::lifecycle::{self, LifecycleConfig, LifecycleError};
 use crate::metrics::{self, Metrics};
@@ -32,6 +33,8 @@ pub struct PluginOptions {
     pub refit_timeout: Duration,
     /// `--hami-core-dir`.
     pub hami_core_dir: Option<PathBuf>,
+    /// `--pod-resources-socket`.
+    pub pod_resources_socket: Option<PathBuf>,
     /// How often discovery runs again to notice health changes.
     pub refresh_interval: Duration,
     /// How often the device-plugin directory is checked for a kubelet restart.
@@ -50,6 +53,7 @@ impl PluginOptions {
             split_count: 10,
             refit_timeout: Duration::from_secs(2),
             hami_core_dir: None,
+            pod_resources_socket: None,
             refresh_interval: Duration::from_secs(10),
             poll_interval: Duration::from_secs(1),
             metrics_addr: None,
@@ -173,6 +177,10 @@ pub async fn run(
         });
     }
 
+    let kubelet_check = options
+        .pod_resources_socket
+        .clone()
+        .map(|socket| KubeletCheck::new(socket, client.clone(), options.node_name.clone()));
     let shared = Arc::new(Shared::new(
         rx,
         Ledger::new(client, options.node_name.clone(), options.namespace.clone()),
@@ -180,6 +188,7 @@ pub async fn run(
         ServiceConfig {
             hami_core_dir: options.hami_core_dir.clone(),
             refit_timeout: options.refit_timeout,
+            kubelet_check,
         },
         metrics.clone(),
     ));

@@ -14,6 +14,7 @@ use tonic::{Request, Response, Status};
 use crate::allocate::{container_cache_dir, container_response};
 use crate::api;
 use crate::inventory::Inventory;
+use crate::kubelet_check::KubeletCheck;
 use crate::ledger::{Ledger, LedgerError, Pending, unallocated};
 use crate::metrics::Metrics;
 use crate::preferred::{SelectError, check_known, physical_gpus, select_replicas};
@@ -26,6 +27,8 @@ pub struct ServiceConfig {
     pub hami_core_dir: Option<PathBuf>,
     /// `--refit-timeout`, handed to the refit hook.
     pub refit_timeout: Duration,
+    /// `--pod-resources-socket`: the cross-check run after each Allocate.
+    pub kubelet_check: Option<KubeletCheck>,
 }
 
 /// State shared by every generation of the gRPC server (a kubelet restart starts a new one).
@@ -351,6 +354,16 @@ impl DevicePluginService {
             .await
             .map_err(|e| e.to_status())?;
         tracing::info!(pod = %pod_ref(pending), containers = container_responses.len(), "allocated");
+        if let Some(check) = self.shared.config.kubelet_check.clone() {
+            let replicas: Vec<String> = request
+                .container_requests
+                .iter()
+                .flat_map(|r| r.devices_ids.iter().cloned())
+                .collect();
+            let metrics = self.shared.metrics.clone();
+            let reservation = updated.clone();
+            tokio::spawn(async move { check.run(reservation, replicas, &metrics).await });
+        }
         if unallocated(&updated).is_empty() {
             match self.shared.ledger.release_lease(pending).await {
                 Ok(released) => {

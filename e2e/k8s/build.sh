@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Builds kube-apiserver, kube-scheduler and kube-controller-manager (and helm, for the chart tests) from the k8s.io/kubernetes Go
-# module into a fixed cache path, once per pinned version. The published k8s.io/kubernetes go.mod
+# module into a fixed cache path, once per pinned version, and gpuledger-sim-kubelet (simkubelet/:
+# one simulated node's kubelet on the real device manager, Topology Manager and pod-resources
+# server) once per version of its sources. The published k8s.io/kubernetes go.mod
 # points its staging modules at ./staging, so we build through this small module of ours, which
 # replaces each staging module with its published v0.<minor>.<patch> tag (see go.mod).
 #
@@ -25,9 +27,26 @@ build_helm() {
   mv "$BIN/helm" "$BIN/helm-v$HELM" && ln -sf "helm-v$HELM" "$BIN/helm"
 }
 
+# The simulated kubelet changes with this repository, so its build is keyed by a hash of its
+# sources and of the module files, not only by the Kubernetes version.
+build_sim_kubelet() {
+  local sum
+  sum=$(cat "$here/go.mod" "$here/go.sum" "$here"/simkubelet/*.go | sha256sum | cut -c1-16)
+  [ -x "$BIN/gpuledger-sim-kubelet" ] && [ -f "$BIN/.sim-kubelet-$sum" ] && return 0
+  echo "building gpuledger-sim-kubelet ($sum) into $BIN" >&2
+  local w; w=$(mktemp -d)
+  cp -r "$here/go.mod" "$here/go.sum" "$here/simkubelet" "$w/"
+  ( cd "$w" && go build -p "${GO_BUILD_JOBS:-2}" -trimpath -buildvcs=false -ldflags="-s -w" \
+      -o "$BIN/gpuledger-sim-kubelet.new" ./simkubelet ) || { rm -rf "$w"; return 1; }
+  rm -rf "$w"
+  mv "$BIN/gpuledger-sim-kubelet.new" "$BIN/gpuledger-sim-kubelet"
+  rm -f "$BIN"/.sim-kubelet-*; touch "$BIN/.sim-kubelet-$sum"
+}
+
 if [ -f "$BIN/.complete" ]; then
   echo "kubernetes v$K binaries already built in $BIN" >&2
   build_helm
+  build_sim_kubelet
   echo "$BIN"; exit 0
 fi
 mkdir -p "$BIN" "$GOMODCACHE" "$GOCACHE"
@@ -47,5 +66,6 @@ go build -p "${GO_BUILD_JOBS:-2}" -trimpath -buildvcs=false -tags=selinux,notest
 for c in $CMDS; do "$BIN/$c" --version >&2; done
 touch "$BIN/.complete"
 build_helm
+build_sim_kubelet
 echo "built in $(( $(date +%s) - start ))s" >&2
 echo "$BIN"

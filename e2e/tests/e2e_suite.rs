@@ -50,6 +50,18 @@ async fn gpuledger_end_to_end() {
         ("NumaPolicy decides the alignment", |c| {
             Box::pin(refit_scenarios::numapolicy_decides(c))
         }),
+        ("multi-GPU refit", |c| {
+            Box::pin(node_scenarios::multi_gpu_refit(c))
+        }),
+        ("memory as a percentage", |c| {
+            Box::pin(node_scenarios::memory_percentage(c))
+        }),
+        ("kubelet restart keeps running pods' devices", |c| {
+            Box::pin(node_scenarios::kubelet_restart_keeps_running_pods(c))
+        }),
+        ("device plugin restart and re-registration", |c| {
+            Box::pin(node_scenarios::plugin_restart_reregisters(c))
+        }),
         ("pod deletion cleans the ledger", |c| {
             Box::pin(scenarios::deletion_cleans_the_ledger(c))
         }),

@@ -32,6 +32,7 @@ fn service(client: kube::Client) -> DevicePluginService {
         ServiceConfig {
             hami_core_dir: None,
             refit_timeout: Duration::from_secs(2),
+            kubelet_check: None,
         },
         Arc::new(Metrics::default()),
     );

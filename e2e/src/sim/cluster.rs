@@ -121,7 +121,8 @@ impl SimCluster {
             let mut node_opts = SimNodeOptions::new(name, number, &run_dir)?;
             node_opts.plugin_args = opts.plugin_args.clone();
             let what = format!(
-                "node {name}: 8 simulated GPUs on 2 NUMA nodes, gpuledger-device-plugin, kubelet simulator"
+                "node {name}: 8 simulated GPUs on 2 NUMA nodes, gpuledger-device-plugin, kubelet device manager + Topology Manager (single-numa-node) of k8s.io/kubernetes v{}",
+                crate::cluster::binaries::k8s_version()
             );
             nodes.push(step(steps, &what, SimNode::start(&cp, node_opts)).await?);
         }

@@ -1,27 +1,19 @@
-//! The pod-lifecycle loop of a simulated node: what a kubelet does with the pods bound to it.
-//! It watches them, admits each new one through the device manager (the kubelet simulator, over
-//! the real device-plugin gRPC), reports it Running — or Failed with the kubelet's reason and
-//! an event when admission fails — and frees the devices of pods that end or disappear.
+//! What the kubelet of a simulated node did with the pods bound to it. The kubelet
+//! (`gpuledger-sim-kubelet`, see [`crate::sim::node_kubelet`]) admits each pod with the real
+//! device and topology managers, reports it Running or Failed, and appends one JSON line per
+//! admission to its `admissions.jsonl`; [`follow`] reads those lines into [`Admissions`], which
+//! tests and the demo wait on.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
-use gpuledger_crds::resources::GPU;
-use k8s_openapi::api::core::v1::{Event, EventSource, ObjectReference, Pod};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
-use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, Patch, PatchParams, PostParams};
-use kube::runtime::watcher;
-use kube::{Client, ResourceExt};
+use gpuledger_device_plugin::api;
+use serde::Deserialize;
 use tokio::sync::watch;
-use tokio_stream::StreamExt;
 
-use crate::cluster::mark_pod_running;
-use crate::kubelet::{AdmittedContainer, KubeletSimulator, NumaPolicy};
-use crate::sim::admission::{
-    UNEXPECTED_ADMISSION_ERROR, cpu_numa_policy, kubelet_pod, largest_gpu_request, rejected_status,
-    rejection,
-};
+use crate::kubelet::{AdmittedContainer, NumaPolicy};
 
 /// How the simulated kubelet dealt with one pod.
 #[derive(Debug, Clone)]
@@ -111,154 +103,183 @@ impl Admissions {
     }
 }
 
-/// Runs the loop for node `node` until the task is aborted; watch errors are retried by the
-/// watcher itself (with backoff), as a kubelet keeps going when the API server blips.
-pub async fn run(
-    client: Client,
-    node: String,
-    kubelet: Arc<KubeletSimulator>,
-    admissions: Admissions,
-) {
-    let pods: Api<Pod> = Api::all(client.clone());
-    let config = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
-    let mut events = std::pin::pin!(watcher::watcher(pods, config));
-    let mut started: HashSet<String> = HashSet::new();
-    while let Some(event) = events.next().await {
-        let pod = match event {
-            Ok(watcher::Event::Apply(p) | watcher::Event::InitApply(p)) => p,
-            Ok(watcher::Event::Delete(p)) => {
-                if let Some(uid) = p.metadata.uid.as_deref() {
-                    kubelet.release(uid);
-                }
-                continue;
-            }
-            Ok(_) => continue,
-            Err(e) => {
-                tracing::debug!(node, error = %e, "pod watch interrupted; retrying");
-                continue;
-            }
-        };
-        let uid = pod.metadata.uid.clone().unwrap_or_default();
-        let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
-        let ended = matches!(phase, Some("Succeeded" | "Failed"));
-        if ended || pod.metadata.deletion_timestamp.is_some() {
-            kubelet.release(&uid);
-            continue;
+/// One line of the kubelet's `admissions.jsonl` (e2e/k8s/simkubelet/admit.go).
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct LoggedAdmission {
+    namespace: String,
+    name: String,
+    uid: String,
+    cpu_numa: Option<i64>,
+    admitted: bool,
+    #[serde(default)]
+    reason: String,
+    #[serde(default)]
+    message: String,
+    #[serde(default)]
+    containers: Option<Vec<LoggedContainer>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct LoggedContainer {
+    name: String,
+    resource: String,
+    #[serde(default)]
+    device_ids: Option<Vec<String>>,
+    #[serde(default)]
+    envs: Option<HashMap<String, String>>,
+    #[serde(default)]
+    mounts: Option<Vec<LoggedMount>>,
+    #[serde(default)]
+    devices: Option<Vec<LoggedDevice>>,
+    #[serde(default)]
+    annotations: Option<HashMap<String, String>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct LoggedMount {
+    container_path: String,
+    host_path: String,
+    read_only: bool,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct LoggedDevice {
+    container_path: String,
+    host_path: String,
+    permissions: String,
+}
+
+impl LoggedContainer {
+    /// What the runtime was given, in the device-plugin API's own shape.
+    fn into_admitted(self) -> AdmittedContainer {
+        let mut device_ids = self.device_ids.unwrap_or_default();
+        device_ids.sort();
+        AdmittedContainer {
+            name: self.name,
+            resource: self.resource,
+            device_ids,
+            response: api::ContainerAllocateResponse {
+                envs: self.envs.unwrap_or_default(),
+                mounts: (self.mounts.unwrap_or_default().into_iter())
+                    .map(|m| api::Mount {
+                        container_path: m.container_path,
+                        host_path: m.host_path,
+                        read_only: m.read_only,
+                    })
+                    .collect(),
+                devices: (self.devices.unwrap_or_default().into_iter())
+                    .map(|d| api::DeviceSpec {
+                        container_path: d.container_path,
+                        host_path: d.host_path,
+                        permissions: d.permissions,
+                    })
+                    .collect(),
+                annotations: self.annotations.unwrap_or_default(),
+                cdi_devices: Vec::new(),
+            },
         }
-        if !started.insert(uid) {
-            continue;
-        }
-        admit(&client, &node, &kubelet, &admissions, &pod).await;
     }
 }
 
-/// Free healthy `nvidia.com/gpu` replicas per NUMA node, as the device manager sees them.
-fn free_replicas_by_numa(kubelet: &KubeletSimulator) -> BTreeMap<i64, usize> {
-    let mut free = BTreeMap::new();
-    let Some(view) = kubelet.resource(GPU) else {
-        return free;
-    };
-    let held = kubelet.allocated(GPU);
-    for id in view.healthy_ids() {
-        if held.contains_key(&id) {
-            continue;
-        }
-        if let Some(numa) = view.numa_of(&id) {
-            *free.entry(numa).or_insert(0) += 1;
-        }
-    }
-    free
-}
-
-async fn admit(
-    client: &Client,
-    node: &str,
-    kubelet: &KubeletSimulator,
-    admissions: &Admissions,
-    pod: &Pod,
-) {
-    let namespace = pod.namespace().unwrap_or_default();
-    let name = pod.name_any();
-    let spec = kubelet_pod(pod);
-    let needed = largest_gpu_request(&spec);
-    let free = free_replicas_by_numa(kubelet);
-    let decided = cpu_numa_policy(pod.metadata.annotations.as_ref(), needed, &free);
-    let (policy, result) = match decided {
-        Ok(policy) => (
-            policy,
-            kubelet
-                .admit(&spec, policy)
-                .await
-                .map_err(|e| rejection(&e)),
-        ),
-        Err(message) => (NumaPolicy::None, Err((UNEXPECTED_ADMISSION_ERROR, message))),
-    };
-    let outcome = match result {
-        Ok(containers) => {
-            if let Err(e) = mark_pod_running(client, &namespace, &name).await {
-                tracing::warn!(node, pod = %name, error = %e, "cannot report the pod Running");
-            }
-            AdmissionOutcome::Admitted(containers)
-        }
-        Err((reason, message)) => {
-            reject(client, node, pod, reason, &message).await;
-            AdmissionOutcome::Rejected {
-                reason: reason.to_string(),
-                message,
-            }
+/// Parses one line of `admissions.jsonl`.
+pub fn parse_admission(line: &str) -> Result<Admission, serde_json::Error> {
+    let logged: LoggedAdmission = serde_json::from_str(line)?;
+    let policy = logged
+        .cpu_numa
+        .map_or(NumaPolicy::None, NumaPolicy::SingleNumaNode);
+    let outcome = if logged.admitted {
+        let containers = logged.containers.unwrap_or_default();
+        AdmissionOutcome::Admitted(
+            containers
+                .into_iter()
+                .map(LoggedContainer::into_admitted)
+                .collect(),
+        )
+    } else {
+        AdmissionOutcome::Rejected {
+            reason: logged.reason,
+            message: logged.message,
         }
     };
-    tracing::info!(node, pod = %format!("{namespace}/{name}"), ?policy, ?outcome, "admission");
-    admissions.record(Admission {
-        namespace,
-        name,
-        uid: spec.uid,
+    Ok(Admission {
+        namespace: logged.namespace,
+        name: logged.name,
+        uid: logged.uid,
         policy,
         outcome,
-    });
+    })
 }
 
-/// Marks the pod Failed and records a Warning event, as the kubelet's `rejectPod` does.
-async fn reject(client: &Client, node: &str, pod: &Pod, reason: &str, message: &str) {
-    let namespace = pod.namespace().unwrap_or_default();
-    let name = pod.name_any();
-    let pods: Api<Pod> = Api::namespaced(client.clone(), &namespace);
-    let status = rejected_status(reason, message);
-    if let Err(e) = pods
-        .patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))
-        .await
-    {
-        tracing::warn!(node, pod = %name, error = %e, "cannot report the pod Failed");
+/// Follows the kubelet's admission log until the task is aborted, recording every line. The log
+/// survives kubelet restarts (the Go program appends), so one follower serves a node's life.
+pub async fn follow(log: PathBuf, admissions: Admissions) {
+    let mut offset = 0usize;
+    let mut pending = String::new();
+    loop {
+        if let Ok(bytes) = tokio::fs::read(&log).await
+            && bytes.len() > offset
+        {
+            pending.push_str(&String::from_utf8_lossy(&bytes[offset..]));
+            offset = bytes.len();
+            while let Some(end) = pending.find('\n') {
+                let line: String = pending.drain(..=end).collect();
+                match parse_admission(line.trim()) {
+                    Ok(a) => {
+                        tracing::info!(pod = %format!("{}/{}", a.namespace, a.name), policy = ?a.policy, outcome = ?a.outcome, "admission");
+                        admissions.record(a);
+                    }
+                    Err(e) => {
+                        tracing::warn!(log = %log.display(), error = %e, "unreadable admission line")
+                    }
+                }
+            }
+        }
+        tokio::time::sleep(FOLLOW_INTERVAL).await;
     }
-    let now = Time(Timestamp::now());
-    let event = Event {
-        metadata: ObjectMeta {
-            name: Some(format!("{name}.{:016x}", rand::random::<u64>())),
-            namespace: Some(namespace.clone()),
-            ..Default::default()
-        },
-        involved_object: ObjectReference {
-            api_version: Some("v1".into()),
-            kind: Some("Pod".into()),
-            name: Some(name.clone()),
-            namespace: Some(namespace.clone()),
-            uid: pod.metadata.uid.clone(),
-            ..Default::default()
-        },
-        reason: Some(reason.to_string()),
-        message: Some(message.to_string()),
-        type_: Some("Warning".into()),
-        source: Some(EventSource {
-            component: Some("kubelet".into()),
-            host: Some(node.to_string()),
-        }),
-        first_timestamp: Some(now.clone()),
-        last_timestamp: Some(now),
-        count: Some(1),
-        ..Default::default()
-    };
-    let events: Api<Event> = Api::namespaced(client.clone(), &namespace);
-    if let Err(e) = events.create(&PostParams::default(), &event).await {
-        tracing::warn!(node, pod = %name, error = %e, "cannot record the rejection event");
+}
+
+/// How often the admission log is read.
+const FOLLOW_INTERVAL: Duration = Duration::from_millis(25);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_admitted_line_gives_each_container_its_run_options() {
+        let line = r#"{"namespace":"ns","name":"p","uid":"u1","cpuNuma":1,"admitted":true,
+            "containers":[{"name":"main","resource":"nvidia.com/gpu","deviceIds":["b::1","a::0"],
+            "envs":{"NVIDIA_VISIBLE_DEVICES":"GPU-a"},"mounts":null,"devices":[{"containerPath":"/dev/x",
+            "hostPath":"/dev/x","permissions":"rw"}],"annotations":{}}]}"#;
+        let a = parse_admission(line).unwrap();
+        assert_eq!(a.cpu_numa(), Some(1));
+        let c = &a.admitted().unwrap()[0];
+        assert_eq!(c.device_ids, ["a::0", "b::1"]);
+        assert_eq!(c.response.envs["NVIDIA_VISIBLE_DEVICES"], "GPU-a");
+        assert_eq!(c.response.devices[0].permissions, "rw");
+    }
+
+    #[test]
+    fn a_rejected_line_keeps_the_kubelet_reason_and_message() {
+        let line = r#"{"namespace":"ns","name":"p","uid":"u1","cpuNuma":null,"admitted":false,
+            "reason":"TopologyAffinityError","message":"Resources cannot be allocated","containers":null}"#;
+        let a = parse_admission(line).unwrap();
+        assert_eq!(a.cpu_numa(), None);
+        match a.outcome {
+            AdmissionOutcome::Rejected { reason, message } => {
+                assert_eq!(reason, "TopologyAffinityError");
+                assert_eq!(message, "Resources cannot be allocated");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_garbled_line_is_an_error() {
+        assert!(parse_admission("{\"namespace\":").is_err());
     }
 }

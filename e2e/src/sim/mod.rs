@@ -16,6 +16,7 @@ pub mod devices;
 pub mod in_process;
 pub mod lifecycle;
 mod node;
+pub mod node_kubelet;
 mod operator;
 pub mod pods;
 
@@ -28,6 +29,7 @@ pub use devices::SimGpu;
 pub use in_process::InProcessOperator;
 pub use lifecycle::{Admission, AdmissionOutcome, Admissions};
 pub use node::{SimNode, SimNodeOptions};
+pub use node_kubelet::{NodeKubelet, SIM_KUBELET};
 pub use operator::{OperatorProcess, install_gpuledger};
 
 use crate::cluster::ClusterError;
@@ -55,6 +57,16 @@ pub enum SimNodeError {
     MissingBinary {
         /// Which executable.
         name: &'static str,
+        /// Where it was expected.
+        path: PathBuf,
+    },
+    /// The simulated node's kubelet is not built.
+    #[error(
+        "{SIM_KUBELET} not found at {}: build it with `e2e/k8s/build.sh` (`make k8s-binaries`), \
+         which puts it beside the Kubernetes binaries",
+        path.display()
+    )]
+    MissingKubelet {
         /// Where it was expected.
         path: PathBuf,
     },

@@ -1,21 +1,25 @@
 //! [`SimNode`]: one simulated GPU node (see the module docs of [`crate::sim`]).
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
 use gpuledger_crds::GpuNode;
 use gpuledger_crds::names::DEFAULT_NAMESPACE;
 use gpuledger_crds::resources::GPU;
+use k8s_openapi::api::core::v1::Node;
+use kube::Client;
 use kube::api::Api;
+use rustix::process::Signal;
+use tokio::sync::Mutex;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::cluster::process::{ProcessGroup, TAIL_LINES, tail};
 use crate::cluster::{ControlPlane, FakeGpuNode, FakeNode, wait_for};
-use crate::kubelet::KubeletSimulator;
 use crate::sim::devices::{SimGpu, topology_for_node};
 use crate::sim::lifecycle::{self, Admission, Admissions};
+use crate::sim::node_kubelet::{KubeletOptions, NodeKubelet};
 use crate::sim::{GPU_NODE_LABEL, STARTUP_TIMEOUT, SimNodeError, binaries};
 
 /// The ServiceAccount the device plugin runs as (config/rbac).
@@ -56,31 +60,50 @@ impl SimNodeOptions {
     }
 }
 
-/// A running simulated GPU node. Dropping it kills its plugin and stops its kubelet.
+/// A running simulated GPU node. Dropping it kills its plugin and its kubelet.
 pub struct SimNode {
     name: String,
     gpus: Vec<SimGpu>,
-    kubelet: Arc<KubeletSimulator>,
+    replicas: usize,
+    kubelet: Mutex<NodeKubelet>,
     admissions: Admissions,
-    plugin: ProcessGroup,
+    plugin: Mutex<PluginProcess>,
     plugin_log: PathBuf,
-    pods_loop: JoinHandle<()>,
+    follower: JoinHandle<()>,
+    admin: Client,
     _node: FakeNode,
+}
+
+/// The device plugin's process and how to start it again.
+struct PluginProcess {
+    group: ProcessGroup,
+    binary: PathBuf,
+    args: Vec<String>,
+}
+
+impl PluginProcess {
+    fn spawn(binary: PathBuf, args: Vec<String>, log: &Path) -> Result<Self, SimNodeError> {
+        let mut group = ProcessGroup::new()?;
+        group.spawn("device-plugin", &binary, &args, log)?;
+        Ok(PluginProcess {
+            group,
+            binary,
+            args,
+        })
+    }
 }
 
 impl std::fmt::Debug for SimNode {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SimNode")
-            .field("name", &self.name)
-            .field("plugin", &self.plugin.pids())
-            .finish()
+        f.debug_struct("SimNode").field("name", &self.name).finish()
     }
 }
 
 impl SimNode {
-    /// Creates the Node, starts the kubelet simulator and the device plugin, waits until the
-    /// plugin registered every replica with the kubelet and published its GpuNode, and starts
-    /// admitting the node's pods.
+    /// Creates the Node, starts its kubelet (`gpuledger-sim-kubelet`: the kubelet's device
+    /// manager, Topology Manager and pod-resources server) and the device plugin, waits until
+    /// the plugin registered every replica with the kubelet, the Node shows them as allocatable
+    /// and the plugin published its GpuNode, and starts following the kubelet's admissions.
     pub async fn start(cp: &ControlPlane, opts: SimNodeOptions) -> Result<Self, SimNodeError> {
         let admin = cp.client();
         std::fs::create_dir_all(&opts.dir).map_err(|e| SimNodeError::io("create", &opts.dir, e))?;
@@ -91,11 +114,26 @@ impl SimNode {
         std::fs::write(&devices_file, devices)
             .map_err(|e| SimNodeError::io("write", &devices_file, e))?;
 
-        let replicas = u32::try_from(gpus.len()).unwrap_or(u32::MAX) * opts.split_count;
-        let node = FakeGpuNode::new(&opts.name, replicas)
+        let replicas = gpus.len() * usize::try_from(opts.split_count).unwrap_or(usize::MAX);
+        // The Node starts without GPUs: its kubelet reports what the device manager registered.
+        let node = FakeGpuNode::new(&opts.name, 0)
             .label(GPU_NODE_LABEL, "true")
             .create(&admin)
             .await?;
+        let numa_nodes = gpus
+            .iter()
+            .filter_map(|g| g.numa)
+            .max()
+            .map_or(1, |n| n + 1);
+        let mut kubelet = NodeKubelet::start(KubeletOptions {
+            binary: KubeletOptions::locate_binary()?,
+            kubeconfig: cp.kubeconfig().to_path_buf(),
+            node: opts.name.clone(),
+            state_dir: opts.dir.join("kubelet"),
+            numa_nodes,
+        })
+        .await?;
+
         // The harness writes one file per ServiceAccount; each node needs its own copy, since
         // its token is bound to its node.
         let shared = cp
@@ -103,44 +141,48 @@ impl SimNode {
             .await?;
         let kubeconfig = opts.dir.join("device-plugin.kubeconfig");
         std::fs::copy(&shared, &kubeconfig).map_err(|e| SimNodeError::io("copy", &shared, e))?;
-        let plugin_dir = opts.dir.join("device-plugins");
-        let kubelet = Arc::new(KubeletSimulator::start(&plugin_dir).await?);
-
-        let mut plugin = ProcessGroup::new()?;
         let plugin_log = opts.dir.join("device-plugin.log");
         let mut args = vec![
             format!("--kubeconfig={}", kubeconfig.display()),
             format!("--node-name={}", opts.name),
             format!("--namespace={DEFAULT_NAMESPACE}"),
-            format!("--device-plugin-dir={}", plugin_dir.display()),
+            format!(
+                "--device-plugin-dir={}",
+                kubelet.device_plugin_dir().display()
+            ),
             format!("--devices-from={}", devices_file.display()),
             format!("--split-count={}", opts.split_count),
             // Several plugins share this host: no fixed metrics port.
             "--metrics-addr=".to_string(),
+            // Every Allocate is checked against the real pod-resources server.
+            format!(
+                "--pod-resources-socket={}",
+                kubelet.pod_resources_socket().display()
+            ),
         ];
         args.extend(opts.plugin_args.iter().cloned());
-        plugin.spawn("device-plugin", &opts.plugin_binary, &args, &plugin_log)?;
+        let mut plugin = PluginProcess::spawn(opts.plugin_binary.clone(), args, &plugin_log)?;
 
-        let expected = usize::try_from(replicas).unwrap_or(usize::MAX);
-        wait_registered(&kubelet, &mut plugin, &plugin_log, expected).await?;
+        wait_registered(&mut kubelet, &mut plugin, &plugin_log, replicas).await?;
+        wait_allocatable(&admin, &opts.name, replicas, &plugin_log).await?;
         let gpu_count = u32::try_from(gpus.len()).unwrap_or(u32::MAX);
         wait_gpunode(cp, &opts.name, gpu_count, &plugin_log).await?;
 
         let admissions = Admissions::default();
-        let pods_loop = tokio::spawn(lifecycle::run(
-            admin,
-            opts.name.clone(),
-            kubelet.clone(),
+        let follower = tokio::spawn(lifecycle::follow(
+            kubelet.admissions_log(),
             admissions.clone(),
         ));
         Ok(SimNode {
             name: opts.name,
             gpus,
-            kubelet,
+            replicas,
+            kubelet: Mutex::new(kubelet),
             admissions,
-            plugin,
+            plugin: Mutex::new(plugin),
             plugin_log,
-            pods_loop,
+            follower,
+            admin,
             _node: node,
         })
     }
@@ -172,9 +214,49 @@ impl SimNode {
             .and_then(|g| g.numa)
     }
 
-    /// The node's kubelet simulator.
-    pub fn kubelet(&self) -> &KubeletSimulator {
-        &self.kubelet
+    /// Which pod (`namespace/name`) holds each `nvidia.com/gpu` replica, as the kubelet's
+    /// device manager recorded it (its pod-resources API).
+    pub async fn held_replicas(&self) -> Result<BTreeMap<String, String>, SimNodeError> {
+        self.kubelet.lock().await.holders(GPU).await
+    }
+
+    /// The kubelet's pod-resources socket.
+    pub async fn pod_resources_socket(&self) -> PathBuf {
+        self.kubelet.lock().await.pod_resources_socket()
+    }
+
+    /// Kills the node's kubelet (SIGKILL) and starts it again on the same state directory, then
+    /// waits until the plugin registered again and the kubelet lists every replica. Running
+    /// pods keep their devices from the device manager's checkpoint.
+    pub async fn restart_kubelet(&self) -> Result<(), SimNodeError> {
+        let mut kubelet = self.kubelet.lock().await;
+        kubelet.restart().await?;
+        let mut plugin = self.plugin.lock().await;
+        wait_registered(&mut kubelet, &mut plugin, &self.plugin_log, self.replicas).await
+    }
+
+    /// Freezes the node's kubelet (SIGSTOP): it sees no pod until [`SimNode::resume_kubelet`],
+    /// as a kubelet stalled on a busy node. Tests use it to line pods up for one admission
+    /// order.
+    pub async fn pause_kubelet(&self) -> Result<(), SimNodeError> {
+        self.kubelet.lock().await.signal(Signal::STOP)
+    }
+
+    /// Lets a paused kubelet go on (SIGCONT).
+    pub async fn resume_kubelet(&self) -> Result<(), SimNodeError> {
+        self.kubelet.lock().await.signal(Signal::CONT)
+    }
+
+    /// Kills the device plugin (SIGKILL) and starts it again with the same flags, waiting first
+    /// until the kubelet saw it go (the Node's allocatable replicas drop to zero) and then until
+    /// it registered again (all replicas allocatable).
+    pub async fn restart_plugin(&self) -> Result<(), SimNodeError> {
+        let mut plugin = self.plugin.lock().await;
+        plugin.group.stop();
+        wait_allocatable(&self.admin, &self.name, 0, &self.plugin_log).await?;
+        *plugin =
+            PluginProcess::spawn(plugin.binary.clone(), plugin.args.clone(), &self.plugin_log)?;
+        wait_allocatable(&self.admin, &self.name, self.replicas, &self.plugin_log).await
     }
 
     /// Every admission so far.
@@ -187,16 +269,30 @@ impl SimNode {
         &self.plugin_log
     }
 
-    /// Pid of the device plugin and of its group's watchdog.
+    /// Pids of the device plugin, the kubelet and their groups' watchdogs (empty for a process
+    /// being restarted right now).
     pub fn processes(&self) -> Vec<(String, u32)> {
-        let mut pids = self.plugin.pids();
-        pids.push(("watchdog".into(), self.plugin.pgid()));
+        let mut pids = Vec::new();
+        if let Ok(plugin) = self.plugin.try_lock() {
+            pids.extend(plugin.group.pids());
+            pids.push(("watchdog".into(), plugin.group.pgid()));
+        }
+        if let Ok(kubelet) = self.kubelet.try_lock() {
+            pids.extend(kubelet.processes());
+        }
         pids
     }
 
-    /// Fails if the device plugin has exited.
-    pub fn check_running(&mut self) -> Result<(), SimNodeError> {
-        Ok(self.plugin.check_running()?)
+    /// Fails if the device plugin or the kubelet has exited. A process being restarted right now
+    /// is not checked: its restart reports its own failure.
+    pub fn check_running(&self) -> Result<(), SimNodeError> {
+        if let Ok(mut plugin) = self.plugin.try_lock() {
+            plugin.group.check_running()?;
+        }
+        if let Ok(mut kubelet) = self.kubelet.try_lock() {
+            kubelet.check_running()?;
+        }
+        Ok(())
     }
 
     /// Waits until the kubelet admitted (or rejected) pod `namespace/name` (with `uid`, if
@@ -234,8 +330,9 @@ impl SimNode {
     }
 
     fn shutdown(&mut self) {
-        self.pods_loop.abort();
-        self.plugin.stop();
+        self.follower.abort();
+        self.plugin.get_mut().group.stop();
+        self.kubelet.get_mut().stop();
     }
 }
 
@@ -245,23 +342,23 @@ impl Drop for SimNode {
     }
 }
 
-/// Waits until the plugin registered `nvidia.com/gpu` and streams `expected` healthy replicas,
-/// failing early with the plugin's log if it exits.
+/// Waits until the kubelet lists `expected` `nvidia.com/gpu` replicas, failing early with the
+/// plugin's log if the plugin exits.
 async fn wait_registered(
-    kubelet: &KubeletSimulator,
-    plugin: &mut ProcessGroup,
+    kubelet: &mut NodeKubelet,
+    plugin: &mut PluginProcess,
     log: &Path,
     expected: usize,
 ) -> Result<(), SimNodeError> {
     let deadline = Instant::now() + STARTUP_TIMEOUT;
     loop {
-        plugin.check_running()?;
-        let ready = kubelet
-            .wait_for(GPU, Duration::from_secs(1), |v| {
-                v.streaming && v.healthy_ids().len() == expected
-            })
-            .await;
-        if ready.is_ok() {
+        plugin.group.check_running()?;
+        kubelet.check_running()?;
+        if kubelet
+            .allocatable(GPU)
+            .await
+            .is_ok_and(|ids| ids.len() == expected)
+        {
             return Ok(());
         }
         if Instant::now() >= deadline {
@@ -272,7 +369,43 @@ async fn wait_registered(
                 tail: tail(log, TAIL_LINES),
             });
         }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// Waits until the Node's allocatable `nvidia.com/gpu` is `expected`, as the kubelet reports it.
+async fn wait_allocatable(
+    admin: &Client,
+    node: &str,
+    expected: usize,
+    log: &Path,
+) -> Result<(), SimNodeError> {
+    let nodes: Api<Node> = Api::all(admin.clone());
+    let want = expected.to_string();
+    let seen = wait_for(
+        format!("node {node} allocatable {GPU} = {expected}"),
+        STARTUP_TIMEOUT,
+        || {
+            let nodes = nodes.clone();
+            let want = want.clone();
+            async move {
+                let n = nodes.get(node).await?;
+                let got = n
+                    .status
+                    .and_then(|s| s.allocatable)
+                    .and_then(|a| a.get(GPU).map(|q| q.0.clone()))
+                    .unwrap_or_else(|| "0".into());
+                Ok::<_, kube::Error>((got == want).then_some(()))
+            }
+        },
+    )
+    .await;
+    seen.map_err(|e| SimNodeError::NotReady {
+        what: e.to_string(),
+        timeout: STARTUP_TIMEOUT,
+        log: log.to_path_buf(),
+        tail: tail(log, TAIL_LINES),
+    })
 }
 
 async fn wait_gpunode(

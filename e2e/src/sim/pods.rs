@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use gpuledger_crds::annotations::{NUMA_ALIGNMENT, USE_GPU_UUID};
 use gpuledger_crds::names::reservation_name;
-use gpuledger_crds::resources::{GPU, GPU_CORES, GPU_MEM};
+use gpuledger_crds::resources::{GPU, GPU_CORES, GPU_MEM, GPU_MEM_PERCENTAGE};
 use gpuledger_crds::{GpuReservation, RefitRequest};
 use k8s_openapi::api::core::v1::{Container, Event, Pod, PodSpec, ResourceRequirements};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -82,6 +82,31 @@ impl GpuPod {
             cores,
         };
         self.containers.push(container(name, Some(&r)));
+        self
+    }
+
+    /// Adds app container `name` asking `count` GPUs with `memory_percent` % of each GPU's memory
+    /// (`nvidia.com/gpumem-percentage`) and `cores` % of its cores.
+    pub fn gpu_container_percent(
+        mut self,
+        name: &str,
+        count: u32,
+        memory_percent: u32,
+        cores: u32,
+    ) -> Self {
+        let mut c = container(name, None);
+        c.resources = Some(ResourceRequirements {
+            limits: Some(BTreeMap::from([
+                (GPU.to_string(), Quantity(count.to_string())),
+                (
+                    GPU_MEM_PERCENTAGE.to_string(),
+                    Quantity(memory_percent.to_string()),
+                ),
+                (GPU_CORES.to_string(), Quantity(cores.to_string())),
+            ])),
+            ..Default::default()
+        });
+        self.containers.push(c);
         self
     }
 

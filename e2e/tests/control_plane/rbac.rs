@@ -115,6 +115,48 @@ pub(crate) async fn device_plugin_may_write_reservation_status_only(cp: &Control
         "device plugin clearing a recorded allocation",
     );
 
+    // The one condition it owns: KubeletMismatch, its pod-resources cross-check. It may add it
+    // (under its own field manager, as the plugin does) but never take it back, so a plugin
+    // cannot hide a disagreement it once reported.
+    let mismatch = json!({ "type": "KubeletMismatch", "status": "True", "reason": "OtherPodHoldsReplicas",
+                           "message": "test", "lastTransitionTime": "2026-01-01T00:00:00Z" });
+    let apply = json!({
+        "apiVersion": "gpuledger.io/v1alpha1", "kind": "GpuReservation",
+        "metadata": { "name": RESERVATION, "namespace": NS },
+        "status": { "conditions": [mismatch] },
+    });
+    as_plugin
+        .patch_status(
+            RESERVATION,
+            &PatchParams::apply(gpuledger_device_plugin::kubelet_check::CHECK_MANAGER).force(),
+            &Patch::Apply(apply),
+        )
+        .await
+        .unwrap();
+    let conds = admin
+        .get(RESERVATION)
+        .await
+        .unwrap()
+        .status
+        .unwrap()
+        .conditions;
+    assert!(
+        conds.iter().any(|c| c.type_ == "KubeletMismatch"),
+        "{conds:?}"
+    );
+    assert_refused(
+        as_plugin
+            .patch_status(
+                RESERVATION,
+                &PatchParams::default(),
+                &Patch::Merge(json!({ "status": { "conditions": [] } })),
+            )
+            .await,
+        403,
+        "may write only status.allocation",
+        "device plugin taking back its KubeletMismatch condition",
+    );
+
     // Refits: it may ask, but never answer.
     let refits: Api<RefitRequest> = Api::namespaced(plugin.clone(), NS);
     refits

@@ -133,14 +133,10 @@ pub async fn strict_refusal(cluster: &SimCluster) {
     .unwrap();
     assert_eq!(numa_of_reserved(seen.node, &r), [1]);
     assert!(!condition_true(&r, REFITTED));
-    let held = seen
-        .node
-        .kubelet()
-        .allocated(gpuledger_crds::resources::GPU);
-    assert!(
-        held.values().all(|uid| *uid != seen.admission.uid),
-        "{held:?}"
-    );
+    // The kubelet's own record (pod-resources) gives the refused pod nothing.
+    let held = seen.node.held_replicas().await.unwrap();
+    let refused = format!("{NS}/refit-strict");
+    assert!(held.values().all(|pod| *pod != refused), "{held:?}");
     cleanup(cluster, &["refit-strict"]).await;
 }
 

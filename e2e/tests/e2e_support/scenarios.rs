@@ -205,9 +205,9 @@ pub async fn deletion_cleans_the_ledger(cluster: &SimCluster) {
     })
     .await
     .unwrap();
-    // The kubelet freed the devices too.
+    // The kubelet freed the devices too (its pod-resources API lists no holder).
     for node in &cluster.nodes {
-        let held = node.kubelet().allocated(gpuledger_crds::resources::GPU);
+        let held = node.held_replicas().await.unwrap();
         assert!(held.is_empty(), "{}: {held:?}", node.name());
     }
 }

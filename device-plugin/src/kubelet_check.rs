@@ -1,0 +1,301 @@
+//! The pod-resources cross-check (`--pod-resources-socket`): after an Allocate, ask the kubelet
+//! which container it recorded for the replicas it just handed out, and compare with the pod the
+//! allocation Lease named.
+//!
+//! The plugin answers Allocate for "the pod the Lease names" because the device-plugin API does
+//! not say which pod is being admitted. If that ever differs from the pod the kubelet is really
+//! starting (a forged or stale Lease, a pod bound around the scheduler), the ledger gives the
+//! GPUs to one pod while another runs on them. The kubelet's pod-resources API knows the truth
+//! after the fact, so the plugin reads it back and records a disagreement on the reservation:
+//! the `KubeletMismatch` condition (the only condition the plugin may write, see
+//! config/admission/node-scoped-writes.yaml), a Warning event on the reservation's pod, and
+//! `gpuledger_device_plugin_kubelet_checks_total{outcome="mismatch"}`.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use gpuledger_crds::GpuReservation;
+use gpuledger_crds::conditions::{condition, types::KUBELET_MISMATCH};
+use gpuledger_crds::protocol::status::apply_body;
+use k8s_openapi::api::core::v1::{Event, EventSource, ObjectReference};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+
+use crate::metrics::Metrics;
+use crate::podresources_api::pod_resources_lister_client::PodResourcesListerClient;
+use crate::podresources_api::{ListPodResourcesRequest, PodResources};
+use crate::uds;
+
+/// Field manager of the check's status writes (apart from the allocation's, so that neither
+/// apply removes what the other wrote).
+pub const CHECK_MANAGER: &str = "gpuledger-device-plugin-kubelet-check";
+/// How long the check looks for the replicas in the kubelet's record: the kubelet writes it
+/// right after Allocate returns, but the admission of the remaining containers comes first.
+const LOOK_FOR: Duration = Duration::from_secs(10);
+/// Pause between two reads of the kubelet's record.
+const POLL: Duration = Duration::from_millis(200);
+
+/// What the kubelet's record says about a set of replicas.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// The kubelet recorded them for the expected pod.
+    Agrees,
+    /// The kubelet recorded (some of) them for another container.
+    Disagrees {
+        /// `namespace/name` of the pod the kubelet gave them to.
+        pod: String,
+        /// Its container.
+        container: String,
+        /// The replicas concerned.
+        replicas: Vec<String>,
+    },
+    /// The kubelet has not recorded them (yet).
+    Unseen,
+}
+
+/// Decides from one `List` answer whether `replicas` belong to pod `namespace/name`.
+pub fn verdict(pods: &[PodResources], replicas: &[String], namespace: &str, name: &str) -> Verdict {
+    let mut seen_here = false;
+    for pod in pods {
+        let ours = pod.namespace == namespace && pod.name == name;
+        for c in &pod.containers {
+            let held: Vec<String> = c
+                .devices
+                .iter()
+                .flat_map(|d| d.device_ids.iter())
+                .filter(|id| replicas.contains(id))
+                .cloned()
+                .collect();
+            if held.is_empty() {
+                continue;
+            }
+            if !ours {
+                return Verdict::Disagrees {
+                    pod: format!("{}/{}", pod.namespace, pod.name),
+                    container: c.name.clone(),
+                    replicas: held,
+                };
+            }
+            seen_here = true;
+        }
+    }
+    if seen_here {
+        Verdict::Agrees
+    } else {
+        Verdict::Unseen
+    }
+}
+
+/// The cross-check of one node.
+#[derive(Clone)]
+pub struct KubeletCheck {
+    socket: PathBuf,
+    client: Client,
+    node: String,
+}
+
+impl std::fmt::Debug for KubeletCheck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KubeletCheck")
+            .field("socket", &self.socket)
+            .field("node", &self.node)
+            .finish()
+    }
+}
+
+impl KubeletCheck {
+    /// A check against the pod-resources server at `socket`.
+    pub fn new(socket: PathBuf, client: Client, node: impl Into<String>) -> Self {
+        KubeletCheck {
+            socket,
+            client,
+            node: node.into(),
+        }
+    }
+
+    /// Looks for `replicas` in the kubelet's record until they show up (or [`LOOK_FOR`]
+    /// passes), then reports a disagreement on `reservation`. Runs in the background of an
+    /// Allocate; errors are logged and counted, never returned to the kubelet.
+    pub async fn run(self, reservation: GpuReservation, replicas: Vec<String>, metrics: &Metrics) {
+        let namespace = reservation.namespace().unwrap_or_default();
+        let pod = reservation.spec.pod_name.clone();
+        let deadline = tokio::time::Instant::now() + LOOK_FOR;
+        let outcome = loop {
+            match self.list().await {
+                Ok(pods) => match verdict(&pods, &replicas, &namespace, &pod) {
+                    Verdict::Unseen => {}
+                    decided => break decided,
+                },
+                Err(e) => {
+                    tracing::warn!(socket = %self.socket.display(), error = %e, "pod-resources List failed");
+                }
+            }
+            if tokio::time::Instant::now() >= deadline {
+                break Verdict::Unseen;
+            }
+            tokio::time::sleep(POLL).await;
+        };
+        match &outcome {
+            Verdict::Agrees => Metrics::count(&metrics.kubelet_checks, "agrees"),
+            Verdict::Unseen => {
+                tracing::info!(pod = %format!("{namespace}/{pod}"), ?replicas, "the kubelet never recorded the replicas (admission failed later?)");
+                Metrics::count(&metrics.kubelet_checks, "unseen");
+            }
+            Verdict::Disagrees {
+                pod: holder,
+                container,
+                replicas: held,
+            } => {
+                Metrics::count(&metrics.kubelet_checks, "mismatch");
+                let message = format!(
+                    "the kubelet on {} gave replicas {} to container {container} of pod {holder}, but the allocation Lease named pod {namespace}/{pod}, whose reservation was used to answer",
+                    self.node,
+                    held.join(",")
+                );
+                tracing::warn!(reservation = %reservation.name_any(), %message, "kubelet disagrees with the ledger");
+                if let Err(e) = self.record(&reservation, &message).await {
+                    tracing::warn!(reservation = %reservation.name_any(), error = %e, "could not record the kubelet mismatch");
+                }
+            }
+        }
+    }
+
+    async fn list(&self) -> Result<Vec<PodResources>, String> {
+        let channel = uds::dial(&self.socket).await.map_err(|e| e.to_string())?;
+        let answer = PodResourcesListerClient::new(channel)
+            .list(ListPodResourcesRequest {})
+            .await
+            .map_err(|s| s.to_string())?;
+        Ok(answer.into_inner().pod_resources)
+    }
+
+    /// Writes the condition (server-side apply under [`CHECK_MANAGER`]) and the Warning event.
+    async fn record(&self, r: &GpuReservation, message: &str) -> Result<(), kube::Error> {
+        let namespace = r.namespace().unwrap_or_default();
+        let name = r.name_any();
+        let now = Time(Timestamp::now());
+        let cond = condition(
+            KUBELET_MISMATCH,
+            true,
+            "OtherPodHoldsReplicas",
+            message.to_string(),
+            r.metadata.generation,
+            now.clone(),
+        );
+        let body = apply_body::<GpuReservation>(
+            &name,
+            Some(&namespace),
+            serde_json::json!({ "conditions": [cond] }),
+        );
+        let api: Api<GpuReservation> = Api::namespaced(self.client.clone(), &namespace);
+        api.patch_status(
+            &name,
+            &PatchParams::apply(CHECK_MANAGER).force(),
+            &Patch::Apply(body),
+        )
+        .await?;
+        let event = Event {
+            metadata: ObjectMeta {
+                generate_name: Some(format!("{}.", r.spec.pod_name)),
+                namespace: Some(namespace.clone()),
+                ..Default::default()
+            },
+            involved_object: ObjectReference {
+                api_version: Some("v1".into()),
+                kind: Some("Pod".into()),
+                name: Some(r.spec.pod_name.clone()),
+                namespace: Some(namespace.clone()),
+                uid: Some(r.spec.pod_uid.clone()),
+                ..Default::default()
+            },
+            reason: Some(KUBELET_MISMATCH.into()),
+            message: Some(message.to_string()),
+            type_: Some("Warning".into()),
+            source: Some(EventSource {
+                component: Some("gpuledger-device-plugin".into()),
+                host: Some(self.node.clone()),
+            }),
+            first_timestamp: Some(now.clone()),
+            last_timestamp: Some(now),
+            count: Some(1),
+            ..Default::default()
+        };
+        Api::<Event>::namespaced(self.client.clone(), &namespace)
+            .create(&PostParams::default(), &event)
+            .await?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::podresources_api::{ContainerDevices, ContainerResources};
+
+    fn pod(namespace: &str, name: &str, container: &str, ids: &[&str]) -> PodResources {
+        PodResources {
+            name: name.into(),
+            namespace: namespace.into(),
+            containers: vec![ContainerResources {
+                name: container.into(),
+                devices: ids
+                    .iter()
+                    .map(|id| ContainerDevices {
+                        resource_name: "nvidia.com/gpu".into(),
+                        device_ids: vec![id.to_string()],
+                        topology: None,
+                    })
+                    .collect(),
+                cpu_ids: vec![],
+                memory: vec![],
+            }],
+        }
+    }
+
+    fn ids(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn the_expected_pod_holding_the_replicas_agrees() {
+        let pods = [
+            pod("ns", "a", "main", &["g0::1"]),
+            pod("ns", "b", "main", &["g1::0"]),
+        ];
+        assert_eq!(verdict(&pods, &ids(&["g0::1"]), "ns", "a"), Verdict::Agrees);
+    }
+
+    #[test]
+    fn another_pod_holding_a_replica_is_a_mismatch_naming_it() {
+        let pods = [
+            pod("ns", "a", "main", &[]),
+            pod("other", "b", "work", &["g0::1", "g3::2"]),
+        ];
+        assert_eq!(
+            verdict(&pods, &ids(&["g0::1"]), "ns", "a"),
+            Verdict::Disagrees {
+                pod: "other/b".into(),
+                container: "work".into(),
+                replicas: ids(&["g0::1"]),
+            }
+        );
+    }
+
+    #[test]
+    fn same_name_in_another_namespace_is_another_pod() {
+        let pods = [pod("other", "a", "main", &["g0::1"])];
+        assert!(matches!(
+            verdict(&pods, &ids(&["g0::1"]), "ns", "a"),
+            Verdict::Disagrees { .. }
+        ));
+    }
+
+    #[test]
+    fn replicas_nobody_holds_are_unseen() {
+        let pods = [pod("ns", "a", "main", &["g5::0"])];
+        assert_eq!(verdict(&pods, &ids(&["g0::1"]), "ns", "a"), Verdict::Unseen);
+        assert_eq!(verdict(&[], &ids(&["g0::1"]), "ns", "a"), Verdict::Unseen);
+    }
+}
