@@ -1,5 +1,17 @@
 //! A kubelet simulator that speaks the real device-plugin protocol over Unix sockets.
 //!
+//! **Where it is still used, and why.** Simulated nodes (the demo, the e2e suite, the
+//! pod-resources cross-check) run the kubelet's own code instead: `gpuledger-sim-kubelet`, see
+//! [`crate::sim::node_kubelet`]. This re-telling stays only where a test needs to hold the
+//! protocol in its hand, which the real kubelet does not allow:
+//! - `e2e/tests/device_plugin.rs`: per-call checks of the plugin (options, the device list and
+//!   its topology, a second registration, Allocate of an unknown ID, latency of each call);
+//! - `e2e/tests/faults.rs` `kubelet_restarts_in_the_middle_of_an_admission`: a restart exactly
+//!   between GetPreferredAllocation and Allocate;
+//! - `e2e/tests/refit` and `e2e/benches/refit.rs`: the refit matrix and the refit round-trip
+//!   bench, which time each GetPreferredAllocation from the caller's side and choose the
+//!   allowed set per admission.
+//!
 //! It does what the kubelet's device manager does, in the same order (see
 //! docs/control-plane.md §8.3): serve `Registration` on `<dir>/kubelet.sock`; on Register dial the
 //! plugin, call GetDevicePluginOptions, answer, then open ListAndWatch and keep the device list

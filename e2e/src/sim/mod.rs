@@ -4,10 +4,11 @@
 //! A [`SimNode`] is what a GPU node would be: a Node object (renewing its heartbeat Lease), a
 //! real `gpuledger-device-plugin` child process reading a simulated topology
 //! (`--devices-from`) with a node-bound ServiceAccount token under config/rbac and
-//! config/admission, an in-process [`KubeletSimulator`] it registers with, and a pod-lifecycle
-//! loop ([`lifecycle`]) that admits the pods bound to the node with `single-numa-node`
-//! semantics (CPU NUMA node rule: [`admission`]). [`OperatorProcess`] runs the real operator
-//! the same way, with the operator's least-privilege identity.
+//! config/admission, and its kubelet, [`NodeKubelet`]: `gpuledger-sim-kubelet`, which runs the
+//! kubelet's own device manager, Topology Manager (`single-numa-node`) and pod-resources server
+//! and admits the pods bound to the node; [`lifecycle`] follows what it admitted. The CPUs' NUMA
+//! placement is the one kubelet decision simulated ([`admission`]). [`OperatorProcess`] runs the
+//! real operator the same way, with the operator's least-privilege identity.
 
 pub mod admission;
 pub mod binaries;
