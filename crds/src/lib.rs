@@ -51,6 +51,12 @@ pub mod names {
     pub const OPERATOR_MANAGER: &str = "gpuledger-operator";
     /// Field manager of the device plugin's server-side applies.
     pub const DEVICE_PLUGIN_MANAGER: &str = "gpuledger-device-plugin";
+    /// Finalizer on every GpuReservation the operator writes. A delete by anyone else (a hand
+    /// `kubectl delete`, the garbage collector after the pod is deleted) only marks the
+    /// reservation: it keeps holding its GPUs in the ledger until the operator sees that the
+    /// pod's GPU containers are gone and removes the finalizer itself. Without it, deleting a
+    /// running pod's reservation would free GPUs its processes still use.
+    pub const RESERVATION_FINALIZER: &str = "gpuledger.io/held-until-pod-ends";
     /// Label on GpuReservations and RefitRequests naming the node they concern.
     pub const NODE_LABEL: &str = "gpuledger.io/node";
     /// Label on RefitRequests naming the reservation they concern.

@@ -15,7 +15,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use fault_support::*;
-use gpuledger_crds::names::reservation_name;
+use gpuledger_crds::names::{RESERVATION_FINALIZER, reservation_name};
 use gpuledger_crds::{GpuReservation, ReservationPhase};
 use gpuledger_e2e::bench::{ChildOperator, GpuShape, gpu_pod};
 use gpuledger_e2e::cluster::{FaultAction, FaultProxy, FaultRule, wait_for};
@@ -201,7 +201,8 @@ async fn a_binding_whose_answer_is_lost_keeps_its_reservation() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_hand_edit_is_reported_and_a_hand_deleted_reservation_is_booked_again_or_reported() {
+async fn a_hand_edit_is_reported_a_hand_delete_is_held_and_a_forced_one_is_booked_again_or_reported()
+ {
     let rig = Rig::start(1, SHAPE).await;
     let client = rig.client();
     // The sweep waits 20 s before it books a pod: room for the second half below, where another
@@ -243,10 +244,41 @@ async fn a_hand_edit_is_reported_and_a_hand_deleted_reservation_is_booked_again_
                     && !managers.iter().any(|m| m == "gpuledger-operator"))),
         "{findings:?}"
     );
+    // A plain `kubectl delete` of the running pod's reservation only marks it: the operator's
+    // finalizer keeps it, and its GPUs stay booked, until the pod's GPU containers are gone.
     ledger
         .delete(&reservation_name("whole"), &DeleteParams::default())
         .await
         .unwrap();
+    let marked = ledger.get(&reservation_name("whole")).await.unwrap();
+    assert_eq!(
+        marked.uid(),
+        first.uid(),
+        "the same reservation, still there"
+    );
+    assert!(marked.metadata.deletion_timestamp.is_some());
+    assert!(
+        marked
+            .finalizers()
+            .iter()
+            .any(|f| f == RESERVATION_FINALIZER),
+        "{:?}",
+        marked.metadata
+    );
+    let whole_node = format!(
+        r#"{{"Pod": {{"metadata": {{"name": "probe", "namespace": "{NS}", "uid": "probe"}},
+        "spec": {{"containers": [{{"name": "c", "resources": {{"limits": {{"nvidia.com/gpu": "{}",
+        "nvidia.com/gpumem": "{}"}}}}}}]}}}}, "NodeNames": ["{}"]}}"#,
+        SHAPE.gpus, SHAPE.memory_mib, first.spec.node_name
+    );
+    let answer = post_json(rig.extender_port, "/filter", &whole_node).await;
+    assert!(
+        !answer.contains(&format!(r#""NodeNames":["{}"]"#, first.spec.node_name)),
+        "the marked reservation still holds the node: {answer}"
+    );
+    // Forcing it (an admin takes the finalizer off) removes it, and the repair sweep books the
+    // running pod again: on the GPUs it fits, the same ones, since nothing else runs there.
+    force_delete(&ledger, "whole").await;
     let again = wait_reservation(&rig, "whole", ReservationPhase::Allocating).await;
     assert_ne!(again.uid(), first.uid(), "a new reservation object");
     assert_eq!(again.spec.node_name, first.spec.node_name);
@@ -262,12 +294,9 @@ async fn a_hand_edit_is_reported_and_a_hand_deleted_reservation_is_booked_again_
     );
     audit_clean(&client).await;
 
-    // Deleted again, and before the sweep looks, another pod is given the whole node: the first
-    // pod no longer fits anywhere it runs. It is reported, not squeezed in.
-    ledger
-        .delete(&reservation_name("whole"), &DeleteParams::default())
-        .await
-        .unwrap();
+    // Forced away again, and before the sweep looks, another pod is given the whole node: the
+    // first pod no longer fits anywhere it runs. It is reported, not squeezed in.
+    force_delete(&ledger, "whole").await;
     pods.create(
         &PostParams::default(),
         &gpu_pod("thief", SHAPE.gpus, SHAPE.memory_mib, 100),
@@ -408,4 +437,30 @@ async fn a_reservation_watch_that_goes_quiet_is_started_again() {
     );
     assert!(restarts >= 1.0, "the quiet watch was never restarted");
     ledger_right_without_repairs(&rig, &op).await;
+}
+
+/// An admin's forced removal of a reservation: delete it and take the operator's finalizer off.
+async fn force_delete(ledger: &Api<GpuReservation>, pod: &str) {
+    let name = reservation_name(pod);
+    ledger
+        .delete(&name, &DeleteParams::default())
+        .await
+        .unwrap();
+    match ledger
+        .patch(
+            &name,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({ "metadata": { "finalizers": null } })),
+        )
+        .await
+    {
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 404 => {}
+        Err(e) => panic!("removing the finalizer of {name}: {e}"),
+    }
+    wait_for("the forced reservation to go", WAIT, || async {
+        Ok::<_, kube::Error>(ledger.get_opt(&name).await?.is_none().then_some(()))
+    })
+    .await
+    .unwrap();
 }

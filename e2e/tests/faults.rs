@@ -144,23 +144,6 @@ async fn a_standby_replica_takes_over_when_the_leader_is_killed() {
 }
 
 /// A minimal HTTP POST on loopback; the body of the answer.
-async fn post_json(port: u16, path: &str, body: &str) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .unwrap();
-    let req = format!(
-        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(req.as_bytes()).await.unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.unwrap();
-    out.split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn api_server_paused_for_five_seconds_during_scheduling_and_refits() {
     let mut rng = rng("api_server_paused_for_five_seconds");

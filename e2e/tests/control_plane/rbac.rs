@@ -310,6 +310,33 @@ pub(crate) async fn operator_is_confined_to_its_rules(cp: &ControlPlane) {
         )
         .await
         .unwrap();
+    // The spec is the operator's alone (config/admission): it may change it; a cluster admin
+    // may not (a hand edit would make the ledger disagree with what the container was given),
+    // but may still take the finalizer off to force a removal.
+    let mut grown = reservations.get("op-made").await.unwrap();
+    grown.spec.containers[0].devices[0].memory_mib += 1;
+    reservations.replace("op-made", &pp, &grown).await.unwrap();
+    let as_admin: Api<GpuReservation> = Api::namespaced(cp.client(), NS);
+    assert_refused(
+        as_admin
+            .patch(
+                "op-made",
+                &PatchParams::default(),
+                &Patch::Merge(json!({ "spec": { "nodeName": OTHER_NODE } })),
+            )
+            .await,
+        403,
+        "is written by the gpuledger operator only",
+        "cluster admin editing a reservation's spec",
+    );
+    as_admin
+        .patch(
+            "op-made",
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "metadata": { "finalizers": null, "labels": { "x": "y" } } })),
+        )
+        .await
+        .unwrap();
     reservations
         .delete("op-made", &DeleteParams::default())
         .await

@@ -2,7 +2,7 @@
 //! status that `kubectl get gpureservations` shows (`DEVICES`, `NUMA`).
 
 use gpuledger_crds::alignment::ResolvedAlignment;
-use gpuledger_crds::names::{NODE_LABEL, reservation_name};
+use gpuledger_crds::names::{NODE_LABEL, RESERVATION_FINALIZER, reservation_name};
 use gpuledger_crds::{
     ContainerReservation, GpuNode, GpuReservation, GpuReservationSpec, ReservedDevice,
 };
@@ -11,7 +11,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference}
 use kube::ResourceExt;
 
 /// The reservation the extender's bind (and the repair sweep) writes for `pod` on `node`: owned
-/// by the pod (so the garbage collector removes it with the pod), labelled with its node.
+/// by the pod (so the garbage collector asks for its deletion with the pod), labelled with its
+/// node, and holding [`RESERVATION_FINALIZER`] so that only the operator ends it.
 pub fn reservation_for(
     pod: &Pod,
     node: &str,
@@ -33,6 +34,7 @@ pub fn reservation_for(
             namespace: pod.namespace(),
             labels: Some([(NODE_LABEL.to_string(), node.to_string())].into()),
             owner_references: Some(vec![owner]),
+            finalizers: Some(vec![RESERVATION_FINALIZER.to_string()]),
             ..Default::default()
         },
         spec: GpuReservationSpec {

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use gpuledger_crds::names::OPERATOR_MANAGER;
+use gpuledger_crds::names::{OPERATOR_MANAGER, RESERVATION_FINALIZER};
 use gpuledger_crds::protocol::status::apply_body;
 use gpuledger_crds::{GpuReservation, ReservationPhase};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
@@ -201,9 +201,28 @@ impl LedgerWriter {
         Ok(updated)
     }
 
-    /// Deletes `current` if it is still at its resourceVersion. Already gone is success.
+    /// Deletes `current` if it is still at its resourceVersion. Already gone is success. The
+    /// operator's finalizer is taken off first (at the same resourceVersion), so the object
+    /// goes at once; a crash between the two writes leaves a reservation without the finalizer,
+    /// which the next reconcile deletes.
     pub async fn delete(&self, current: &GpuReservation) -> Result<(), WriteError> {
         let key = ReservationKey::of(current);
+        let unguarded;
+        let current = if current
+            .finalizers()
+            .iter()
+            .any(|f| f == RESERVATION_FINALIZER)
+        {
+            match self.remove_finalizer(current).await? {
+                Some(updated) => {
+                    unguarded = updated;
+                    &unguarded
+                }
+                None => return Ok(()),
+            }
+        } else {
+            current
+        };
         let rv = current.resource_version();
         let params = DeleteParams::default().preconditions(Preconditions {
             resource_version: rv.clone(),
@@ -224,6 +243,50 @@ impl LedgerWriter {
                 // to a newer object, which this delete must not touch.
                 other => Err(other),
             },
+        }
+    }
+
+    /// Takes the operator's finalizer off `current` (guarded by its resourceVersion). `None`:
+    /// the object is gone (it was already being deleted, or was never there).
+    async fn remove_finalizer(
+        &self,
+        current: &GpuReservation,
+    ) -> Result<Option<GpuReservation>, WriteError> {
+        let key = ReservationKey::of(current);
+        let rv = current.resource_version();
+        let kept: Vec<&String> = current
+            .finalizers()
+            .iter()
+            .filter(|f| *f != RESERVATION_FINALIZER)
+            .collect();
+        let patch = json!({ "metadata": { "finalizers": kept, "resourceVersion": rv } });
+        let params = PatchParams {
+            field_manager: Some(OPERATOR_MANAGER.to_string()),
+            ..PatchParams::default()
+        };
+        match self
+            .api(&key.namespace)
+            .patch(&key.name, &params, &Patch::Merge(&patch))
+            .await
+        {
+            Ok(updated) if updated.metadata.deletion_timestamp.is_some() && kept.is_empty() => {
+                // Already marked for deletion: without finalizers it is gone now.
+                self.index.record_delete(&key, None);
+                Ok(None)
+            }
+            Ok(updated) => {
+                self.index.record_write(updated.clone());
+                Ok(Some(updated))
+            }
+            Err(e) => {
+                match WriteError::from_kube("remove the finalizer of", &key, rv.as_deref(), e) {
+                    WriteError::NotFound { .. } => {
+                        self.index.record_delete(&key, None);
+                        Ok(None)
+                    }
+                    other => Err(other),
+                }
+            }
         }
     }
 
