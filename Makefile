@@ -5,7 +5,7 @@ CARGO ?= cargo
 JOBS ?= 2
 export CARGO_BUILD_JOBS ?= $(JOBS)
 
-.PHONY: help demo demo-down test unit e2e crds crds-check bench soak lint fmt k8s-binaries cluster-up cluster-down
+.PHONY: help demo demo-down test unit e2e crds crds-check bench soak lint fmt k8s-binaries cluster-up cluster-down image
 
 help:
 	@echo "make demo        run the main job on a local control plane with simulated GPUs"
@@ -15,6 +15,7 @@ help:
 	@echo "make bench       run the benchmarks and print one table (several minutes)"
 	@echo "make soak        run the long fault tests (300-pod burst, 20 operator kills)"
 	@echo "make lint        cargo fmt --check and clippy -D warnings"
+	@echo "make image       build the container image as an OCI layout and tar under target/image (no Docker)"
 	@echo "make cluster-up  start a local control plane; make cluster-down stops it"
 
 ## The main job: builds what it needs, then `gpuledger-demo run` starts a local control plane, the
@@ -35,6 +36,17 @@ demo:
 
 demo-down:
 	@$(CARGO) run -q -j $(JOBS) -p gpuledger-e2e --bin gpuledger-demo -- down --state-dir target/demo
+
+## The container image (both binaries, their shared libraries, user 65532) as an OCI image
+## layout plus a tar of it under target/image, built by hack/oci-image.py without a container
+## engine and reproducibly (SOURCE_DATE_EPOCH, default 0). Its name and tag are the Helm chart's
+## (values.yaml image.repository, Chart.yaml appVersion); config/ uses the same reference.
+## Load it with `skopeo copy oci-archive:target/image/gpuledger-<tag>.oci.tar docker://...` or
+## `podman load -i ...`. With Docker: `docker build -t <ref> .` (Dockerfile).
+image:
+	$(CARGO) build --release -j $(JOBS) -p gpuledger-operator -p gpuledger-device-plugin --bins
+	python3 hack/oci-image.py --bin-dir target/release --out-dir target/image \
+		--revision "$$(git rev-parse HEAD 2>/dev/null || true)"
 
 ## Kubernetes binaries (kube-apiserver, kube-scheduler, kube-controller-manager) built once from
 ## the k8s.io/kubernetes Go module into /var/cache/gpuledger; see e2e/k8s/build.sh.
