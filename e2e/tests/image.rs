@@ -8,6 +8,8 @@
 //!   and the literal image of config/operator and config/device-plugin;
 //! - its config runs as user 65532 and carries the OCI labels.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
