@@ -214,7 +214,11 @@ fn rbac_and_admission_differences(kustomized: &str, chart: &str) -> Vec<String> 
         .keys()
         .filter(|key| key.starts_with("ClusterRole/") || key.starts_with("Role/"))
         .collect();
-    assert_eq!(roles.len(), 6, "config/rbac has 6 roles: {roles:?}");
+    assert_eq!(
+        roles.len(),
+        7,
+        "config/rbac has 6 roles, config/scheduler one: {roles:?}"
+    );
     for key in roles {
         differ(key, "rules");
     }
@@ -227,6 +231,9 @@ fn rbac_and_admission_differences(kustomized: &str, chart: &str) -> Vec<String> 
         "ValidatingAdmissionPolicyBinding/gpuledger-device-plugin-node-scope",
         "ValidatingAdmissionPolicy/gpuledger-device-plugin-own-lease",
         "ValidatingAdmissionPolicyBinding/gpuledger-device-plugin-own-lease",
+        "ValidatingAdmissionPolicy/gpuledger-reservation-spec-by-the-operator",
+        "ValidatingAdmissionPolicyBinding/gpuledger-reservation-spec-by-the-operator",
+        "ValidatingAdmissionPolicy/gpuledger-gpu-pods-through-the-scheduler",
     ] {
         differ(key, "spec");
     }

@@ -33,21 +33,22 @@ const PAUSE: Duration = Duration::from_secs(5);
 const MARGIN: Duration = Duration::from_secs(3);
 
 /// Plays an operator that commits a move onto GPU `to` of `node` — outside the kubelet's
-/// allowed set — and answers `Succeeded`, as soon as the pod's request shows up.
+/// allowed set — and answers `Succeeded`, as soon as the pod's request shows up. It writes with
+/// the operator's identity (`operator`), the only one allowed to change a reservation's spec.
 fn misbehaving_operator(
-    admin: Client,
+    operator: Client,
     pod: &'static str,
     node: String,
     to: u32,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let rr = loop {
-            if let Some(r) = refits_of(&admin, pod).await.into_iter().next() {
+            if let Some(r) = refits_of(&operator, pod).await.into_iter().next() {
                 break r;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
-        let api: Api<GpuReservation> = Api::namespaced(admin.clone(), NS);
+        let api: Api<GpuReservation> = Api::namespaced(operator.clone(), NS);
         let mut res = api.get(pod).await.unwrap();
         res.spec.containers[0].devices = vec![share(&node, to, 1000)];
         api.replace(pod, &PostParams::default(), &res)
@@ -55,7 +56,7 @@ fn misbehaving_operator(
             .unwrap();
         let body = json!({"status": {"phase": "Succeeded", "devices": [uuid(&node, to)],
             "moved": true, "result": uuid(&node, to)}});
-        Api::<RefitRequest>::namespaced(admin.clone(), NS)
+        Api::<RefitRequest>::namespaced(operator.clone(), NS)
             .patch_status(
                 &rr.name_any(),
                 &PatchParams::default(),
@@ -68,7 +69,11 @@ fn misbehaving_operator(
 
 /// Runs the timeout and committed-but-unmappable rows; returns the pods whose requests were
 /// left unanswered, with the GPU their reservation must keep.
-pub async fn rows_without_a_usable_answer(admin: &Client, a: &PluginNode) -> Vec<(String, String)> {
+pub async fn rows_without_a_usable_answer(
+    admin: &Client,
+    as_operator: &Client,
+    a: &PluginNode,
+) -> Vec<(String, String)> {
     let (_, got) = admit_row(admin, a, BEST_EFFORT_TIMEOUT, Alignment::BestEffort, 2, 0).await;
     let got = got.unwrap();
     assert_ne!(
@@ -95,7 +100,7 @@ pub async fn rows_without_a_usable_answer(admin: &Client, a: &PluginNode) -> Vec
         ("be-unmappable", Alignment::BestEffort, 2, 3),
         ("strict-unmappable", Alignment::Strict, 3, 2),
     ] {
-        let op = misbehaving_operator(admin.clone(), pod, a.name.clone(), to);
+        let op = misbehaving_operator(as_operator.clone(), pod, a.name.clone(), to);
         let (_, got) = admit_row(admin, a, pod, mode, gpu, 0).await;
         op.await.unwrap();
         let err = got.unwrap_err();

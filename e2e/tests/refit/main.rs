@@ -26,6 +26,7 @@ mod validation;
 
 use std::time::Duration;
 
+use gpuledger_crds::names::DEFAULT_NAMESPACE;
 use gpuledger_crds::{RefitRequest, ReservationPhase};
 use gpuledger_e2e::sim::InProcessOperator;
 use gpuledger_operator::audit::{self, Finding};
@@ -55,7 +56,13 @@ async fn numa_refit_end_to_end() {
     clock_offsets_are_the_trip_only(&op.metrics().await);
 
     op.stop().await;
-    let mut unanswered = faults::rows_without_a_usable_answer(&admin, &a).await;
+    // The misbehaving operator of these rows writes with the operator's own identity: only it
+    // may change a reservation's spec (config/admission).
+    let as_operator = cp
+        .client_for_service_account(DEFAULT_NAMESPACE, OPERATOR_SA)
+        .await
+        .unwrap();
+    let mut unanswered = faults::rows_without_a_usable_answer(&admin, &as_operator, &a).await;
     let paused = faults::api_server_paused_during_a_refit(&cp, &admin, &a).await;
     unanswered
         .push(faults::best_effort_falls_back_while_the_api_server_is_paused(&cp, &admin, &a).await);
