@@ -148,8 +148,11 @@ async fn scheduled_by(cp: &ControlPlane, pod: &str) -> String {
 async fn the_charts_scheduler_runs_beside_the_default_one_and_binds_gpu_pods_through_the_extender()
 {
     build_gpuledger_binaries().unwrap();
-    let mut opts = ControlPlaneOptions::default();
-    opts.scheduler = SchedulerSetup::Plain;
+    // The default scheduler has no extender, as on a managed control plane.
+    let opts = ControlPlaneOptions {
+        scheduler: SchedulerSetup::Plain,
+        ..ControlPlaneOptions::default()
+    };
     let cp = ControlPlane::start(opts).await.unwrap();
     let dir = cp.run_dir().to_path_buf();
     install_gpuledger(&cp, &repo_root()).await.unwrap();
