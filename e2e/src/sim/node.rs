@@ -142,6 +142,7 @@ impl SimNode {
         let kubeconfig = opts.dir.join("device-plugin.kubeconfig");
         std::fs::copy(&shared, &kubeconfig).map_err(|e| SimNodeError::io("copy", &shared, e))?;
         let plugin_log = opts.dir.join("device-plugin.log");
+        let hami_core = install_hami_core(&opts.dir)?;
         let mut args = vec![
             format!("--kubeconfig={}", kubeconfig.display()),
             format!("--node-name={}", opts.name),
@@ -154,6 +155,8 @@ impl SimNode {
             format!("--split-count={}", opts.split_count),
             // Several plugins share this host: no fixed metrics port.
             "--metrics-addr=".to_string(),
+            // Isolation as the DaemonSet installs it (a placeholder library: no GPU here).
+            format!("--hami-core-dir={}", hami_core.display()),
             // Every Allocate is checked against the real pod-resources server.
             format!(
                 "--pod-resources-socket={}",
@@ -340,6 +343,22 @@ impl Drop for SimNode {
     fn drop(&mut self) {
         self.shutdown();
     }
+}
+
+/// What the DaemonSet's `install-hami-core` init container puts on a node, under `dir/hami-core`:
+/// `libvgpu.so` (here a placeholder, as a simulated node has no GPU to limit) and the
+/// `ld.so.preload` naming it at its path inside containers. Allocate mounts both.
+fn install_hami_core(dir: &Path) -> Result<PathBuf, SimNodeError> {
+    let hami = dir.join("hami-core");
+    std::fs::create_dir_all(&hami).map_err(|e| SimNodeError::io("create", &hami, e))?;
+    for (name, content) in [
+        ("libvgpu.so", "placeholder: a simulated node has no GPU\n"),
+        ("ld.so.preload", "/usr/local/vgpu/libvgpu.so\n"),
+    ] {
+        let path = hami.join(name);
+        std::fs::write(&path, content).map_err(|e| SimNodeError::io("write", &path, e))?;
+    }
+    Ok(hami)
 }
 
 /// Waits until the kubelet lists `expected` `nvidia.com/gpu` replicas, failing early with the

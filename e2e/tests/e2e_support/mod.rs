@@ -119,6 +119,32 @@ pub fn assert_env(env: &HashMap<String, String>, uuids: &[String], memory_mib: u
     assert_eq!(env["CUDA_DEVICE_SM_LIMIT"], cores.to_string(), "{env:?}");
 }
 
+/// HAMi-core isolation as the kubelet hands it to the runtime (the device manager's run
+/// options): libvgpu.so read-only and /etc/ld.so.preload from the node's HAMi-core directory, a
+/// per-container cache directory, and the shared cache's path in the environment.
+pub fn assert_isolation(container: &AdmittedContainer) {
+    let mounts: HashMap<&str, (&str, bool)> = container
+        .response
+        .mounts
+        .iter()
+        .map(|m| (m.container_path.as_str(), (m.host_path.as_str(), m.read_only)))
+        .collect();
+    let (lib, ro) = mounts["/usr/local/vgpu/libvgpu.so"];
+    assert!(lib.ends_with("/hami-core/libvgpu.so") && ro, "{mounts:?}");
+    let (preload, ro) = mounts["/etc/ld.so.preload"];
+    assert!(preload.ends_with("/hami-core/ld.so.preload") && ro, "{mounts:?}");
+    let (cache, ro) = mounts["/usr/local/vgpu"];
+    assert!(cache.contains("/hami-core/containers/") && !ro, "{mounts:?}");
+    assert!(
+        container
+            .response
+            .envs
+            .contains_key("CUDA_DEVICE_MEMORY_SHARED_CACHE"),
+        "{:?}",
+        container.response.envs
+    );
+}
+
 /// The NUMA nodes of the reserved GPUs, as the node's topology says.
 pub fn numa_of_reserved(node: &SimNode, r: &GpuReservation) -> Vec<u32> {
     reserved_uuids(r)

@@ -26,6 +26,7 @@ pub async fn aligned(cluster: &SimCluster) {
     assert_eq!(uuids.len(), 1);
     assert_eq!(numa_of_reserved(seen.node, &r), [1]);
     assert_env(env_of(&admitted, "main"), &uuids, 8192, 25);
+    assert_isolation(&admitted[0]);
     // The kubelet's replica is on the reserved GPU: nothing to record.
     assert_eq!(gpus_of_replicas(&admitted[0].device_ids), uuids);
     assert!(!misaligned(&r), "{r:?}");
