@@ -5,11 +5,13 @@ CARGO ?= cargo
 JOBS ?= 2
 export CARGO_BUILD_JOBS ?= $(JOBS)
 
-.PHONY: help demo demo-down test unit e2e crds crds-check bench soak lint fmt k8s-binaries cluster-up cluster-down image
+.PHONY: help demo demo-down sandbox sandbox-down test unit e2e crds crds-check bench soak lint fmt k8s-binaries cluster-up cluster-down image
 
 help:
 	@echo "make demo        run the main job on a local control plane with simulated GPUs"
 	@echo "make demo-down   stop whatever a killed demo left behind"
+	@echo "make sandbox     the same local cluster, installed as the Helm chart does, left running to try by hand"
+	@echo "make sandbox-down  stop the sandbox and remove its state"
 	@echo "make test        run every test (unit, integration, end-to-end)"
 	@echo "make crds        regenerate crds/yaml from the Rust types"
 	@echo "make bench       run the benchmarks and print one table (several minutes)"
@@ -47,6 +49,29 @@ image:
 	$(CARGO) build --release -j $(JOBS) -p gpuledger-operator -p gpuledger-device-plugin --bins
 	python3 hack/oci-image.py --bin-dir target/release --out-dir target/image \
 		--revision "$$(git rev-parse HEAD 2>/dev/null || true)"
+
+## The demo's cluster installed as the Helm chart does (gpuledger-scheduler next to the default
+## scheduler), left running in the background: prints the kubeconfig to export and three things
+## to try. State and logs in target/sandbox (target/sandbox.log for the process itself);
+## `make sandbox-down` stops it and removes both. A second `make sandbox` replaces the first.
+sandbox:
+	@bin="$$(e2e/k8s/build.sh 2>/dev/null | tail -n1)" || { echo "make sandbox FAILED building the Kubernetes binaries (e2e/k8s/build.sh)"; exit 1; }; \
+	$(CARGO) build -q -j $(JOBS) --bins -p gpuledger-operator -p gpuledger-device-plugin -p gpuledger-e2e \
+		|| { echo "make sandbox FAILED at cargo build"; exit 1; }; \
+	demo="$$($(CARGO) metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')/debug/gpuledger-demo"; \
+	"$$demo" down --state-dir target/sandbox >/dev/null; \
+	echo "==> starting the sandbox (about 15 s; log: target/sandbox.log)"; \
+	GPULEDGER_K8S_BIN="$$bin" nohup "$$demo" sandbox --state-dir target/sandbox >target/sandbox.log 2>&1 </dev/null & pid=$$!; \
+	for i in $$(seq 1 300); do \
+	  if [ -f target/sandbox/ready ]; then cat target/sandbox/ready; exit 0; fi; \
+	  if ! kill -0 $$pid 2>/dev/null; then echo "make sandbox FAILED:"; tail -n 30 target/sandbox.log; exit 1; fi; \
+	  sleep 1; \
+	done; \
+	echo "make sandbox: not ready after 300 s; see target/sandbox.log"; exit 1
+
+sandbox-down:
+	@$(CARGO) run -q -j $(JOBS) -p gpuledger-e2e --bin gpuledger-demo -- down --state-dir target/sandbox
+	@rm -f target/sandbox.log
 
 ## Kubernetes binaries (kube-apiserver, kube-scheduler, kube-controller-manager) built once from
 ## the k8s.io/kubernetes Go module into /var/cache/gpuledger; see e2e/k8s/build.sh.

@@ -67,13 +67,14 @@ fn in_chroot(root: &Path, user: &str, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
-/// `image:` of the first container in a manifest file.
+/// The image of the gpuledger container (the first of `containers`; init containers run other
+/// images) of the workload in a manifest file.
 fn manifest_image(path: &str) -> String {
     let text = std::fs::read_to_string(repo_root().join(path)).unwrap();
-    text.lines()
-        .find_map(|l| l.trim().strip_prefix("image: "))
+    let workload: serde_yaml::Value = serde_yaml::from_str(&text).unwrap();
+    workload["spec"]["template"]["spec"]["containers"][0]["image"]
+        .as_str()
         .unwrap_or_else(|| panic!("{path} names no image"))
-        .trim()
         .to_string()
 }
 

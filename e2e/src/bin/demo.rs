@@ -3,6 +3,8 @@
 //! - `run` starts everything under `--state-dir`, tells the story, stops everything, and exits
 //!   0 on success, 1 naming the failing step, 130 when interrupted (Ctrl-C or SIGTERM: the
 //!   teardown still runs);
+//! - `sandbox` starts the same cluster installed as the Helm chart does and keeps it running
+//!   for the user until stopped (`make sandbox`, `make sandbox-down`);
 //! - `down` kills whatever an earlier run left (after `kill -9`, say) and removes the state
 //!   directory (`make demo-down`).
 
@@ -29,6 +31,13 @@ enum Cmd {
     Run {
         /// Where state and logs go (cleaned at start, kept afterwards for the logs).
         #[arg(long, default_value = "target/demo")]
+        state_dir: PathBuf,
+    },
+    /// Start the same cluster installed as the Helm chart does (with gpuledger-scheduler) and
+    /// keep it running until stopped (`make sandbox`).
+    Sandbox {
+        /// Where state and logs go (cleaned at start).
+        #[arg(long, default_value = "target/sandbox")]
         state_dir: PathBuf,
     },
     /// Kill processes an earlier run left behind and remove the state directory.
@@ -69,6 +78,7 @@ fn main() -> ExitCode {
     match cli.command {
         Cmd::Down { state_dir } => down(&absolute(&state_dir)),
         Cmd::Run { state_dir } => run(&absolute(&state_dir)),
+        Cmd::Sandbox { state_dir } => sandbox(&absolute(&state_dir)),
     }
 }
 
@@ -92,6 +102,39 @@ fn down(state_dir: &Path) -> ExitCode {
         state_dir.display()
     );
     ExitCode::SUCCESS
+}
+
+fn sandbox(state_dir: &Path) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("gpuledger-demo: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut progress = Progress::default();
+    let outcome = runtime.block_on(async {
+        tokio::select! {
+            up = demo::sandbox(state_dir, &mut progress) => Some(up),
+            signal = interrupted() => {
+                eprintln!("\ngpuledger-demo sandbox: {signal}: stopping every process");
+                None
+            }
+        }
+    });
+    drop(runtime);
+    match outcome {
+        Some(Err(e)) => {
+            let at = progress.current().unwrap_or_else(|| "start-up".to_string());
+            eprintln!("\nmake sandbox FAILED at {at}:\n{e}");
+            ExitCode::FAILURE
+        }
+        _ => ExitCode::SUCCESS,
+    }
 }
 
 fn run(state_dir: &Path) -> ExitCode {

@@ -14,13 +14,14 @@ use crate::cluster::process::is_alive;
 pub const PIDS_FILE: &str = "pids";
 
 /// Executable names (as in `/proc/<pid>/comm`, at most 15 characters) the demo starts.
-const OURS: [&str; 7] = [
+const OURS: [&str; 8] = [
     "etcd",
     "kube-apiserver",
     "kube-controller",
     "kube-scheduler",
     "gpuledger-opera",
     "gpuledger-devic",
+    "gpuledger-sim-k",
     "gpuledger-demo",
 ];
 
@@ -52,7 +53,7 @@ fn comm(pid: u32) -> Option<String> {
 /// Whether `pid` runs one of our executables (or a watchdog shell we started).
 fn is_ours(name: &str, pid: u32) -> bool {
     match comm(pid) {
-        Some(c) if name == "watchdog" => c == "sh",
+        Some(c) if name.ends_with("watchdog") => c == "sh",
         Some(c) => OURS.contains(&c.as_str()),
         None => false,
     }

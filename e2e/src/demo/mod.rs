@@ -152,6 +152,63 @@ pub async fn run(state_dir: &Path, progress: &mut Progress) -> Result<(), DemoEr
     told
 }
 
+/// The file `make sandbox` waits for: written once the sandbox is up, holding what to tell the
+/// user (its kubeconfig and three things to try).
+pub const SANDBOX_READY: &str = "ready";
+
+/// `make sandbox`: the demo's cluster installed the way the Helm chart installs gpuledger (the
+/// chart's gpuledger-scheduler next to the default scheduler), left running for the user until
+/// the process is stopped (`make sandbox-down`, or a signal). Returns only on a start-up error.
+pub async fn sandbox(state_dir: &Path, progress: &mut Progress) -> Result<(), DemoError> {
+    let killed = leftovers::kill_leftovers(state_dir);
+    if !killed.is_empty() {
+        println!(
+            "stopped {} processes left by an earlier sandbox",
+            killed.len()
+        );
+    }
+    if state_dir.exists() {
+        std::fs::remove_dir_all(state_dir).map_err(|source| DemoError::StateDir {
+            path: state_dir.to_path_buf(),
+            source,
+        })?;
+    }
+    std::fs::create_dir_all(state_dir).map_err(|source| DemoError::StateDir {
+        path: state_dir.to_path_buf(),
+        source,
+    })?;
+    let opts = SimClusterOptions {
+        run_dir: Some(state_dir.to_path_buf()),
+        gpuledger_scheduler: true,
+        ..Default::default()
+    };
+    let cluster = SimCluster::start(opts, progress).await?;
+    record_pids(state_dir, &cluster);
+    let kubeconfig = cluster.cp.kubeconfig().display().to_string();
+    let message = format!(
+        "sandbox ready: a local control plane, the operator, gpuledger-scheduler and two simulated 8-GPU nodes.\n\
+         \n  export KUBECONFIG={kubeconfig}\n\n\
+         Three things to try:\n\
+         \x20 kubectl apply -f config/samples/gpu-pod.yaml      # a GPU pod (schedulerName: gpuledger-scheduler)\n\
+         \x20 kubectl get gpunodes,gpureservations -A           # the ledger: what each pod holds, where\n\
+         \x20 kubectl get events -A --field-selector reason=Bound   # the extender's decisions\n\
+         \nLogs: {} (operator.log, gpuledger-scheduler.log, <node>/...). Stop it with `make sandbox-down`.\n",
+        state_dir.display()
+    );
+    let ready = state_dir.join(SANDBOX_READY);
+    std::fs::write(&ready, &message).map_err(|source| DemoError::StateDir {
+        path: ready.clone(),
+        source,
+    })?;
+    println!("{message}");
+    // Stay up, watching the processes: a component that dies is reported and ends the sandbox.
+    let mut cluster = cluster;
+    loop {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        cluster.check_running()?;
+    }
+}
+
 fn record_pids(state_dir: &Path, cluster: &SimCluster) {
     let mut pids = vec![("gpuledger-demo".to_string(), std::process::id())];
     pids.extend(
@@ -163,6 +220,9 @@ fn record_pids(state_dir: &Path, cluster: &SimCluster) {
     );
     pids.push(("watchdog".into(), cluster.cp.process_group()));
     pids.extend(cluster.operator.processes());
+    if let Some(s) = &cluster.scheduler {
+        pids.extend(s.processes());
+    }
     for n in &cluster.nodes {
         pids.extend(n.processes());
     }

@@ -7,9 +7,12 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::cluster::{ControlPlane, ControlPlaneOptions};
+use crate::cluster::{ControlPlane, ControlPlaneOptions, SchedulerSetup};
 use crate::sim::operator::{free_port, install_gpuledger};
-use crate::sim::{OperatorProcess, SimNode, SimNodeError, SimNodeOptions, binaries};
+use crate::sim::{
+    ExtenderTls, GpuledgerScheduler, OperatorProcess, SimNode, SimNodeError, SimNodeOptions,
+    binaries,
+};
 
 /// Observes the start-up steps.
 pub trait Steps {
@@ -39,6 +42,12 @@ pub struct SimClusterOptions {
     pub plugin_args: Vec<String>,
     /// Where state and logs go; `None`: a fresh temporary directory.
     pub run_dir: Option<PathBuf>,
+    /// Install the way the Helm chart does: the cluster's default scheduler without extender,
+    /// and the chart's `gpuledger-scheduler` calling the operator's extender over verified TLS
+    /// (GPU pods then name `schedulerName: gpuledger-scheduler`). `false`: the default
+    /// scheduler calls the extender itself (plain HTTP on loopback), which the demo's and the
+    /// suite's pods rely on.
+    pub gpuledger_scheduler: bool,
 }
 
 impl Default for SimClusterOptions {
@@ -48,6 +57,7 @@ impl Default for SimClusterOptions {
             operator_args: Vec::new(),
             plugin_args: Vec::new(),
             run_dir: None,
+            gpuledger_scheduler: false,
         }
     }
 }
@@ -56,6 +66,8 @@ impl Default for SimClusterOptions {
 pub struct SimCluster {
     /// The simulated GPU nodes.
     pub nodes: Vec<SimNode>,
+    /// The chart's gpuledger-scheduler, when [`SimClusterOptions::gpuledger_scheduler`].
+    pub scheduler: Option<GpuledgerScheduler>,
     /// The operator process.
     pub operator: OperatorProcess,
     /// The control plane.
@@ -92,8 +104,14 @@ impl SimCluster {
         steps: &mut dyn Steps,
     ) -> Result<Self, SimNodeError> {
         let extender_port = free_port()?;
-        let mut cp_opts = ControlPlaneOptions::default()
-            .extender_url(format!("http://127.0.0.1:{extender_port}"));
+        let mut cp_opts = if opts.gpuledger_scheduler {
+            ControlPlaneOptions {
+                scheduler: SchedulerSetup::Plain,
+                ..ControlPlaneOptions::default()
+            }
+        } else {
+            ControlPlaneOptions::default().extender_url(format!("http://127.0.0.1:{extender_port}"))
+        };
         cp_opts.run_dir = opts.run_dir.clone();
         let cp = step(
             steps,
@@ -109,12 +127,32 @@ impl SimCluster {
         )
         .await?;
         let run_dir = cp.run_dir().to_path_buf();
+        let tls = if opts.gpuledger_scheduler {
+            Some(ExtenderTls::generate(&run_dir)?)
+        } else {
+            None
+        };
+        let mut operator_args = opts.operator_args.clone();
+        if let Some(tls) = &tls {
+            operator_args.extend(tls.operator_args());
+        }
         let operator = step(
             steps,
             "gpuledger-operator (ServiceAccount gpuledger-operator, extender for kube-scheduler)",
-            OperatorProcess::start(&cp, extender_port, &run_dir, &opts.operator_args),
+            OperatorProcess::start(&cp, extender_port, &run_dir, &operator_args),
         )
         .await?;
+        let scheduler = match &tls {
+            Some(tls) => Some(
+                step(
+                    steps,
+                    "gpuledger-scheduler (the chart's kube-scheduler profile, extender over verified TLS)",
+                    GpuledgerScheduler::start(&cp, extender_port, tls, &run_dir),
+                )
+                .await?,
+            ),
+            None => None,
+        };
         let mut nodes = Vec::new();
         for (i, name) in opts.nodes.iter().enumerate() {
             let number = u32::try_from(i + 1).unwrap_or(u32::MAX);
@@ -128,6 +166,7 @@ impl SimCluster {
         }
         Ok(SimCluster {
             nodes,
+            scheduler,
             operator,
             cp,
         })
@@ -148,6 +187,9 @@ impl SimCluster {
     /// Fails if the operator or any device plugin has exited.
     pub fn check_running(&mut self) -> Result<(), SimNodeError> {
         self.operator.check_running()?;
+        if let Some(s) = &mut self.scheduler {
+            s.check_running()?;
+        }
         for n in &mut self.nodes {
             n.check_running()?;
         }

@@ -20,6 +20,7 @@ mod node;
 pub mod node_kubelet;
 mod operator;
 pub mod pods;
+pub mod scheduler;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -32,6 +33,7 @@ pub use lifecycle::{Admission, AdmissionOutcome, Admissions};
 pub use node::{SimNode, SimNodeOptions};
 pub use node_kubelet::{NodeKubelet, SIM_KUBELET};
 pub use operator::{OperatorProcess, install_gpuledger};
+pub use scheduler::{ExtenderTls, GPULEDGER_SCHEDULER, GpuledgerScheduler};
 
 use crate::cluster::ClusterError;
 use crate::kubelet::SimError;

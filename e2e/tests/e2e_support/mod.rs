@@ -127,14 +127,25 @@ pub fn assert_isolation(container: &AdmittedContainer) {
         .response
         .mounts
         .iter()
-        .map(|m| (m.container_path.as_str(), (m.host_path.as_str(), m.read_only)))
+        .map(|m| {
+            (
+                m.container_path.as_str(),
+                (m.host_path.as_str(), m.read_only),
+            )
+        })
         .collect();
     let (lib, ro) = mounts["/usr/local/vgpu/libvgpu.so"];
     assert!(lib.ends_with("/hami-core/libvgpu.so") && ro, "{mounts:?}");
     let (preload, ro) = mounts["/etc/ld.so.preload"];
-    assert!(preload.ends_with("/hami-core/ld.so.preload") && ro, "{mounts:?}");
+    assert!(
+        preload.ends_with("/hami-core/ld.so.preload") && ro,
+        "{mounts:?}"
+    );
     let (cache, ro) = mounts["/usr/local/vgpu"];
-    assert!(cache.contains("/hami-core/containers/") && !ro, "{mounts:?}");
+    assert!(
+        cache.contains("/hami-core/containers/") && !ro,
+        "{mounts:?}"
+    );
     assert!(
         container
             .response

@@ -1,0 +1,291 @@
+//! [`GpuledgerScheduler`]: the Helm chart's own `gpuledger-scheduler` on the local control plane —
+//! the upstream kube-scheduler binary running the configuration the chart renders, with the
+//! chart's RBAC for it, next to the cluster's default scheduler — and [`ExtenderTls`], the
+//! certificate the operator's extender serves it.
+//!
+//! Only what a local cluster cannot have is changed in the rendered configuration: the
+//! extender's URL names the operator's Service, which has no DNS here, so it points at the
+//! operator on 127.0.0.1 with `tlsConfig.serverName` set to the Service's name (the certificate
+//! is still checked against that name and the CA), and the client connection uses the
+//! `gpuledger-scheduler` ServiceAccount's token instead of the in-cluster one.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use gpuledger_crds::names::DEFAULT_NAMESPACE;
+use k8s_openapi::api::coordination::v1::Lease;
+use kube::api::Api;
+use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+use serde::Deserialize;
+use serde_yaml::Value;
+
+use crate::cluster::binaries::{Binaries, expected_git_version};
+use crate::cluster::process::ProcessGroup;
+use crate::cluster::{ClusterError, ControlPlane, free_port, kubectl_path, wait_for};
+use crate::sim::{STARTUP_TIMEOUT, SimNodeError, binaries};
+
+/// The scheduler's name, its Deployment's, ServiceAccount's and leader-election Lease's.
+pub const GPULEDGER_SCHEDULER: &str = "gpuledger-scheduler";
+/// The Helm release name the chart is rendered with.
+const RELEASE: &str = "gpuledger";
+
+/// The extender's serving certificate and the CA that signed it, as files.
+#[derive(Clone, Debug)]
+pub struct ExtenderTls {
+    /// The name the certificate is for (the operator Service's DNS name).
+    pub server_name: String,
+    /// CA certificate (PEM).
+    pub ca: PathBuf,
+    /// Serving certificate (PEM).
+    pub cert: PathBuf,
+    /// Its key (PEM).
+    pub key: PathBuf,
+}
+
+impl ExtenderTls {
+    /// A fresh CA and a certificate for the chart's operator Service, written under `dir`.
+    pub fn generate(dir: &Path) -> Result<Self, SimNodeError> {
+        let server_name = format!("{RELEASE}-operator.{DEFAULT_NAMESPACE}.svc");
+        let pki = |what| move |source| ClusterError::Pki { what, source };
+        let ca_key = KeyPair::generate().map_err(pki("extender CA key"))?;
+        let mut ca = CertificateParams::new(Vec::<String>::new()).map_err(pki("extender CA"))?;
+        ca.distinguished_name
+            .push(DnType::CommonName, "gpuledger-extender-ca");
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let ca_cert = ca.self_signed(&ca_key).map_err(pki("extender CA"))?;
+        let issuer = Issuer::new(ca, ca_key);
+        let key = KeyPair::generate().map_err(pki("extender key"))?;
+        let serving = CertificateParams::new(vec![server_name.clone()])
+            .map_err(pki("extender certificate"))?
+            .signed_by(&key, &issuer)
+            .map_err(pki("extender certificate"))?;
+        let write = |name: &str, pem: String| -> Result<PathBuf, SimNodeError> {
+            let path = dir.join(name);
+            std::fs::write(&path, pem).map_err(|e| SimNodeError::io("write", &path, e))?;
+            Ok(path)
+        };
+        Ok(ExtenderTls {
+            server_name,
+            ca: write("extender-ca.crt", ca_cert.pem())?,
+            cert: write("extender.crt", serving.pem())?,
+            key: write("extender.key", key.serialize_pem())?,
+        })
+    }
+
+    /// The operator's flags to serve the extender with this certificate.
+    pub fn operator_args(&self) -> Vec<String> {
+        vec![
+            format!("--tls-cert={}", self.cert.display()),
+            format!("--tls-key={}", self.key.display()),
+        ]
+    }
+}
+
+/// The objects `helm template` renders for the chart (release `gpuledger` in
+/// `gpuledger-system`, for the pinned Kubernetes version).
+pub fn rendered_chart() -> Result<Vec<Value>, SimNodeError> {
+    let helm = Binaries::locate()?
+        .kube_apiserver
+        .parent()
+        .map(|d| d.join("helm"))
+        .unwrap_or_default();
+    let chart = binaries::repo_root().join("charts/gpuledger");
+    let out = Command::new(&helm)
+        .args(["template", RELEASE])
+        .arg(&chart)
+        .args(["--namespace", DEFAULT_NAMESPACE])
+        .args(["--kube-version", &expected_git_version()])
+        .output()
+        .map_err(|source| ClusterError::Spawn {
+            name: "helm".into(),
+            program: helm.clone(),
+            source,
+        })?;
+    if !out.status.success() {
+        return Err(SimNodeError::Build(format!(
+            "helm template {}: {}",
+            chart.display(),
+            String::from_utf8_lossy(&out.stderr)
+        )));
+    }
+    let mut objects = Vec::new();
+    for doc in serde_yaml::Deserializer::from_slice(&out.stdout) {
+        let v = Value::deserialize(doc)
+            .map_err(|e| SimNodeError::Build(format!("helm template output: {e}")))?;
+        if !v.is_null() {
+            objects.push(v);
+        }
+    }
+    Ok(objects)
+}
+
+/// `(kind, name)` of a rendered object.
+pub fn kind_name(v: &Value) -> (String, String) {
+    (
+        v["kind"].as_str().unwrap_or_default().to_string(),
+        v["metadata"]["name"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string(),
+    )
+}
+
+/// The chart's scheduler running on the local control plane. Dropping it kills the process.
+#[derive(Debug)]
+pub struct GpuledgerScheduler {
+    process: ProcessGroup,
+    config: Value,
+    log: PathBuf,
+}
+
+impl GpuledgerScheduler {
+    /// Applies the chart's RBAC for the scheduler, writes its rendered configuration pointed at
+    /// the operator's extender on `127.0.0.1:extender_port` (see the module docs), starts
+    /// kube-scheduler with it and waits until it holds its leader-election Lease.
+    pub async fn start(
+        cp: &ControlPlane,
+        extender_port: u16,
+        tls: &ExtenderTls,
+        dir: &Path,
+    ) -> Result<Self, SimNodeError> {
+        let chart = rendered_chart()?;
+        let rbac: Vec<&Value> = chart
+            .iter()
+            .filter(|v| {
+                let (kind, name) = kind_name(v);
+                name.starts_with(GPULEDGER_SCHEDULER)
+                    && [
+                        "ServiceAccount",
+                        "ClusterRoleBinding",
+                        "RoleBinding",
+                        "Role",
+                    ]
+                    .contains(&kind.as_str())
+            })
+            .collect();
+        kubectl_apply(cp, &rbac)?;
+        let rendered = chart
+            .iter()
+            .find(|v| kind_name(v) == ("ConfigMap".into(), format!("{GPULEDGER_SCHEDULER}-config")))
+            .and_then(|cm| cm["data"]["config.yaml"].as_str())
+            .ok_or_else(|| {
+                SimNodeError::Build("the chart renders no gpuledger-scheduler-config".into())
+            })?;
+        let mut config: Value = serde_yaml::from_str(rendered)
+            .map_err(|e| SimNodeError::Build(format!("gpuledger-scheduler-config: {e}")))?;
+        let extender = &mut config["extenders"][0];
+        extender["urlPrefix"] = Value::from(format!("https://127.0.0.1:{extender_port}"));
+        extender["tlsConfig"]["caFile"] = Value::from(tls.ca.display().to_string());
+        extender["tlsConfig"]["serverName"] = Value::from(tls.server_name.clone());
+        let kubeconfig = cp
+            .service_account_kubeconfig(DEFAULT_NAMESPACE, GPULEDGER_SCHEDULER, None)
+            .await?;
+        config["clientConnection"]["kubeconfig"] = Value::from(kubeconfig.display().to_string());
+        let config_path = dir.join("gpuledger-scheduler.yaml");
+        let text = serde_yaml::to_string(&config)
+            .map_err(|e| SimNodeError::Build(format!("gpuledger-scheduler config: {e}")))?;
+        std::fs::write(&config_path, text)
+            .map_err(|e| SimNodeError::io("write", &config_path, e))?;
+        let cert_dir = dir.join("gpuledger-scheduler-certs");
+        std::fs::create_dir_all(&cert_dir).map_err(|e| SimNodeError::io("create", &cert_dir, e))?;
+        let admin = cp.kubeconfig().display().to_string();
+        let log = dir.join("gpuledger-scheduler.log");
+        let mut process = ProcessGroup::new()?;
+        process.spawn(
+            GPULEDGER_SCHEDULER,
+            &Binaries::locate()?.kube_scheduler,
+            &[
+                format!("--config={}", config_path.display()),
+                format!("--authentication-kubeconfig={admin}"),
+                format!("--authorization-kubeconfig={admin}"),
+                "--bind-address=127.0.0.1".into(),
+                format!("--secure-port={}", free_port()?),
+                format!("--cert-dir={}", cert_dir.display()),
+            ],
+            &log,
+        )?;
+        let leases: Api<Lease> = Api::namespaced(cp.client(), DEFAULT_NAMESPACE);
+        wait_for("gpuledger-scheduler to lead", STARTUP_TIMEOUT, || {
+            let leases = leases.clone();
+            async move {
+                let lease = leases.get_opt(GPULEDGER_SCHEDULER).await?;
+                Ok::<_, kube::Error>(
+                    lease
+                        .and_then(|l| l.spec)
+                        .and_then(|s| s.holder_identity)
+                        .map(|_| ()),
+                )
+            }
+        })
+        .await?;
+        Ok(GpuledgerScheduler {
+            process,
+            config,
+            log,
+        })
+    }
+
+    /// The configuration it runs (the chart's, with the local changes).
+    pub fn config(&self) -> &Value {
+        &self.config
+    }
+
+    /// Its log.
+    pub fn log(&self) -> &Path {
+        &self.log
+    }
+
+    /// Pids of kube-scheduler and its group's watchdog.
+    pub fn processes(&self) -> Vec<(String, u32)> {
+        let mut pids = self.process.pids();
+        pids.push(("scheduler-watchdog".into(), self.process.pgid()));
+        pids
+    }
+
+    /// Fails if kube-scheduler exited.
+    pub fn check_running(&mut self) -> Result<(), SimNodeError> {
+        Ok(self.process.check_running()?)
+    }
+}
+
+fn kubectl_apply(cp: &ControlPlane, docs: &[&Value]) -> Result<(), SimNodeError> {
+    let mut yaml = String::new();
+    for d in docs {
+        let text = serde_yaml::to_string(d)
+            .map_err(|e| SimNodeError::Build(format!("rendering the chart's RBAC: {e}")))?;
+        yaml.push_str("---\n");
+        yaml.push_str(&text);
+    }
+    let kubectl = kubectl_path();
+    let spawn_err = |source| ClusterError::Spawn {
+        name: "kubectl".into(),
+        program: kubectl.clone(),
+        source,
+    };
+    let mut child = Command::new(&kubectl)
+        .arg("--kubeconfig")
+        .arg(cp.kubeconfig())
+        .args(["apply", "-f", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(spawn_err)?;
+    if let Some(mut stdin) = child.stdin.take() {
+        stdin
+            .write_all(yaml.as_bytes())
+            .map_err(|e| SimNodeError::io("write to", &kubectl, e))?;
+    }
+    let out = child
+        .wait_with_output()
+        .map_err(|e| SimNodeError::io("wait for", &kubectl, e))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(SimNodeError::Build(format!(
+            "kubectl apply of the chart's scheduler RBAC: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )))
+    }
+}
