@@ -2,12 +2,18 @@
 //! binaries: the chart's own `gpuledger-scheduler` configuration runs as a second kube-scheduler
 //! next to the cluster's default scheduler (which has no extender, as on a managed control
 //! plane), with the chart's RBAC for it, and calls the operator's extender over verified TLS
-//! (`gpuledger_e2e::sim::scheduler` says what is changed for a cluster without DNS).
+//! (`gpuledger_e2e::sim::scheduler` says what is changed for a cluster without DNS); and the
+//! chart's webhook configurations, registered with the CA of the operator's certificate, make
+//! the real API server call the operator over verified TLS for every GPU pod created: it is sent
+//! to gpuledger-scheduler, given HAMi's defaults, or refused naming what is wrong, and an
+//! operator outage fails GPU pods closed while other pods are created as usual.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::time::Duration;
 
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD;
 use gpuledger_crds::names::DEFAULT_NAMESPACE;
 use gpuledger_crds::{GpuReservation, ReservationPhase};
 use gpuledger_e2e::cluster::{ensure_namespace, expected_git_version, wait_for};
@@ -20,6 +26,7 @@ use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Client;
 use kube::api::{Api, ListParams, PostParams};
+use std::process::Command;
 
 const NS: &str = "install";
 const WAIT: Duration = Duration::from_secs(120);
@@ -90,8 +97,7 @@ fn the_chart_renders_a_scheduler_of_the_clusters_version_with_its_own_profile() 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_charts_scheduler_runs_beside_the_default_one_and_binds_gpu_pods_through_the_extender()
-{
+async fn the_charts_scheduler_and_webhooks_place_default_and_refuse_gpu_pods_over_verified_tls() {
     build_gpuledger_binaries().unwrap();
     let opts = SimClusterOptions {
         nodes: vec!["gpu-node-1".into()],
@@ -125,26 +131,164 @@ async fn the_charts_scheduler_runs_beside_the_default_one_and_binds_gpu_pods_thr
         cluster.nodes[0].name()
     );
     assert_eq!(scheduled_by(&client, "trainer").await, GPULEDGER_SCHEDULER);
-    wait_reservation(
-        &client,
-        NS,
-        "trainer",
-        "Allocated",
-        WAIT,
-        |r: &GpuReservation| {
-            r.status.as_ref().and_then(|s| s.phase) == Some(ReservationPhase::Allocated)
-        },
-    )
-    .await
-    .unwrap();
+    allocated(&client, "trainer").await;
     wait_pod_phase(&client, NS, "trainer", &["Running"], WAIT)
         .await
         .unwrap();
 
     // A pod without GPUs keeps the default scheduler.
-    let plain = Pod {
+    Api::<Pod>::namespaced(client.clone(), NS)
+        .create(&PostParams::default(), &plain_pod("web"))
+        .await
+        .unwrap();
+    wait_bound(&client, NS, "web", WAIT).await.unwrap();
+    assert_eq!(scheduled_by(&client, "web").await, "default-scheduler");
+    let mut cluster = cluster;
+    cluster.check_running().unwrap();
+
+    // The chart's webhook configurations, pointed at the operator on 127.0.0.1 (no Service DNS
+    // here) with the CA of its certificate as caBundle, as a cert-manager injection would set.
+    let extender = &scheduler_config(&cluster)["extenders"][0];
+    let port = extender["urlPrefix"]
+        .as_str()
+        .unwrap()
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .to_string();
+    let ca = std::fs::read(extender["tlsConfig"]["caFile"].as_str().unwrap()).unwrap();
+    let mut hooks: Vec<serde_yaml::Value> = rendered_chart()
+        .unwrap()
+        .into_iter()
+        .filter(|v| kind_name(v).0.ends_with("WebhookConfiguration"))
+        .collect();
+    assert_eq!(hooks.len(), 2, "a mutating and a validating configuration");
+    for hook in &mut hooks {
+        for w in hook["webhooks"].as_sequence_mut().unwrap() {
+            let path = w["clientConfig"]["service"]["path"]
+                .as_str()
+                .unwrap()
+                .to_string();
+            assert_eq!(w["failurePolicy"], "Fail");
+            w["clientConfig"] = serde_yaml::from_str(&format!(
+                "{{url: 'https://127.0.0.1:{port}{path}', caBundle: '{}'}}",
+                STANDARD.encode(&ca)
+            ))
+            .unwrap();
+        }
+    }
+    apply(&cluster, &hooks);
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+
+    // No schedulerName: the webhook sends it to gpuledger-scheduler; its sidecar is shown no GPU.
+    let mut auto = GpuPod::new(NS, "auto")
+        .gpu_container("main", 1, 2048, 10)
+        .plain_container("sidecar")
+        .cpu_numa(1)
+        .build();
+    auto.spec.as_mut().unwrap().scheduler_name = None;
+    let created = create_when_webhook_ready(&pods, &auto).await;
+    let spec = created.spec.unwrap();
+    assert_eq!(spec.scheduler_name.as_deref(), Some(GPULEDGER_SCHEDULER));
+    let sidecar_env = spec.containers[1].env.clone().unwrap_or_default();
+    assert!(
+        sidecar_env
+            .iter()
+            .any(|e| e.name == "NVIDIA_VISIBLE_DEVICES" && e.value.as_deref() == Some("none")),
+        "{sidecar_env:?}"
+    );
+    assert_eq!(scheduled_by(&client, "auto").await, GPULEDGER_SCHEDULER);
+    allocated(&client, "auto").await;
+
+    // Memory only: HAMi's default count is written into the pod, and it runs.
+    let memory_only = serde_json::from_value::<Pod>(serde_json::json!({
+        "metadata": {"name": "memory-only", "namespace": NS},
+        "spec": {"restartPolicy": "Never", "containers": [{"name": "main", "image": "registry.k8s.io/pause:3.10",
+            "resources": {"limits": {"nvidia.com/gpumem": "1024"}}}]}
+    }))
+    .unwrap();
+    let created = pods
+        .create(&PostParams::default(), &memory_only)
+        .await
+        .unwrap();
+    let limits = created.spec.unwrap().containers[0]
+        .resources
+        .clone()
+        .unwrap()
+        .limits
+        .unwrap();
+    assert_eq!(limits["nvidia.com/gpu"].0, "1");
+    allocated(&client, "memory-only").await;
+    wait_pod_phase(&client, NS, "memory-only", &["Running"], WAIT)
+        .await
+        .unwrap();
+
+    // A pod without GPUs is untouched (the webhook is never even called for it).
+    let created = pods
+        .create(&PostParams::default(), &plain_pod("web-2"))
+        .await
+        .unwrap();
+    let spec = created.spec.unwrap();
+    assert_eq!(spec.scheduler_name.as_deref(), Some("default-scheduler"));
+    assert!(spec.containers[0].env.is_none());
+
+    // Refused at creation, naming key and value: an invalid annotation; and a GPU pod that
+    // names its node, even a cluster admin's.
+    let bad = GpuPod::new(NS, "bad-annotation")
+        .gpu_container("main", 1, 1024, 10)
+        .alignment("sideways")
+        .build();
+    let err = pods
+        .create(&PostParams::default(), &bad)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("hami.io/numa-alignment") && err.contains("sideways"),
+        "{err}"
+    );
+    let mut placed = GpuPod::new(NS, "placed")
+        .gpu_container("main", 1, 1024, 10)
+        .build();
+    placed.spec.as_mut().unwrap().node_name = Some(cluster.nodes[0].name().to_string());
+    let err = pods
+        .create(&PostParams::default(), &placed)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("spec.nodeName"), "{err}");
+
+    // Operator down: GPU pods fail closed with the webhook named; other pods are created.
+    let SimCluster {
+        nodes,
+        scheduler,
+        operator,
+        cp,
+    } = cluster;
+    operator.stop();
+    let down = GpuPod::new(NS, "while-down")
+        .gpu_container("main", 1, 1024, 10)
+        .build();
+    let err = pods
+        .create(&PostParams::default(), &down)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("mutate.pods.gpuledger.io"), "{err}");
+    pods.create(&PostParams::default(), &plain_pod("web-3"))
+        .await
+        .unwrap();
+    drop((nodes, scheduler, cp));
+}
+
+fn scheduler_config(cluster: &SimCluster) -> serde_yaml::Value {
+    cluster.scheduler.as_ref().unwrap().config().clone()
+}
+
+fn plain_pod(name: &str) -> Pod {
+    Pod {
         metadata: ObjectMeta {
-            name: Some("web".into()),
+            name: Some(name.into()),
             namespace: Some(NS.into()),
             ..Default::default()
         },
@@ -157,13 +301,72 @@ async fn the_charts_scheduler_runs_beside_the_default_one_and_binds_gpu_pods_thr
             ..Default::default()
         }),
         ..Default::default()
-    };
-    Api::<Pod>::namespaced(client.clone(), NS)
-        .create(&PostParams::default(), &plain)
-        .await
+    }
+}
+
+async fn allocated(client: &Client, pod: &str) {
+    wait_reservation(client, NS, pod, "Allocated", WAIT, |r: &GpuReservation| {
+        r.status.as_ref().and_then(|s| s.phase) == Some(ReservationPhase::Allocated)
+    })
+    .await
+    .unwrap();
+}
+
+/// Creates `pod`, retrying while the API server has not yet picked up the webhook
+/// configurations (a pod created before would not be mutated).
+async fn create_when_webhook_ready(pods: &Api<Pod>, pod: &Pod) -> Pod {
+    let name = pod.metadata.name.clone().unwrap();
+    wait_for(
+        format!("{name} created through the webhook"),
+        WAIT,
+        || async {
+            let created = pods.create(&PostParams::default(), pod).await?;
+            let mutated = created
+                .spec
+                .as_ref()
+                .and_then(|s| s.scheduler_name.as_deref())
+                == Some(GPULEDGER_SCHEDULER);
+            if mutated {
+                return Ok::<_, kube::Error>(Some(created));
+            }
+            // Created before the configuration took effect: delete and try again.
+            pods.delete(
+                &name,
+                &kube::api::DeleteParams {
+                    grace_period_seconds: Some(0),
+                    ..Default::default()
+                },
+            )
+            .await?;
+            wait_for(format!("{name} gone"), WAIT, || async {
+                Ok::<_, kube::Error>(pods.get_opt(&name).await?.is_none().then_some(()))
+            })
+            .await
+            .ok();
+            Ok(None)
+        },
+    )
+    .await
+    .unwrap()
+}
+
+fn apply(cluster: &SimCluster, docs: &[serde_yaml::Value]) {
+    let yaml: String = docs
+        .iter()
+        .map(|d| format!("---\n{}", serde_yaml::to_string(d).unwrap()))
+        .collect();
+    let path = cluster.cp.run_dir().join("webhooks.yaml");
+    std::fs::write(&path, yaml).unwrap();
+    let out = Command::new(gpuledger_e2e::cluster::kubectl_path())
+        .arg("--kubeconfig")
+        .arg(cluster.cp.kubeconfig())
+        .args(["apply", "-f"])
+        .arg(&path)
+        .output()
         .unwrap();
-    wait_bound(&client, NS, "web", WAIT).await.unwrap();
-    assert_eq!(scheduled_by(&client, "web").await, "default-scheduler");
-    let mut cluster = cluster;
-    cluster.check_running().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

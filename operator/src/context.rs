@@ -69,7 +69,7 @@ pub struct Caches {
 }
 
 /// Cluster-wide defaults.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Defaults {
     /// Pod API defaults (HAMi's device config).
     pub pod_api: PodApiConfig,
@@ -77,6 +77,8 @@ pub struct Defaults {
     pub policies: Policy,
     /// Alignment when neither annotation nor NumaPolicy decides.
     pub alignment: Alignment,
+    /// The scheduler the webhook sends GPU pods to (`--scheduler-name`).
+    pub scheduler_name: String,
 }
 
 /// Patience of each step.
@@ -127,6 +129,7 @@ impl Context {
                     gpu: gpuledger_crds::podapi::SchedulerPolicy::Spread,
                 },
                 alignment: Alignment::None,
+                scheduler_name: "gpuledger-scheduler".to_string(),
             },
             timing: Timing {
                 lease_wait: Duration::from_millis(50),

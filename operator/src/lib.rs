@@ -22,3 +22,4 @@ pub mod run;
 pub mod schedule;
 pub mod telemetry;
 pub mod watches;
+pub mod webhook;

@@ -45,6 +45,7 @@ pub fn test_config(
         usage_interval: Duration::from_secs(1),
         refit_ttl: Duration::from_secs(600),
         repair_after: Duration::from_secs(5),
+        scheduler_name: "gpuledger-scheduler".into(),
     }
 }
 

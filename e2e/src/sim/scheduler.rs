@@ -56,7 +56,8 @@ impl ExtenderTls {
         let ca_cert = ca.self_signed(&ca_key).map_err(pki("extender CA"))?;
         let issuer = Issuer::new(ca, ca_key);
         let key = KeyPair::generate().map_err(pki("extender key"))?;
-        let serving = CertificateParams::new(vec![server_name.clone()])
+        // 127.0.0.1 too: the API server calls the admission webhook by URL on a local cluster.
+        let serving = CertificateParams::new(vec![server_name.clone(), "127.0.0.1".to_string()])
             .map_err(pki("extender certificate"))?
             .signed_by(&key, &issuer)
             .map_err(pki("extender certificate"))?;

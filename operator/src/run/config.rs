@@ -71,6 +71,14 @@ pub struct RunConfig {
     /// How long answered RefitRequests are kept (for `kubectl get refit`) before deletion.
     #[arg(long, env = "GPULEDGER_REFIT_TTL", default_value = "10m", value_parser = parse_duration)]
     pub refit_ttl: Duration,
+    /// The scheduler the admission webhook sends GPU pods to (`schedulerName`), the chart's
+    /// gpuledger-scheduler by default.
+    #[arg(
+        long,
+        env = "GPULEDGER_SCHEDULER_NAME",
+        default_value = "gpuledger-scheduler"
+    )]
+    pub scheduler_name: String,
     /// How long a bound GPU pod may go without a reservation on its node before the operator
     /// books it (or reports that it cannot): well above how far the reservation watch lags.
     #[arg(long, env = "GPULEDGER_REPAIR_AFTER", default_value = "5s", value_parser = parse_duration)]

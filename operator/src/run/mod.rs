@@ -32,7 +32,7 @@ use crate::ledger::{LedgerIndex, LedgerWriter, NodeLocks};
 use crate::schedule::Policy;
 use crate::telemetry::{Health, Metrics};
 use crate::watches::{drive, strip_managed_fields, tracked};
-use crate::{controllers, extender, ledger};
+use crate::{controllers, extender, ledger, webhook};
 use config::RunConfig;
 
 /// Why the operator could not start or stopped.
@@ -164,6 +164,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
                 gpu: config.gpu_policy,
             },
             alignment: config.default_alignment,
+            scheduler_name: config.scheduler_name.clone(),
         },
         timing: Timing {
             lease_wait: config.lease_wait,
@@ -203,7 +204,8 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
             source,
         })?;
     tracing::info!(extender = %config.extender_addr, metrics = %config.metrics_addr, "serving");
-    let ext_app = extender::server::router(ctx.clone());
+    // The admission webhook shares the extender's listener, Service and certificate.
+    let ext_app = extender::server::router(ctx.clone()).merge(webhook::server::router(ctx.clone()));
     match tls {
         Some(acceptor) => {
             let listener = extender::tls::TlsListener::new(ext_listener, acceptor);

@@ -1,0 +1,276 @@
+//! What the admission webhook does to a pod, as pure functions: the mutation (a JSON patch) and
+//! the validation (a refusal naming what is wrong).
+//!
+//! **Mutation**, for pods that ask for any gpuledger resource:
+//! - `schedulerName` becomes gpuledger's scheduler when it is the API server's default
+//!   (`default-scheduler`, which is also what a pod that names no scheduler has by the time a
+//!   webhook sees it); a pod that names another scheduler keeps it;
+//! - a container that asks for GPU memory or cores without `nvidia.com/gpu` gets
+//!   `nvidia.com/gpu: 1`, HAMi's default count, so the scheduler, the kubelet, the plugin and the
+//!   ledger all see the same request (without it the kubelet would never allocate the container);
+//! - containers that ask for no GPU get `NVIDIA_VISIBLE_DEVICES=none`, as HAMi's webhook does,
+//!   so the NVIDIA runtime shows them none of the node's GPUs.
+//!
+//! **Validation** refuses, with the key and value in the message, a pod whose GPU resources or
+//! annotations do not parse (the pod API's own errors), and a GPU pod created with
+//! `spec.nodeName` already set (it would never meet the scheduler's extender).
+
+use gpuledger_crds::podapi::{self, PodApiConfig};
+use gpuledger_crds::resources::{GPU, GPU_CORES, GPU_MEM, GPU_MEM_PERCENTAGE};
+use k8s_openapi::api::core::v1::{Container, Pod};
+use serde_json::{Value, json};
+
+/// The scheduler name the API server gives a pod that names none.
+pub const DEFAULT_SCHEDULER: &str = "default-scheduler";
+/// The count a container asking for GPU memory or cores gets when it names none (HAMi's).
+pub const DEFAULT_GPU_COUNT: &str = "1";
+
+const GPU_RESOURCES: [&str; 4] = [GPU, GPU_MEM, GPU_MEM_PERCENTAGE, GPU_CORES];
+
+fn names(container: &Container, key: &str) -> bool {
+    container.resources.as_ref().is_some_and(|r| {
+        r.limits.as_ref().is_some_and(|l| l.contains_key(key))
+            || r.requests.as_ref().is_some_and(|l| l.contains_key(key))
+    })
+}
+
+fn asks_for_gpus(container: &Container) -> bool {
+    GPU_RESOURCES.iter().any(|k| names(container, k))
+}
+
+/// Whether any container of the pod asks for a gpuledger resource.
+pub fn pod_asks_for_gpus(pod: &Pod) -> bool {
+    pod.spec.as_ref().is_some_and(|s| {
+        s.containers.iter().any(asks_for_gpus)
+            || s.init_containers.iter().flatten().any(asks_for_gpus)
+    })
+}
+
+/// A JSON-pointer segment (`/` and `~` escaped).
+fn segment(s: &str) -> String {
+    s.replace('~', "~0").replace('/', "~1")
+}
+
+/// The JSON patch that makes `pod` what the rest of gpuledger expects (see the module docs);
+/// empty for pods without GPUs.
+pub fn mutation(pod: &Pod, scheduler_name: &str) -> Vec<Value> {
+    let Some(spec) = pod.spec.as_ref() else {
+        return Vec::new();
+    };
+    if !pod_asks_for_gpus(pod) {
+        return Vec::new();
+    }
+    let mut ops = Vec::new();
+    match spec.scheduler_name.as_deref() {
+        None => {
+            ops.push(json!({"op": "add", "path": "/spec/schedulerName", "value": scheduler_name}))
+        }
+        Some(DEFAULT_SCHEDULER) => ops
+            .push(json!({"op": "replace", "path": "/spec/schedulerName", "value": scheduler_name})),
+        Some(_) => {}
+    }
+    let lists = [
+        (
+            "initContainers",
+            spec.init_containers.as_deref().unwrap_or_default(),
+        ),
+        ("containers", spec.containers.as_slice()),
+    ];
+    for (list, containers) in lists {
+        for (i, c) in containers.iter().enumerate() {
+            let base = format!("/spec/{list}/{i}");
+            if asks_for_gpus(c) {
+                if !names(c, GPU) {
+                    ops.extend(default_count(c, &base));
+                }
+            } else {
+                ops.extend(hide_gpus(c, &base));
+            }
+        }
+    }
+    ops
+}
+
+/// Adds `nvidia.com/gpu: 1` to the container's limits (creating what is missing).
+fn default_count(c: &Container, base: &str) -> Vec<Value> {
+    let gpu = segment(GPU);
+    match c.resources.as_ref() {
+        None => vec![json!({"op": "add", "path": format!("{base}/resources"),
+                            "value": {"limits": {GPU: DEFAULT_GPU_COUNT}}})],
+        Some(r) if r.limits.is_none() => vec![json!({"op": "add",
+            "path": format!("{base}/resources/limits"), "value": {GPU: DEFAULT_GPU_COUNT}})],
+        Some(_) => vec![
+            json!({"op": "add", "path": format!("{base}/resources/limits/{gpu}"),
+                               "value": DEFAULT_GPU_COUNT}),
+        ],
+    }
+}
+
+/// Sets `NVIDIA_VISIBLE_DEVICES=none` (replacing a value the container set itself).
+fn hide_gpus(c: &Container, base: &str) -> Vec<Value> {
+    let var = json!({"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"});
+    match c.env.as_deref() {
+        None => vec![json!({"op": "add", "path": format!("{base}/env"), "value": [var]})],
+        Some(env) => match env.iter().position(|e| e.name == "NVIDIA_VISIBLE_DEVICES") {
+            Some(k) => {
+                vec![json!({"op": "replace", "path": format!("{base}/env/{k}"), "value": var})]
+            }
+            None => vec![json!({"op": "add", "path": format!("{base}/env/-"), "value": var})],
+        },
+    }
+}
+
+/// Why `pod` may not be created, or `None`.
+pub fn refusal(pod: &Pod, config: &PodApiConfig) -> Option<String> {
+    if !pod_asks_for_gpus(pod) {
+        return None;
+    }
+    let req = match podapi::parse_pod(pod, config) {
+        Ok(req) => req,
+        Err(e) => return Some(e.to_string()),
+    };
+    if let Some(e) = podapi::unallocatable_request(pod, &req) {
+        return Some(e.to_string());
+    }
+    let node = pod.spec.as_ref().and_then(|s| s.node_name.as_deref());
+    if let Some(node) = node.filter(|n| !n.is_empty()) {
+        return Some(format!(
+            "a GPU pod may not be created with spec.nodeName (here {node:?}): it would run on GPUs the ledger does not book; let gpuledger's scheduler place it (a nodeSelector or node affinity still pins it to a node)"
+        ));
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(v: Value) -> Pod {
+        serde_json::from_value(v).unwrap()
+    }
+
+    fn gpu_pod() -> Pod {
+        pod(
+            json!({"metadata": {"name": "p"}, "spec": {"schedulerName": "default-scheduler",
+            "containers": [
+                {"name": "main", "resources": {"limits": {"nvidia.com/gpumem": "4096"}}},
+                {"name": "side", "env": [{"name": "A", "value": "b"}]},
+            ]}}),
+        )
+    }
+
+    fn apply(pod: &Pod, ops: &[Value]) -> Value {
+        let mut doc = serde_json::to_value(pod).unwrap();
+        let patch: json_patch_lite::Patch = ops.to_vec();
+        json_patch_lite::apply(&mut doc, &patch);
+        doc
+    }
+
+    /// A minimal JSON-patch applier for the three operations the webhook emits, so the tests
+    /// check the patch's effect rather than its spelling.
+    mod json_patch_lite {
+        use serde_json::Value;
+        pub type Patch = Vec<Value>;
+        fn unescape(s: &str) -> String {
+            s.replace("~1", "/").replace("~0", "~")
+        }
+        pub fn apply(doc: &mut Value, patch: &Patch) {
+            for op in patch {
+                let path = op["path"].as_str().unwrap();
+                let parts: Vec<String> = path.split('/').skip(1).map(unescape).collect();
+                let (last, parents) = parts.split_last().unwrap();
+                let mut at = &mut *doc;
+                for p in parents {
+                    at = match at {
+                        Value::Array(a) => &mut a[p.parse::<usize>().unwrap()],
+                        Value::Object(o) => o.get_mut(p).unwrap(),
+                        _ => panic!("{path}"),
+                    };
+                }
+                let value = op["value"].clone();
+                match (at, op["op"].as_str().unwrap()) {
+                    (Value::Array(a), "add") if last == "-" => a.push(value),
+                    (Value::Array(a), _) => a[last.parse::<usize>().unwrap()] = value,
+                    (Value::Object(o), _) => {
+                        o.insert(last.clone(), value);
+                    }
+                    _ => panic!("{path}"),
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_gpu_pod_gets_the_scheduler_the_default_count_and_hidden_gpus_elsewhere() {
+        let p = gpu_pod();
+        let out = apply(&p, &mutation(&p, "gpuledger-scheduler"));
+        assert_eq!(out["spec"]["schedulerName"], "gpuledger-scheduler");
+        let main = &out["spec"]["containers"][0];
+        assert_eq!(main["resources"]["limits"]["nvidia.com/gpu"], "1");
+        assert_eq!(main["resources"]["limits"]["nvidia.com/gpumem"], "4096");
+        assert!(main["env"].is_null(), "the GPU container sees its GPUs");
+        let side = &out["spec"]["containers"][1]["env"];
+        assert_eq!(side[0]["name"], "A");
+        assert_eq!(
+            side[1],
+            json!({"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"})
+        );
+    }
+
+    #[test]
+    fn a_pod_naming_another_scheduler_keeps_it_and_a_given_count_is_kept() {
+        let p = pod(
+            json!({"metadata": {"name": "p"}, "spec": {"schedulerName": "volcano",
+            "containers": [{"name": "main", "resources": {"limits": {"nvidia.com/gpu": "2"}}}]}}),
+        );
+        assert!(mutation(&p, "gpuledger-scheduler").is_empty());
+    }
+
+    #[test]
+    fn pods_without_gpus_are_left_alone_and_never_refused() {
+        let p = pod(json!({"metadata": {"name": "p"}, "spec": {"nodeName": "n1",
+            "containers": [{"name": "web"}]}}));
+        assert!(mutation(&p, "gpuledger-scheduler").is_empty());
+        assert_eq!(refusal(&p, &PodApiConfig::default()), None);
+    }
+
+    #[test]
+    fn a_container_without_resources_or_env_gets_them_created() {
+        let p = pod(json!({"metadata": {"name": "p"}, "spec": {
+            "initContainers": [{"name": "init", "resources": {"requests": {"nvidia.com/gpucores": "10"}}}],
+            "containers": [{"name": "plain"}]}}));
+        let out = apply(&p, &mutation(&p, "gpuledger-scheduler"));
+        assert_eq!(
+            out["spec"]["initContainers"][0]["resources"]["limits"]["nvidia.com/gpu"],
+            "1"
+        );
+        assert_eq!(out["spec"]["containers"][0]["env"][0]["value"], "none");
+        assert_eq!(out["spec"]["schedulerName"], "gpuledger-scheduler");
+    }
+
+    #[test]
+    fn an_invalid_annotation_is_refused_naming_key_and_value() {
+        let p = pod(
+            json!({"metadata": {"name": "p", "annotations": {"hami.io/numa-alignment": "sideways"}},
+            "spec": {"containers": [{"name": "main", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}),
+        );
+        let why = refusal(&p, &PodApiConfig::default()).unwrap();
+        assert!(
+            why.contains("hami.io/numa-alignment") && why.contains("sideways"),
+            "{why}"
+        );
+    }
+
+    #[test]
+    fn a_gpu_pod_with_a_preset_node_is_refused() {
+        let p = pod(
+            json!({"metadata": {"name": "p"}, "spec": {"nodeName": "gpu-1",
+            "containers": [{"name": "main", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}),
+        );
+        let why = refusal(&p, &PodApiConfig::default()).unwrap();
+        assert!(
+            why.contains("spec.nodeName") && why.contains("gpu-1"),
+            "{why}"
+        );
+    }
+}

@@ -1,0 +1,145 @@
+//! The admission webhook's HTTP side: `POST /mutate-pods` and `POST /validate-pods`, served on
+//! the extender's listener (the same Service, port and certificate; the API server verifies it
+//! with the configuration's `caBundle`). Both speak `admission.k8s.io/v1` `AdmissionReview`.
+//!
+//! A review the webhook cannot read is refused, not allowed: the webhook configurations send
+//! only GPU pods here (`matchConditions`), and a GPU pod nobody checked is what the ledger must
+//! never see.
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::routing::post;
+use axum::{Json, Router};
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD;
+use k8s_openapi::api::core::v1::Pod;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::pod;
+use crate::context::Context;
+
+/// The webhook's routes, merged into the extender's server.
+pub fn router(ctx: Arc<Context>) -> Router {
+    Router::new()
+        .route("/mutate-pods", post(mutate_handler))
+        .route("/validate-pods", post(validate_handler))
+        .with_state(ctx)
+}
+
+#[derive(Deserialize)]
+struct Review {
+    request: Option<ReviewRequest>,
+}
+
+#[derive(Deserialize)]
+struct ReviewRequest {
+    uid: String,
+    object: Option<Value>,
+}
+
+/// An answer to review `uid`: allowed (with an optional JSON patch) or refused with `message`.
+fn answer(uid: &str, allowed: Result<Option<Vec<Value>>, String>) -> Value {
+    let mut response = json!({ "uid": uid, "allowed": allowed.is_ok() });
+    match allowed {
+        Ok(Some(patch)) if !patch.is_empty() => {
+            let bytes = serde_json::to_vec(&patch).unwrap_or_default();
+            response["patchType"] = json!("JSONPatch");
+            response["patch"] = json!(STANDARD.encode(bytes));
+        }
+        Ok(_) => {}
+        Err(message) => {
+            response["status"] = json!({ "code": 403, "reason": "Forbidden", "message": message });
+        }
+    }
+    json!({ "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": response })
+}
+
+/// The review's uid and pod, or the refusal to send back.
+fn read(review: Value) -> Result<(String, Pod), Value> {
+    let review: Review = serde_json::from_value(review).map_err(|e| {
+        answer(
+            "",
+            Err(format!(
+                "gpuledger webhook: unreadable AdmissionReview: {e}"
+            )),
+        )
+    })?;
+    let Some(request) = review.request else {
+        return Err(answer(
+            "",
+            Err("gpuledger webhook: AdmissionReview without a request".into()),
+        ));
+    };
+    let uid = request.uid;
+    let object = request.object.unwrap_or(Value::Null);
+    match serde_json::from_value::<Pod>(object) {
+        Ok(pod) => Ok((uid, pod)),
+        Err(e) => Err(answer(
+            &uid,
+            Err(format!("gpuledger webhook: not a Pod: {e}")),
+        )),
+    }
+}
+
+async fn mutate_handler(State(ctx): State<Arc<Context>>, Json(review): Json<Value>) -> Json<Value> {
+    let (uid, pod) = match read(review) {
+        Ok(x) => x,
+        Err(refused) => return Json(refused),
+    };
+    let patch = pod::mutation(&pod, &ctx.defaults.scheduler_name);
+    if !patch.is_empty() {
+        tracing::debug!(pod = ?pod.metadata.name, ops = patch.len(), "webhook mutated a GPU pod");
+    }
+    Json(answer(&uid, Ok(Some(patch))))
+}
+
+async fn validate_handler(
+    State(ctx): State<Arc<Context>>,
+    Json(review): Json<Value>,
+) -> Json<Value> {
+    let (uid, pod) = match read(review) {
+        Ok(x) => x,
+        Err(refused) => return Json(refused),
+    };
+    match pod::refusal(&pod, &ctx.defaults.pod_api) {
+        None => Json(answer(&uid, Ok(None))),
+        Some(why) => {
+            tracing::info!(pod = ?pod.metadata.name, %why, "webhook refused a GPU pod");
+            Json(answer(&uid, Err(why)))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_allowed_review_carries_the_patch_base64_encoded() {
+        let a = answer(
+            "u1",
+            Ok(Some(vec![json!({"op": "add", "path": "/x", "value": 1})])),
+        );
+        assert_eq!(a["response"]["uid"], "u1");
+        assert_eq!(a["response"]["allowed"], true);
+        assert_eq!(a["response"]["patchType"], "JSONPatch");
+        let raw = STANDARD
+            .decode(a["response"]["patch"].as_str().unwrap())
+            .unwrap();
+        let ops: Vec<Value> = serde_json::from_slice(&raw).unwrap();
+        assert_eq!(ops[0]["path"], "/x");
+    }
+
+    #[test]
+    fn a_refusal_says_why_and_an_unreadable_review_is_refused() {
+        let a = answer("u2", Err("no".into()));
+        assert_eq!(a["response"]["allowed"], false);
+        assert_eq!(a["response"]["status"]["message"], "no");
+        let refused = read(json!({"request": {"uid": "u3", "object": {"spec": 7}}})).unwrap_err();
+        assert_eq!(refused["response"]["allowed"], false);
+        assert_eq!(refused["response"]["uid"], "u3");
+        assert!(read(json!({})).is_err());
+    }
+}
