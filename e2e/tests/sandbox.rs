@@ -72,33 +72,15 @@ fn make_sandbox_runs_the_sample_gpu_pod_and_sandbox_down_leaves_nothing() {
     assert!(pids.len() >= 10, "{pids:?}");
 
     kubectl(&kubeconfig, &["apply", "-f", "config/samples/gpu-pod.yaml"]);
+    let sample = |field: &str| {
+        let jsonpath = format!("jsonpath={{{field}}}");
+        let args = ["get", "pod", "trainer", "-n", "default", "-o", &jsonpath];
+        kubectl(&kubeconfig, &args)
+    };
     wait_until("the sample pod Running", || {
-        kubectl(
-            &kubeconfig,
-            &[
-                "get",
-                "pod",
-                "trainer",
-                "-n",
-                "default",
-                "-o",
-                "jsonpath={.status.phase}",
-            ],
-        ) == "Running"
+        sample(".status.phase") == "Running"
     });
-    let scheduled_by = kubectl(
-        &kubeconfig,
-        &[
-            "get",
-            "pod",
-            "trainer",
-            "-n",
-            "default",
-            "-o",
-            "jsonpath={.spec.schedulerName}",
-        ],
-    );
-    assert_eq!(scheduled_by, "gpuledger-scheduler");
+    assert_eq!(sample(".spec.schedulerName"), "gpuledger-scheduler");
     wait_until("its reservation Allocated", || {
         kubectl(&kubeconfig, &["get", "gpureservations", "-n", "default"])
             .lines()

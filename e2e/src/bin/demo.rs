@@ -104,17 +104,24 @@ fn down(state_dir: &Path) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-fn sandbox(state_dir: &Path) -> ExitCode {
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
+/// The two-thread runtime both commands run on (`None`, said on stderr, when it cannot start).
+fn runtime() -> Option<tokio::runtime::Runtime> {
+    match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
     {
-        Ok(rt) => rt,
+        Ok(rt) => Some(rt),
         Err(e) => {
             eprintln!("gpuledger-demo: cannot start the async runtime: {e}");
-            return ExitCode::FAILURE;
+            None
         }
+    }
+}
+
+fn sandbox(state_dir: &Path) -> ExitCode {
+    let Some(runtime) = runtime() else {
+        return ExitCode::FAILURE;
     };
     let mut progress = Progress::default();
     let outcome = runtime.block_on(async {
@@ -138,16 +145,8 @@ fn sandbox(state_dir: &Path) -> ExitCode {
 }
 
 fn run(state_dir: &Path) -> ExitCode {
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("gpuledger-demo: cannot start the async runtime: {e}");
-            return ExitCode::FAILURE;
-        }
+    let Some(runtime) = runtime() else {
+        return ExitCode::FAILURE;
     };
     let mut progress = Progress::default();
     // Whatever ends the story — success, failure or a signal — drops the cluster inside this

@@ -117,8 +117,8 @@ where
     Ok(out)
 }
 
-/// Starts everything in `state_dir` (cleaned first), runs the story, and tears everything down.
-pub async fn run(state_dir: &Path, progress: &mut Progress) -> Result<(), DemoError> {
+/// Stops whatever an earlier run left in `state_dir` and gives it back empty.
+fn fresh_state_dir(state_dir: &Path) -> Result<(), DemoError> {
     let killed = leftovers::kill_leftovers(state_dir);
     if !killed.is_empty() {
         println!("stopped {} processes left by an earlier run", killed.len());
@@ -132,7 +132,12 @@ pub async fn run(state_dir: &Path, progress: &mut Progress) -> Result<(), DemoEr
     std::fs::create_dir_all(state_dir).map_err(|source| DemoError::StateDir {
         path: state_dir.to_path_buf(),
         source,
-    })?;
+    })
+}
+
+/// Starts everything in `state_dir` (cleaned first), runs the story, and tears everything down.
+pub async fn run(state_dir: &Path, progress: &mut Progress) -> Result<(), DemoError> {
+    fresh_state_dir(state_dir)?;
     let opts = SimClusterOptions {
         run_dir: Some(state_dir.to_path_buf()),
         ..Default::default()
@@ -160,23 +165,7 @@ pub const SANDBOX_READY: &str = "ready";
 /// chart's gpuledger-scheduler next to the default scheduler), left running for the user until
 /// the process is stopped (`make sandbox-down`, or a signal). Returns only on a start-up error.
 pub async fn sandbox(state_dir: &Path, progress: &mut Progress) -> Result<(), DemoError> {
-    let killed = leftovers::kill_leftovers(state_dir);
-    if !killed.is_empty() {
-        println!(
-            "stopped {} processes left by an earlier sandbox",
-            killed.len()
-        );
-    }
-    if state_dir.exists() {
-        std::fs::remove_dir_all(state_dir).map_err(|source| DemoError::StateDir {
-            path: state_dir.to_path_buf(),
-            source,
-        })?;
-    }
-    std::fs::create_dir_all(state_dir).map_err(|source| DemoError::StateDir {
-        path: state_dir.to_path_buf(),
-        source,
-    })?;
+    fresh_state_dir(state_dir)?;
     let opts = SimClusterOptions {
         run_dir: Some(state_dir.to_path_buf()),
         gpuledger_scheduler: true,
