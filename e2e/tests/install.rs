@@ -19,8 +19,13 @@ use gpuledger_crds::{GpuReservation, ReservationPhase};
 use gpuledger_e2e::cluster::{ensure_namespace, expected_git_version, wait_for};
 use gpuledger_e2e::sim::binaries::build_gpuledger_binaries;
 use gpuledger_e2e::sim::pods::{GpuPod, wait_bound, wait_pod_phase, wait_reservation};
-use gpuledger_e2e::sim::scheduler::{kind_name, rendered_chart};
+use gpuledger_e2e::sim::scheduler::{
+    WEBHOOK_CONFIGURATION, kind_name, operator_ca, rendered_chart,
+};
 use gpuledger_e2e::sim::{GPULEDGER_SCHEDULER, Quiet, SimCluster, SimClusterOptions};
+use k8s_openapi::api::admissionregistration::v1::{
+    MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
+};
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -147,7 +152,7 @@ async fn the_charts_scheduler_and_webhooks_place_default_and_refuse_gpu_pods_ove
     cluster.check_running().unwrap();
 
     // The chart's webhook configurations, pointed at the operator on 127.0.0.1 (no Service DNS
-    // here) with the CA of its certificate as caBundle, as a cert-manager injection would set.
+    // here), without a caBundle: the operator writes the CA it created for itself there.
     let extender = &scheduler_config(&cluster)["extenders"][0];
     let port = extender["urlPrefix"]
         .as_str()
@@ -156,7 +161,6 @@ async fn the_charts_scheduler_and_webhooks_place_default_and_refuse_gpu_pods_ove
         .next()
         .unwrap()
         .to_string();
-    let ca = std::fs::read(extender["tlsConfig"]["caFile"].as_str().unwrap()).unwrap();
     let mut hooks: Vec<serde_yaml::Value> = rendered_chart()
         .unwrap()
         .into_iter()
@@ -170,14 +174,39 @@ async fn the_charts_scheduler_and_webhooks_place_default_and_refuse_gpu_pods_ove
                 .unwrap()
                 .to_string();
             assert_eq!(w["failurePolicy"], "Fail");
-            w["clientConfig"] = serde_yaml::from_str(&format!(
-                "{{url: 'https://127.0.0.1:{port}{path}', caBundle: '{}'}}",
-                STANDARD.encode(&ca)
-            ))
-            .unwrap();
+            w["clientConfig"] =
+                serde_yaml::from_str(&format!("{{url: 'https://127.0.0.1:{port}{path}'}}"))
+                    .unwrap();
         }
     }
     apply(&cluster, &hooks);
+    let ca = operator_ca(&cluster.cp).await.unwrap();
+    let bundle = STANDARD.encode(ca.as_bytes());
+    let mutating: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
+    let validating: Api<ValidatingWebhookConfiguration> = Api::all(client.clone());
+    wait_for(
+        "the operator's CA in both webhook configurations",
+        WAIT,
+        || async {
+            let m = mutating.get(WEBHOOK_CONFIGURATION).await?;
+            let v = validating.get(WEBHOOK_CONFIGURATION).await?;
+            let mut bundles = m
+                .webhooks
+                .iter()
+                .flatten()
+                .map(|w| w.client_config.ca_bundle.clone())
+                .chain(
+                    v.webhooks
+                        .iter()
+                        .flatten()
+                        .map(|w| w.client_config.ca_bundle.clone()),
+                );
+            let set = bundles.all(|b| b.is_some_and(|b| STANDARD.encode(&b.0) == bundle));
+            Ok::<_, kube::Error>(set.then_some(()))
+        },
+    )
+    .await
+    .unwrap();
     let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
 
     // No schedulerName: the webhook sends it to gpuledger-scheduler; its sidecar is shown no GPU.

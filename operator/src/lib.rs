@@ -10,9 +10,11 @@
 //! 7. [`audit`]: every invariant checked against a live cluster.
 //!
 //! [`run`] wires them; [`context`] is what they share; [`events`], [`telemetry`] and
-//! [`watches`] serve all of them.
+//! [`watches`] serve all of them; [`certs`] keeps the certificate the webhook and the extender
+//! serve.
 
 pub mod audit;
+pub mod certs;
 pub mod context;
 pub mod controllers;
 pub mod events;

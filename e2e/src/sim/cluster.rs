@@ -10,8 +10,7 @@ use tokio::time::Instant;
 use crate::cluster::{ControlPlane, ControlPlaneOptions, SchedulerSetup};
 use crate::sim::operator::{free_port, install_gpuledger};
 use crate::sim::{
-    ExtenderTls, GpuledgerScheduler, OperatorProcess, SimNode, SimNodeError, SimNodeOptions,
-    binaries,
+    GpuledgerScheduler, OperatorProcess, SimNode, SimNodeError, SimNodeOptions, binaries, scheduler,
 };
 
 /// Observes the start-up steps.
@@ -127,14 +126,9 @@ impl SimCluster {
         )
         .await?;
         let run_dir = cp.run_dir().to_path_buf();
-        let tls = if opts.gpuledger_scheduler {
-            Some(ExtenderTls::generate(&run_dir)?)
-        } else {
-            None
-        };
         let mut operator_args = opts.operator_args.clone();
-        if let Some(tls) = &tls {
-            operator_args.extend(tls.operator_args());
+        if opts.gpuledger_scheduler {
+            operator_args.extend(scheduler::operator_tls_args());
         }
         let operator = step(
             steps,
@@ -142,16 +136,17 @@ impl SimCluster {
             OperatorProcess::start(&cp, extender_port, &run_dir, &operator_args),
         )
         .await?;
-        let scheduler = match &tls {
-            Some(tls) => Some(
+        let scheduler = if opts.gpuledger_scheduler {
+            Some(
                 step(
                     steps,
                     "gpuledger-scheduler (the chart's kube-scheduler profile, extender over verified TLS)",
-                    GpuledgerScheduler::start(&cp, extender_port, tls, &run_dir),
+                    GpuledgerScheduler::start(&cp, extender_port, &run_dir),
                 )
                 .await?,
-            ),
-            None => None,
+            )
+        } else {
+            None
         };
         let mut nodes = Vec::new();
         for (i, name) in opts.nodes.iter().enumerate() {

@@ -33,7 +33,7 @@ pub use lifecycle::{Admission, AdmissionOutcome, Admissions};
 pub use node::{SimNode, SimNodeOptions};
 pub use node_kubelet::{NodeKubelet, SIM_KUBELET};
 pub use operator::{OperatorProcess, install_gpuledger};
-pub use scheduler::{ExtenderTls, GPULEDGER_SCHEDULER, GpuledgerScheduler};
+pub use scheduler::{GPULEDGER_SCHEDULER, GpuledgerScheduler};
 
 use crate::cluster::ClusterError;
 use crate::kubelet::SimError;

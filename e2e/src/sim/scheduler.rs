@@ -1,7 +1,7 @@
 //! [`GpuledgerScheduler`]: the Helm chart's own `gpuledger-scheduler` on the local control plane —
 //! the upstream kube-scheduler binary running the configuration the chart renders, with the
-//! chart's RBAC for it, next to the cluster's default scheduler — and [`ExtenderTls`], the
-//! certificate the operator's extender serves it.
+//! chart's RBAC for it, next to the cluster's default scheduler — trusting the CA the operator
+//! created for itself ([`operator_tls_args`]).
 //!
 //! Only what a local cluster cannot have is changed in the rendered configuration: the
 //! extender's URL names the operator's Service, which has no DNS here, so it points at the
@@ -15,8 +15,8 @@ use std::process::{Command, Stdio};
 
 use gpuledger_crds::names::DEFAULT_NAMESPACE;
 use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::Secret;
 use kube::api::Api;
-use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
 use serde::Deserialize;
 use serde_yaml::Value;
 
@@ -30,57 +30,43 @@ pub const GPULEDGER_SCHEDULER: &str = "gpuledger-scheduler";
 /// The Helm release name the chart is rendered with.
 const RELEASE: &str = "gpuledger";
 
-/// The extender's serving certificate and the CA that signed it, as files.
-#[derive(Clone, Debug)]
-pub struct ExtenderTls {
-    /// The name the certificate is for (the operator Service's DNS name).
-    pub server_name: String,
-    /// CA certificate (PEM).
-    pub ca: PathBuf,
-    /// Serving certificate (PEM).
-    pub cert: PathBuf,
-    /// Its key (PEM).
-    pub key: PathBuf,
+/// The Secret the operator keeps its certificate in (the chart's and config/'s default).
+pub const TLS_SECRET: &str = "gpuledger-extender-tls";
+/// The name of the pod webhook configurations (config/webhook, the chart).
+pub const WEBHOOK_CONFIGURATION: &str = "gpuledger-pods";
+
+/// The operator Service's DNS name, which its certificate is for.
+pub fn service_name() -> String {
+    format!("{RELEASE}-operator.{DEFAULT_NAMESPACE}.svc")
 }
 
-impl ExtenderTls {
-    /// A fresh CA and a certificate for the chart's operator Service, written under `dir`.
-    pub fn generate(dir: &Path) -> Result<Self, SimNodeError> {
-        let server_name = format!("{RELEASE}-operator.{DEFAULT_NAMESPACE}.svc");
-        let pki = |what| move |source| ClusterError::Pki { what, source };
-        let ca_key = KeyPair::generate().map_err(pki("extender CA key"))?;
-        let mut ca = CertificateParams::new(Vec::<String>::new()).map_err(pki("extender CA"))?;
-        ca.distinguished_name
-            .push(DnType::CommonName, "gpuledger-extender-ca");
-        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        let ca_cert = ca.self_signed(&ca_key).map_err(pki("extender CA"))?;
-        let issuer = Issuer::new(ca, ca_key);
-        let key = KeyPair::generate().map_err(pki("extender key"))?;
-        // 127.0.0.1 too: the API server calls the admission webhook by URL on a local cluster.
-        let serving = CertificateParams::new(vec![server_name.clone(), "127.0.0.1".to_string()])
-            .map_err(pki("extender certificate"))?
-            .signed_by(&key, &issuer)
-            .map_err(pki("extender certificate"))?;
-        let write = |name: &str, pem: String| -> Result<PathBuf, SimNodeError> {
-            let path = dir.join(name);
-            std::fs::write(&path, pem).map_err(|e| SimNodeError::io("write", &path, e))?;
-            Ok(path)
-        };
-        Ok(ExtenderTls {
-            server_name,
-            ca: write("extender-ca.crt", ca_cert.pem())?,
-            cert: write("extender.crt", serving.pem())?,
-            key: write("extender.key", key.serialize_pem())?,
-        })
-    }
+/// The operator's flags for a chart-like install on the local cluster: its own certificate in
+/// the chart's Secret, for the Service's name and for 127.0.0.1 (the API server calls the
+/// webhook by URL here), and the webhook configurations' caBundle kept by it.
+pub fn operator_tls_args() -> Vec<String> {
+    vec![
+        format!("--self-signed-tls={TLS_SECRET}"),
+        format!("--tls-names={},127.0.0.1", service_name()),
+        format!("--webhook-configuration={WEBHOOK_CONFIGURATION}"),
+    ]
+}
 
-    /// The operator's flags to serve the extender with this certificate.
-    pub fn operator_args(&self) -> Vec<String> {
-        vec![
-            format!("--tls-cert={}", self.cert.display()),
-            format!("--tls-key={}", self.key.display()),
-        ]
-    }
+/// The operator's CA (`ca.crt` of its Secret), as it created it.
+pub async fn operator_ca(cp: &ControlPlane) -> Result<String, SimNodeError> {
+    let secrets: Api<Secret> = Api::namespaced(cp.client(), DEFAULT_NAMESPACE);
+    let ca = wait_for("the operator's certificate Secret", STARTUP_TIMEOUT, || {
+        let secrets = secrets.clone();
+        async move {
+            let s = secrets.get_opt(TLS_SECRET).await?;
+            Ok::<_, kube::Error>(
+                s.and_then(|s| s.data)
+                    .and_then(|d| d.get("ca.crt").cloned())
+                    .and_then(|b| String::from_utf8(b.0).ok()),
+            )
+        }
+    })
+    .await?;
+    Ok(ca)
 }
 
 /// The objects `helm template` renders for the chart (release `gpuledger` in
@@ -147,7 +133,6 @@ impl GpuledgerScheduler {
     pub async fn start(
         cp: &ControlPlane,
         extender_port: u16,
-        tls: &ExtenderTls,
         dir: &Path,
     ) -> Result<Self, SimNodeError> {
         let chart = rendered_chart()?;
@@ -177,8 +162,11 @@ impl GpuledgerScheduler {
             .map_err(|e| SimNodeError::Build(format!("gpuledger-scheduler-config: {e}")))?;
         let extender = &mut config["extenders"][0];
         extender["urlPrefix"] = Value::from(format!("https://127.0.0.1:{extender_port}"));
-        extender["tlsConfig"]["caFile"] = Value::from(tls.ca.display().to_string());
-        extender["tlsConfig"]["serverName"] = Value::from(tls.server_name.clone());
+        let ca_file = dir.join("operator-ca.crt");
+        std::fs::write(&ca_file, operator_ca(cp).await?)
+            .map_err(|e| SimNodeError::io("write", &ca_file, e))?;
+        extender["tlsConfig"]["caFile"] = Value::from(ca_file.display().to_string());
+        extender["tlsConfig"]["serverName"] = Value::from(service_name());
         let kubeconfig = cp
             .service_account_kubeconfig(DEFAULT_NAMESPACE, GPULEDGER_SCHEDULER, None)
             .await?;

@@ -393,6 +393,18 @@ pub(crate) async fn operator_is_confined_to_its_rules(cp: &ControlPlane) {
         "forbidden",
         "operator listing secrets",
     );
+    // Of Secrets, only its own certificate's (--self-signed-tls) is readable.
+    assert_refused(
+        secrets.get("someone-elses").await,
+        403,
+        "forbidden",
+        "operator reading another Secret",
+    );
+    match secrets.get("gpuledger-extender-tls").await {
+        Err(kube::Error::Api(e)) => assert_eq!(e.code, 404, "its own Secret is readable: {e:?}"),
+        Ok(_) => {}
+        Err(e) => panic!("{e}"),
+    }
 }
 
 /// A namespace user bound to the built-in `edit` role (a ServiceAccount of the namespace, as a

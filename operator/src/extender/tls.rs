@@ -63,6 +63,19 @@ pub fn acceptor(cert: &Path, key: &Path) -> Result<TlsAcceptor, TlsError> {
     Ok(TlsAcceptor::from(Arc::new(config)))
 }
 
+/// Serves whatever `resolver` holds: a certificate that may be renewed while serving
+/// (`certs::LiveCert`).
+pub fn acceptor_resolving(
+    resolver: Arc<dyn tokio_rustls::rustls::server::ResolvesServerCert>,
+) -> Result<TlsAcceptor, TlsError> {
+    let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
+    let config = ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_no_client_auth()
+        .with_cert_resolver(resolver);
+    Ok(TlsAcceptor::from(Arc::new(config)))
+}
+
 /// A TCP listener whose connections are TLS sessions.
 pub struct TlsListener {
     tcp: TcpListener,

@@ -37,6 +37,18 @@ pub struct RunConfig {
     /// PEM private key for the extender.
     #[arg(long, env = "GPULEDGER_TLS_KEY", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
+    /// Keep the extender's and the webhook's serving certificate in this Secret of --namespace,
+    /// created and renewed by the operator itself (instead of --tls-cert/--tls-key).
+    #[arg(long, env = "GPULEDGER_SELF_SIGNED_TLS", conflicts_with = "tls_cert")]
+    pub self_signed_tls: Option<String>,
+    /// DNS names and IP addresses of that certificate, comma-separated (default: the operator
+    /// Service's names, gpuledger-operator.<namespace>.svc and its shorter forms).
+    #[arg(long, env = "GPULEDGER_TLS_NAMES", value_delimiter = ',')]
+    pub tls_names: Vec<String>,
+    /// Mutating and validating webhook configurations (one name) whose caBundle the operator
+    /// keeps equal to its CA, with --self-signed-tls; empty: none.
+    #[arg(long, env = "GPULEDGER_WEBHOOK_CONFIGURATION", default_value = "")]
+    pub webhook_configuration: String,
     /// Address of /metrics, /healthz and /readyz.
     #[arg(long, env = "GPULEDGER_METRICS_ADDR", default_value = "127.0.0.1:9090")]
     pub metrics_addr: SocketAddr,

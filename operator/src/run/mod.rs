@@ -32,7 +32,7 @@ use crate::ledger::{LedgerIndex, LedgerWriter, NodeLocks};
 use crate::schedule::Policy;
 use crate::telemetry::{Health, Metrics};
 use crate::watches::{drive, strip_managed_fields, tracked};
-use crate::{controllers, extender, ledger, webhook};
+use crate::{certs, controllers, extender, ledger, webhook};
 use config::RunConfig;
 
 /// Why the operator could not start or stopped.
@@ -53,6 +53,9 @@ pub enum RunError {
     /// The extender's TLS identity could not be loaded.
     #[error(transparent)]
     Tls(#[from] extender::tls::TlsError),
+    /// The operator's own certificate could not be issued or read.
+    #[error("serving certificate: {0}")]
+    Cert(#[from] certs::CertError),
     /// A server or essential task ended.
     #[error("{0} stopped unexpectedly")]
     TaskEnded(&'static str),
@@ -78,12 +81,36 @@ async fn ensure_namespace(client: &Client, ns: &str) {
 
 /// Runs the operator until `shutdown` completes or an essential task ends.
 pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Result<(), RunError> {
-    let tls = match (&config.tls_cert, &config.tls_key) {
+    let mut tls = match (&config.tls_cert, &config.tls_key) {
         (Some(cert), Some(key)) => Some(extender::tls::acceptor(cert, key)?),
         _ => None,
     };
     let client = kubeclient::client(config.kubeconfig.as_deref()).await?;
     ensure_namespace(&client, &config.namespace).await;
+    let mut cert_keeper = None;
+    if let Some(secret) = &config.self_signed_tls {
+        let names = if config.tls_names.is_empty() {
+            let ns = &config.namespace;
+            vec![
+                format!("gpuledger-operator.{ns}.svc"),
+                format!("gpuledger-operator.{ns}"),
+                "gpuledger-operator".to_string(),
+            ]
+        } else {
+            config.tls_names.clone()
+        };
+        let keeper = certs::SelfSigned {
+            secret: secret.clone(),
+            namespace: config.namespace.clone(),
+            names,
+            webhook_configuration: Some(config.webhook_configuration.clone())
+                .filter(|n| !n.is_empty()),
+        };
+        let identity = keeper.ensure(&client).await?;
+        let live = Arc::new(certs::LiveCert::new(&identity)?);
+        tls = Some(extender::tls::acceptor_resolving(live.clone())?);
+        cert_keeper = Some((keeper, live, identity));
+    }
     let identity = config
         .identity
         .clone()
@@ -205,6 +232,9 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         })?;
     tracing::info!(extender = %config.extender_addr, metrics = %config.metrics_addr, "serving");
     // The admission webhook shares the extender's listener, Service and certificate.
+    if let Some((keeper, live, identity)) = cert_keeper {
+        tasks.spawn(certs::keep_current(client.clone(), keeper, live, identity));
+    }
     let ext_app = extender::server::router(ctx.clone()).merge(webhook::server::router(ctx.clone()));
     match tls {
         Some(acceptor) => {

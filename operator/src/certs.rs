@@ -1,0 +1,508 @@
+//! The operator's own serving certificate (`--self-signed-tls <secret>`), for the extender and
+//! the admission webhook, which share one HTTPS port.
+//!
+//! The operator keeps a CA and a serving certificate in a Secret of its namespace (`tls.crt`,
+//! `tls.key`, `ca.crt`, and `ca.key` so that a renewal keeps the CA every client already
+//! trusts), renews the serving certificate a month before it expires, serves whatever the Secret
+//! holds without a restart, and keeps the webhook configurations' `caBundle` equal to `ca.crt`
+//! (`--webhook-configuration`). gpuledger-scheduler mounts the same Secret's `ca.crt`. Replicas
+//! race only at creation: the first create wins and the others use what it wrote.
+
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD;
+use k8s_openapi::ByteString;
+use k8s_openapi::api::admissionregistration::v1::{
+    MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
+};
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::{Client, Resource};
+use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+use serde::de::DeserializeOwned;
+use tokio_rustls::rustls::crypto::ring::default_provider;
+use tokio_rustls::rustls::pki_types::pem::PemObject;
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use tokio_rustls::rustls::server::{ClientHello, ResolvesServerCert};
+use tokio_rustls::rustls::sign::CertifiedKey;
+
+/// Annotation on the Secret: when its serving certificate expires (RFC 3339).
+pub const NOT_AFTER: &str = "gpuledger.io/not-after";
+/// How long a serving certificate is valid.
+const VALIDITY: SignedDuration = SignedDuration::from_hours(365 * 24);
+/// How long before expiry it is renewed.
+const RENEW_BEFORE: SignedDuration = SignedDuration::from_hours(30 * 24);
+/// How often the Secret and the webhook configurations are looked at again.
+pub const RECHECK_EVERY: Duration = Duration::from_secs(10);
+
+/// What went wrong with the certificate.
+#[derive(Debug, thiserror::Error)]
+pub enum CertError {
+    /// Generating a key or a certificate failed.
+    #[error("generating the {what}: {source}")]
+    Generate {
+        /// Which one.
+        what: &'static str,
+        /// Why.
+        source: rcgen::Error,
+    },
+    /// The Secret holds something unusable.
+    #[error("Secret {secret}: {problem}")]
+    BadSecret {
+        /// `namespace/name`.
+        secret: String,
+        /// What is wrong.
+        problem: String,
+    },
+    /// An API call failed.
+    #[error("{action}: {source}")]
+    Kube {
+        /// What was being done.
+        action: String,
+        /// Why.
+        source: kube::Error,
+    },
+    /// rustls refused the certificate and key.
+    #[error("the certificate and key do not form a TLS identity: {0}")]
+    Tls(#[from] tokio_rustls::rustls::Error),
+}
+
+/// One serving identity, as PEM.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Identity {
+    /// The serving certificate.
+    pub cert: String,
+    /// Its key.
+    pub key: String,
+    /// The CA certificate clients trust.
+    pub ca: String,
+    /// The CA key (kept to renew under the same CA).
+    pub ca_key: String,
+    /// When the serving certificate expires.
+    pub not_after: Timestamp,
+}
+
+fn generate(what: &'static str) -> impl FnOnce(rcgen::Error) -> CertError {
+    move |source| CertError::Generate { what, source }
+}
+
+fn ca_params() -> Result<CertificateParams, CertError> {
+    let mut ca = CertificateParams::new(Vec::<String>::new()).map_err(generate("CA"))?;
+    ca.distinguished_name
+        .push(DnType::CommonName, "gpuledger-operator-ca");
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    Ok(ca)
+}
+
+/// `(year, month, day)` of `t` in UTC: certificates here carry day-resolution validity.
+fn ymd(t: Timestamp) -> (i32, u8, u8) {
+    let d = t.to_zoned(k8s_openapi::jiff::tz::TimeZone::UTC).date();
+    (
+        i32::from(d.year()),
+        u8::try_from(d.month()).unwrap_or(1),
+        u8::try_from(d.day()).unwrap_or(1),
+    )
+}
+
+macro_rules! day {
+    ($t:expr) => {{
+        let (y, m, d) = ymd($t);
+        rcgen::date_time_ymd(y, m, d)
+    }};
+}
+
+/// A serving certificate for `names` valid from `now`, under the CA of `ca_key` (a new CA when
+/// `None`). The CA certificate is rebuilt from its key and fixed subject, so certificates issued
+/// after a renewal verify against the `ca.crt` clients already hold.
+pub fn issue(
+    names: &[String],
+    ca: Option<(&str, &str)>,
+    now: Timestamp,
+) -> Result<Identity, CertError> {
+    let (ca_key, ca_pem) = match ca {
+        Some((cert, key)) => (
+            KeyPair::from_pem(key).map_err(generate("CA key"))?,
+            cert.to_string(),
+        ),
+        None => {
+            let key = KeyPair::generate().map_err(generate("CA key"))?;
+            let mut params = ca_params()?;
+            params.not_before = day!(now - SignedDuration::from_hours(24));
+            params.not_after = day!(now + SignedDuration::from_hours(10 * 365 * 24));
+            let cert = params
+                .self_signed(&key)
+                .map_err(generate("CA certificate"))?;
+            (key, cert.pem())
+        }
+    };
+    let ca_key_pem = ca_key.serialize_pem();
+    let issuer = Issuer::new(ca_params()?, ca_key);
+    let key = KeyPair::generate().map_err(generate("serving key"))?;
+    let mut params =
+        CertificateParams::new(names.to_vec()).map_err(generate("serving certificate"))?;
+    params.distinguished_name.push(
+        DnType::CommonName,
+        names.first().cloned().unwrap_or_default(),
+    );
+    // A day of slack before now: day resolution, and clocks a little behind ours.
+    params.not_before = day!(now - SignedDuration::from_hours(24));
+    let not_after = now + VALIDITY;
+    params.not_after = day!(not_after);
+    let cert = params
+        .signed_by(&key, &issuer)
+        .map_err(generate("serving certificate"))?;
+    Ok(Identity {
+        cert: cert.pem(),
+        key: key.serialize_pem(),
+        ca: ca_pem,
+        ca_key: ca_key_pem,
+        not_after,
+    })
+}
+
+/// Whether an identity expiring at `not_after` must be renewed at `now`.
+pub fn due(not_after: Timestamp, now: Timestamp) -> bool {
+    not_after - RENEW_BEFORE <= now
+}
+
+fn secret_of(name: &str, namespace: &str, id: &Identity) -> Secret {
+    let data = [
+        ("tls.crt", &id.cert),
+        ("tls.key", &id.key),
+        ("ca.crt", &id.ca),
+        ("ca.key", &id.ca_key),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), ByteString(v.as_bytes().to_vec())))
+    .collect();
+    Secret {
+        metadata: ObjectMeta {
+            name: Some(name.to_string()),
+            namespace: Some(namespace.to_string()),
+            annotations: Some([(NOT_AFTER.to_string(), id.not_after.to_string())].into()),
+            ..Default::default()
+        },
+        type_: Some("kubernetes.io/tls".into()),
+        data: Some(data),
+        ..Default::default()
+    }
+}
+
+/// The identity a Secret holds, when it holds a complete one.
+fn identity_of(secret: &Secret) -> Option<Identity> {
+    let field = |k: &str| {
+        secret
+            .data
+            .as_ref()?
+            .get(k)
+            .and_then(|b| String::from_utf8(b.0.clone()).ok())
+    };
+    let not_after = secret
+        .metadata
+        .annotations
+        .as_ref()?
+        .get(NOT_AFTER)?
+        .parse()
+        .ok()?;
+    Some(Identity {
+        cert: field("tls.crt")?,
+        key: field("tls.key")?,
+        ca: field("ca.crt")?,
+        ca_key: field("ca.key")?,
+        not_after,
+    })
+}
+
+/// Where the identity lives and what it is for.
+#[derive(Clone, Debug)]
+pub struct SelfSigned {
+    /// The Secret's name.
+    pub secret: String,
+    /// Its namespace (the operator's).
+    pub namespace: String,
+    /// DNS names and IP addresses of the serving certificate.
+    pub names: Vec<String>,
+    /// Mutating and validating webhook configurations whose `caBundle` to keep in step.
+    pub webhook_configuration: Option<String>,
+}
+
+impl SelfSigned {
+    /// The identity to serve: the Secret's, renewed (or first created) when due.
+    pub async fn ensure(&self, client: &Client) -> Result<Identity, CertError> {
+        let api: Api<Secret> = Api::namespaced(client.clone(), &self.namespace);
+        let what = |action: &str| format!("{action} Secret {}/{}", self.namespace, self.secret);
+        let current = api
+            .get_opt(&self.secret)
+            .await
+            .map_err(|source| CertError::Kube {
+                action: what("read"),
+                source,
+            })?;
+        let now = Timestamp::now();
+        let held = current.as_ref().and_then(identity_of);
+        if let Some(id) = held.as_ref().filter(|id| !due(id.not_after, now)) {
+            return Ok(id.clone());
+        }
+        let ca = held.as_ref().map(|id| (id.ca.as_str(), id.ca_key.as_str()));
+        let fresh = issue(&self.names, ca, now)?;
+        let mut secret = secret_of(&self.secret, &self.namespace, &fresh);
+        let written = match &current {
+            None => api.create(&PostParams::default(), &secret).await,
+            Some(old) => {
+                secret.metadata.resource_version = old.meta().resource_version.clone();
+                api.replace(&self.secret, &PostParams::default(), &secret)
+                    .await
+            }
+        };
+        match written {
+            Ok(_) => {
+                tracing::info!(secret = %self.secret, not_after = %fresh.not_after, "serving certificate issued");
+                Ok(fresh)
+            }
+            // Another replica wrote first: serve what it wrote.
+            Err(kube::Error::Api(e)) if e.code == 409 => {
+                let theirs = api
+                    .get(&self.secret)
+                    .await
+                    .map_err(|source| CertError::Kube {
+                        action: what("re-read"),
+                        source,
+                    })?;
+                identity_of(&theirs).ok_or_else(|| CertError::BadSecret {
+                    secret: format!("{}/{}", self.namespace, self.secret),
+                    problem: "written by another replica without a complete identity".into(),
+                })
+            }
+            Err(source) => Err(CertError::Kube {
+                action: what("write"),
+                source,
+            }),
+        }
+    }
+
+    /// Sets `caBundle` of every webhook of the mutating and validating configurations to `ca`,
+    /// where it differs. A configuration that does not exist (yet) is left for the next check.
+    pub async fn publish_ca(&self, client: &Client, ca: &str) -> Result<(), CertError> {
+        let Some(name) = &self.webhook_configuration else {
+            return Ok(());
+        };
+        let bundle = STANDARD.encode(ca.as_bytes());
+        patch_bundles::<MutatingWebhookConfiguration>(client, name, &bundle).await?;
+        patch_bundles::<ValidatingWebhookConfiguration>(client, name, &bundle).await
+    }
+}
+
+/// Sets `caBundle` on every webhook of configuration `name` of kind `K` (a merge patch of the
+/// whole `webhooks` list, guarded by the resourceVersion it was read at).
+async fn patch_bundles<K>(client: &Client, name: &str, bundle: &str) -> Result<(), CertError>
+where
+    K: Resource<Scope = k8s_openapi::ClusterResourceScope>
+        + Clone
+        + DeserializeOwned
+        + serde::Serialize
+        + std::fmt::Debug,
+    K::DynamicType: Default,
+{
+    let api: Api<K> = Api::all(client.clone());
+    let kind = K::kind(&K::DynamicType::default()).to_string();
+    let kube_err = |action: &str| {
+        let action = format!("{action} {kind} {name}");
+        move |source| CertError::Kube { action, source }
+    };
+    let Some(config) = api.get_opt(name).await.map_err(kube_err("read"))? else {
+        return Ok(());
+    };
+    let mut doc = serde_json::to_value(&config).unwrap_or_default();
+    let Some(webhooks) = doc.get_mut("webhooks").and_then(|w| w.as_array_mut()) else {
+        return Ok(());
+    };
+    let mut changed = false;
+    for w in webhooks.iter_mut() {
+        if w["clientConfig"]["caBundle"].as_str() != Some(bundle) {
+            w["clientConfig"]["caBundle"] = serde_json::Value::from(bundle);
+            changed = true;
+        }
+    }
+    if !changed {
+        return Ok(());
+    }
+    let patch = serde_json::json!({
+        "metadata": { "resourceVersion": config.meta().resource_version },
+        "webhooks": webhooks,
+    });
+    api.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .map_err(kube_err("set caBundle of"))?;
+    tracing::info!(%kind, name, "webhook caBundle set to the operator's CA");
+    Ok(())
+}
+
+/// The certificate the TLS listener serves, replaceable while it runs.
+#[derive(Debug)]
+pub struct LiveCert {
+    current: RwLock<Arc<CertifiedKey>>,
+}
+
+fn certified(id: &Identity) -> Result<Arc<CertifiedKey>, CertError> {
+    let bad = |problem: String| CertError::BadSecret {
+        secret: "serving identity".into(),
+        problem,
+    };
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(id.cert.as_bytes())
+        .collect::<Result<_, _>>()
+        .map_err(|e| bad(format!("tls.crt: {e}")))?;
+    let key = PrivateKeyDer::from_pem_slice(id.key.as_bytes())
+        .map_err(|e| bad(format!("tls.key: {e}")))?;
+    let signing = default_provider().key_provider.load_private_key(key)?;
+    Ok(Arc::new(CertifiedKey::new(chain, signing)))
+}
+
+impl LiveCert {
+    /// Serves `id` to begin with.
+    pub fn new(id: &Identity) -> Result<Self, CertError> {
+        Ok(LiveCert {
+            current: RwLock::new(certified(id)?),
+        })
+    }
+
+    /// Serves `id` from the next handshake on.
+    pub fn replace(&self, id: &Identity) -> Result<(), CertError> {
+        let next = certified(id)?;
+        *self.current.write().unwrap_or_else(|e| e.into_inner()) = next;
+        Ok(())
+    }
+}
+
+impl ResolvesServerCert for LiveCert {
+    fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(
+            self.current
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
+        )
+    }
+}
+
+/// Keeps the identity and the webhooks' `caBundle` current until the task is aborted.
+pub async fn keep_current(
+    client: Client,
+    cfg: SelfSigned,
+    live: Arc<LiveCert>,
+    mut serving: Identity,
+) {
+    loop {
+        match cfg.ensure(&client).await {
+            Ok(id) if id != serving => match live.replace(&id) {
+                Ok(()) => serving = id,
+                Err(e) => tracing::error!(error = %e, "cannot serve the renewed certificate"),
+            },
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "checking the serving certificate"),
+        }
+        if let Err(e) = cfg.publish_ca(&client, &serving.ca).await {
+            tracing::warn!(error = %e, "publishing the CA to the webhook configurations");
+        }
+        tokio::time::sleep(RECHECK_EVERY).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names() -> Vec<String> {
+        vec![
+            "gpuledger-operator.gpuledger-system.svc".into(),
+            "127.0.0.1".into(),
+        ]
+    }
+
+    #[test]
+    fn renewal_is_due_a_month_before_expiry() {
+        let now = Timestamp::UNIX_EPOCH + SignedDuration::from_hours(100_000);
+        assert!(!due(now + SignedDuration::from_hours(31 * 24), now));
+        assert!(due(now + SignedDuration::from_hours(29 * 24), now));
+        assert!(due(now - SignedDuration::from_hours(1), now));
+    }
+
+    #[test]
+    fn a_renewal_keeps_the_ca_and_the_secret_round_trips() {
+        let now = Timestamp::now();
+        let first = issue(&names(), None, now).unwrap();
+        let renewed = issue(&names(), Some((&first.ca, &first.ca_key)), now).unwrap();
+        assert_eq!(renewed.ca, first.ca, "clients keep trusting the same CA");
+        assert_ne!(renewed.cert, first.cert);
+        assert_eq!(first.not_after, now + VALIDITY);
+        let secret = secret_of("tls", "ns", &renewed);
+        assert_eq!(
+            identity_of(&secret).unwrap().not_after.as_second(),
+            renewed.not_after.as_second()
+        );
+        assert!(LiveCert::new(&renewed).is_ok());
+    }
+
+    /// Whether `id`'s serving certificate verifies for `name` against `ca` (a PEM CA).
+    fn verifies(id: &Identity, ca: &str, name: &str) -> bool {
+        use tokio_rustls::rustls::RootCertStore;
+        use tokio_rustls::rustls::client::WebPkiServerVerifier;
+        use tokio_rustls::rustls::client::danger::ServerCertVerifier;
+        use tokio_rustls::rustls::pki_types::{ServerName, UnixTime};
+        let mut roots = RootCertStore::empty();
+        roots
+            .add(CertificateDer::from_pem_slice(ca.as_bytes()).unwrap())
+            .unwrap();
+        let verifier = WebPkiServerVerifier::builder_with_provider(
+            Arc::new(roots),
+            Arc::new(default_provider()),
+        )
+        .build()
+        .unwrap();
+        let leaf = CertificateDer::from_pem_slice(id.cert.as_bytes()).unwrap();
+        verifier
+            .verify_server_cert(
+                &leaf,
+                &[],
+                &ServerName::try_from(name.to_string()).unwrap(),
+                &[],
+                UnixTime::now(),
+            )
+            .is_ok()
+    }
+
+    #[test]
+    fn a_renewed_certificate_verifies_against_the_ca_clients_already_hold() {
+        let now = Timestamp::now();
+        let first = issue(&names(), None, now).unwrap();
+        let renewed = issue(&names(), Some((&first.ca, &first.ca_key)), now).unwrap();
+        assert!(verifies(
+            &first,
+            &first.ca,
+            "gpuledger-operator.gpuledger-system.svc"
+        ));
+        assert!(verifies(
+            &renewed,
+            &first.ca,
+            "gpuledger-operator.gpuledger-system.svc"
+        ));
+        assert!(verifies(&renewed, &first.ca, "127.0.0.1"));
+        assert!(!verifies(&renewed, &first.ca, "elsewhere.example"));
+        let stranger = issue(&names(), None, now).unwrap();
+        assert!(
+            !verifies(&stranger, &first.ca, "127.0.0.1"),
+            "another CA's certificate"
+        );
+    }
+
+    #[test]
+    fn an_incomplete_secret_holds_no_identity() {
+        let id = issue(&names(), None, Timestamp::now()).unwrap();
+        let mut secret = secret_of("tls", "ns", &id);
+        secret.data.as_mut().unwrap().remove("ca.key");
+        assert!(identity_of(&secret).is_none());
+    }
+}
