@@ -208,7 +208,13 @@ pub async fn cleanup(cluster: &SimCluster, pods: &[&str]) {
     for pod in pods {
         delete_bound_pod(&client, NS, pod).await.unwrap();
     }
-    let api: Api<GpuReservation> = Api::namespaced(client, NS);
+    reservations_gone(cluster, pods).await;
+}
+
+/// Waits until the reservations of `pods` are gone: the operator has seen the pods end and
+/// taken its finalizer off (until then a deleted pod's reservation still holds its GPUs).
+pub async fn reservations_gone(cluster: &SimCluster, pods: &[&str]) {
+    let api: Api<GpuReservation> = Api::namespaced(cluster.cp.client(), NS);
     wait_for("reservations of deleted pods to disappear", WAIT, || {
         let api = api.clone();
         async move {

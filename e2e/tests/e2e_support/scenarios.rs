@@ -190,6 +190,8 @@ pub async fn deletion_cleans_the_ledger(cluster: &SimCluster) {
     for name in ["keep-a", "keep-b"] {
         delete_bound_pod(&client, NS, name).await.unwrap();
     }
+    // The ledger ends them (the operator takes its finalizer off); only then is it settled.
+    reservations_gone(cluster, &["keep-a", "keep-b"]).await;
     cleanup(cluster, &["keep-a", "keep-b"]).await;
     wait_for("GpuNode usage back to zero", WAIT, || {
         let gpunodes = gpunodes.clone();
