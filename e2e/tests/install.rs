@@ -20,7 +20,7 @@ use gpuledger_e2e::cluster::{ensure_namespace, expected_git_version, wait_for};
 use gpuledger_e2e::sim::binaries::build_gpuledger_binaries;
 use gpuledger_e2e::sim::pods::{GpuPod, wait_bound, wait_pod_phase, wait_reservation};
 use gpuledger_e2e::sim::scheduler::{
-    WEBHOOK_CONFIGURATION, kind_name, operator_ca, rendered_chart,
+    WEBHOOK_CONFIGURATION, apply_docs, kind_name, operator_ca, rendered_chart,
 };
 use gpuledger_e2e::sim::{GPULEDGER_SCHEDULER, Quiet, SimCluster, SimClusterOptions};
 use k8s_openapi::api::admissionregistration::v1::{
@@ -31,7 +31,6 @@ use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Client;
 use kube::api::{Api, ListParams, PostParams};
-use std::process::Command;
 
 const NS: &str = "install";
 const WAIT: Duration = Duration::from_secs(120);
@@ -179,7 +178,14 @@ async fn the_charts_scheduler_and_webhooks_place_default_and_refuse_gpu_pods_ove
                     .unwrap();
         }
     }
-    apply(&cluster, &hooks);
+    let hooks: Vec<&serde_yaml::Value> = hooks.iter().collect();
+    apply_docs(
+        &cluster.cp,
+        &hooks,
+        &cluster.cp.run_dir().join("webhooks.yaml"),
+    )
+    .await
+    .unwrap();
     let ca = operator_ca(&cluster.cp).await.unwrap();
     let bundle = STANDARD.encode(ca.as_bytes());
     let mutating: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
@@ -377,25 +383,4 @@ async fn create_when_webhook_ready(pods: &Api<Pod>, pod: &Pod) -> Pod {
     )
     .await
     .unwrap()
-}
-
-fn apply(cluster: &SimCluster, docs: &[serde_yaml::Value]) {
-    let yaml: String = docs
-        .iter()
-        .map(|d| format!("---\n{}", serde_yaml::to_string(d).unwrap()))
-        .collect();
-    let path = cluster.cp.run_dir().join("webhooks.yaml");
-    std::fs::write(&path, yaml).unwrap();
-    let out = Command::new(gpuledger_e2e::cluster::kubectl_path())
-        .arg("--kubeconfig")
-        .arg(cluster.cp.kubeconfig())
-        .args(["apply", "-f"])
-        .arg(&path)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
 }

@@ -33,8 +33,9 @@ pub fn pod_finished(pod: &Pod) -> bool {
     ) || pod.metadata.deletion_timestamp.is_some()
 }
 
-/// Whether any container of `pod` names a gpuledger resource in its limits or requests.
-fn names_gpu_resources(pod: &Pod) -> bool {
+/// Whether any container of `pod` names a gpuledger resource in its limits or requests (whatever
+/// the values: the admission webhook also checks pods whose values do not parse).
+pub fn names_gpu_resources(pod: &Pod) -> bool {
     let Some(spec) = pod.spec.as_ref() else {
         return false;
     };

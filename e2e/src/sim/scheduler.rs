@@ -9,9 +9,8 @@
 //! is still checked against that name and the CA), and the client connection uses the
 //! `gpuledger-scheduler` ServiceAccount's token instead of the in-cluster one.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use gpuledger_crds::names::DEFAULT_NAMESPACE;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -22,7 +21,7 @@ use serde_yaml::Value;
 
 use crate::cluster::binaries::{Binaries, expected_git_version};
 use crate::cluster::process::ProcessGroup;
-use crate::cluster::{ClusterError, ControlPlane, free_port, kubectl_path, wait_for};
+use crate::cluster::{ClusterError, ControlPlane, apply_path, free_port, wait_for};
 use crate::sim::{STARTUP_TIMEOUT, SimNodeError, binaries};
 
 /// The scheduler's name, its Deployment's, ServiceAccount's and leader-election Lease's.
@@ -150,7 +149,7 @@ impl GpuledgerScheduler {
                     .contains(&kind.as_str())
             })
             .collect();
-        kubectl_apply(cp, &rbac)?;
+        apply_docs(cp, &rbac, &dir.join("gpuledger-scheduler-rbac.yaml")).await?;
         let rendered = chart
             .iter()
             .find(|v| kind_name(v) == ("ConfigMap".into(), format!("{GPULEDGER_SCHEDULER}-config")))
@@ -238,43 +237,20 @@ impl GpuledgerScheduler {
     }
 }
 
-fn kubectl_apply(cp: &ControlPlane, docs: &[&Value]) -> Result<(), SimNodeError> {
+/// Writes `docs` to `path` and applies them (server-side, as `cluster::apply_path` does).
+pub async fn apply_docs(
+    cp: &ControlPlane,
+    docs: &[&Value],
+    path: &Path,
+) -> Result<(), SimNodeError> {
     let mut yaml = String::new();
     for d in docs {
         let text = serde_yaml::to_string(d)
-            .map_err(|e| SimNodeError::Build(format!("rendering the chart's RBAC: {e}")))?;
+            .map_err(|e| SimNodeError::Build(format!("rendering {}: {e}", path.display())))?;
         yaml.push_str("---\n");
         yaml.push_str(&text);
     }
-    let kubectl = kubectl_path();
-    let spawn_err = |source| ClusterError::Spawn {
-        name: "kubectl".into(),
-        program: kubectl.clone(),
-        source,
-    };
-    let mut child = Command::new(&kubectl)
-        .arg("--kubeconfig")
-        .arg(cp.kubeconfig())
-        .args(["apply", "-f", "-"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(spawn_err)?;
-    if let Some(mut stdin) = child.stdin.take() {
-        stdin
-            .write_all(yaml.as_bytes())
-            .map_err(|e| SimNodeError::io("write to", &kubectl, e))?;
-    }
-    let out = child
-        .wait_with_output()
-        .map_err(|e| SimNodeError::io("wait for", &kubectl, e))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(SimNodeError::Build(format!(
-            "kubectl apply of the chart's scheduler RBAC: {}",
-            String::from_utf8_lossy(&out.stderr)
-        )))
-    }
+    std::fs::write(path, yaml).map_err(|e| SimNodeError::io("write", path, e))?;
+    apply_path(&cp.client(), path).await?;
+    Ok(())
 }

@@ -16,6 +16,7 @@
 //! `spec.nodeName` already set (it would never meet the scheduler's extender).
 
 use gpuledger_crds::podapi::{self, PodApiConfig};
+use gpuledger_crds::protocol::pod::names_gpu_resources;
 use gpuledger_crds::resources::{GPU, GPU_CORES, GPU_MEM, GPU_MEM_PERCENTAGE};
 use k8s_openapi::api::core::v1::{Container, Pod};
 use serde_json::{Value, json};
@@ -38,14 +39,6 @@ fn asks_for_gpus(container: &Container) -> bool {
     GPU_RESOURCES.iter().any(|k| names(container, k))
 }
 
-/// Whether any container of the pod asks for a gpuledger resource.
-pub fn pod_asks_for_gpus(pod: &Pod) -> bool {
-    pod.spec.as_ref().is_some_and(|s| {
-        s.containers.iter().any(asks_for_gpus)
-            || s.init_containers.iter().flatten().any(asks_for_gpus)
-    })
-}
-
 /// A JSON-pointer segment (`/` and `~` escaped).
 fn segment(s: &str) -> String {
     s.replace('~', "~0").replace('/', "~1")
@@ -57,7 +50,7 @@ pub fn mutation(pod: &Pod, scheduler_name: &str) -> Vec<Value> {
     let Some(spec) = pod.spec.as_ref() else {
         return Vec::new();
     };
-    if !pod_asks_for_gpus(pod) {
+    if !names_gpu_resources(pod) {
         return Vec::new();
     }
     let mut ops = Vec::new();
@@ -122,7 +115,7 @@ fn hide_gpus(c: &Container, base: &str) -> Vec<Value> {
 
 /// Why `pod` may not be created, or `None`.
 pub fn refusal(pod: &Pod, config: &PodApiConfig) -> Option<String> {
-    if !pod_asks_for_gpus(pod) {
+    if !names_gpu_resources(pod) {
         return None;
     }
     let req = match podapi::parse_pod(pod, config) {
