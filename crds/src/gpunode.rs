@@ -78,7 +78,8 @@ pub struct GpuNodeStatus {
     /// Reserved share (operator).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub usage: Option<GpuNodeUsage>,
-    /// `Healthy` (device plugin).
+    /// `Healthy` and the GitOps conditions `Ready`/`Reconciling`/`Stalled` (device plugin, see
+    /// [`crate::kstatus`]).
     #[serde(default)]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,

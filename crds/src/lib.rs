@@ -14,6 +14,7 @@ pub use gpuledger_fit::alignment;
 pub mod conditions;
 pub mod duration;
 pub mod gpunode;
+pub mod kstatus;
 pub mod kubeclient;
 pub mod numapolicy;
 pub mod podapi;

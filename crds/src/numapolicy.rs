@@ -27,6 +27,7 @@ use crate::alignment::MatchedPolicy;
     printcolumn = r#"{"name":"Alignment","type":"string","jsonPath":".spec.alignment"}"#,
     printcolumn = r#"{"name":"Priority","type":"integer","jsonPath":".spec.priority","priority":1}"#,
     printcolumn = r#"{"name":"Matched","type":"integer","jsonPath":".status.matchedPods","description":"GPU pods this policy currently decides"}"#,
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status","description":"Whether the operator accepted the policy"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
@@ -52,7 +53,8 @@ pub struct NumaPolicyStatus {
     /// GPU pods for which this policy is the deciding one.
     #[serde(default)]
     pub matched_pods: u32,
-    /// `Ready`: the selector is valid.
+    /// The GitOps conditions: `Ready` when the selector is valid, `Stalled` (with why) when it
+    /// is not, see [`crate::kstatus`].
     #[serde(default)]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,

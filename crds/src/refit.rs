@@ -100,7 +100,8 @@ pub struct RefitRequestStatus {
     /// When the operator answered.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub completed_at: Option<Time>,
-    /// `Ready` once answered.
+    /// The GitOps conditions: `Reconciling` until answered, then `Ready` (answered) or `Stalled`
+    /// (refused), see [`crate::kstatus`].
     #[serde(default)]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,

@@ -124,7 +124,8 @@ pub struct GpuReservationStatus {
     #[serde(default)]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["index"]))]
     pub allocation: Vec<ContainerAllocation>,
-    /// `Misaligned`, `Refitted` (operator).
+    /// `Misaligned`, `Refitted` and the GitOps conditions `Ready`/`Reconciling`/`Stalled`
+    /// (operator, see [`crate::kstatus`]); `KubeletMismatch` (device plugin).
     #[serde(default)]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,

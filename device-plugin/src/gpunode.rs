@@ -1,10 +1,12 @@
 //! Publishing the node's inventory as the `GpuNode` status (server-side apply, our field
-//! manager): devices, split count, the summary columns and the `Healthy` condition. The operator
+//! manager): devices, split count, the summary columns, the `Healthy` condition and the GitOps
+//! conditions (`Ready`/`Reconciling`/`Stalled`, see `gpuledger_crds::kstatus`). The operator
 //! owns `status.usage`; users own `spec.cordoned`.
 
 use std::time::Duration;
 
-use gpuledger_crds::conditions::{self, types::HEALTHY};
+use gpuledger_crds::conditions::{self, types::HEALTHY, types::READY};
+use gpuledger_crds::kstatus;
 use gpuledger_crds::names::DEVICE_PLUGIN_MANAGER;
 use gpuledger_crds::protocol::status;
 use gpuledger_crds::{GpuNode, GpuNodeSpec, GpuNodeStatus};
@@ -44,33 +46,29 @@ pub fn desired_status(
         .filter(|g| !g.healthy)
         .map(|g| g.uuid.as_str())
         .collect();
-    let (ok, reason, message) = if inventory.gpus.is_empty() {
-        (
-            false,
-            "NoGPUs",
-            "the device plugin found no GPUs on this node".to_string(),
-        )
-    } else if unhealthy.is_empty() {
-        (
-            true,
-            "AllHealthy",
-            format!("{} GPU(s) healthy", inventory.gpus.len()),
-        )
-    } else {
-        (
-            false,
-            "UnhealthyGPUs",
-            format!("unhealthy: {}", unhealthy.join(",")),
-        )
-    };
+    // `Healthy` says what `Ready` does, under the name the columns and alerts already use.
+    let verdict = kstatus::gpu_node(inventory.gpus.len(), &unhealthy);
+    // Ours are `Healthy` and the three GitOps conditions; the existing ones keep their
+    // transition times while their status stays.
+    let ours = [HEALTHY, READY, kstatus::RECONCILING, kstatus::STALLED];
     let mut conds: Vec<_> = existing
-        .and_then(|s| conditions::find(&s.conditions, HEALTHY).cloned())
+        .map(|s| s.conditions.clone())
+        .unwrap_or_default()
         .into_iter()
+        .filter(|c| ours.contains(&c.type_.as_str()))
         .collect();
     conditions::set_condition(
         &mut conds,
-        conditions::condition(HEALTHY, ok, reason, message, generation, now),
+        conditions::condition(
+            HEALTHY,
+            verdict.health == kstatus::Health::Ready,
+            verdict.reason,
+            verdict.message.clone(),
+            generation,
+            now.clone(),
+        ),
     );
+    verdict.record(&mut conds, generation, now);
     status.conditions = conds;
     status
 }

@@ -5,7 +5,7 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use gpuledger_crds::{GpuReservation, ReservationPhase};
+use gpuledger_crds::{GpuReservation, ReservationPhase, kstatus};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 
 use super::pod_facts::PodFacts;
@@ -37,6 +37,10 @@ pub enum Step {
     },
     /// The init containers are done: release their usage.
     ShrinkInit,
+    /// Re-record the GitOps conditions (`Ready`/`Reconciling`/`Stalled`) and the observed
+    /// generation: something other than the operator's own status write changed what they say
+    /// (the device plugin's `KubeletMismatch`, a spec replace).
+    Summarize,
     /// Nothing now; look again after this long.
     WaitFor(Duration),
     /// Nothing to do until something changes.
@@ -115,6 +119,33 @@ fn misaligned_recorded(r: &GpuReservation) -> Option<&str> {
 
 /// The next step for `r`, whose pod (same namespace and name) is `pod`.
 pub fn next_step(
+    r: &GpuReservation,
+    pod: Option<&PodFacts>,
+    now: Timestamp,
+    allocating_timeout: Duration,
+) -> Step {
+    // Only when nothing else is due: every other step writes the status too (and records the
+    // conditions with it), and a reservation on its way (Reserved, Allocating) gets its next
+    // phase write soon; summarizing then would only add a writer to race the refit's.
+    match phase_step(r, pod, now, allocating_timeout) {
+        Step::Idle if summary_outdated(r) => Step::Summarize,
+        step => step,
+    }
+}
+
+/// Whether the GitOps conditions on `r` no longer say what its status and spec do. A
+/// reservation without status (reserved, not yet bound) has none to keep current: its first
+/// status write records them.
+fn summary_outdated(r: &GpuReservation) -> bool {
+    let Some(s) = r.status.as_ref() else {
+        return false;
+    };
+    let generation = r.metadata.generation;
+    s.observed_generation != generation
+        || !kstatus::reservation(s.phase, &s.conditions).is_recorded(&s.conditions, generation)
+}
+
+fn phase_step(
     r: &GpuReservation,
     pod: Option<&PodFacts>,
     now: Timestamp,
@@ -213,9 +244,61 @@ mod tests {
     const TIMEOUT: Duration = Duration::from_secs(300);
 
     /// [`next_step`] on the facts of a whole pod, as the controller calls it.
+    /// The next step for `r` as the operator's status writer leaves it (its GitOps conditions
+    /// and observed generation recorded), so these tests are about the phases.
     fn step(r: &GpuReservation, pod: Option<&Pod>, now: Timestamp, timeout: Duration) -> Step {
         let facts = pod.map(|p| PodFacts::of(p, &Default::default()));
-        next_step(r, facts.as_ref(), now, timeout)
+        next_step(&written(r), facts.as_ref(), now, timeout)
+    }
+
+    fn written(r: &GpuReservation) -> GpuReservation {
+        let mut r = r.clone();
+        if let Some(s) = r.status.as_mut() {
+            s.observed_generation = r.metadata.generation;
+            kstatus::reservation(s.phase, &s.conditions).record(
+                &mut s.conditions,
+                s.observed_generation,
+                Time(t(0)),
+            );
+        }
+        r
+    }
+
+    #[test]
+    fn outdated_gitops_conditions_are_summarized_when_nothing_else_is_due() {
+        let p = pod("uid-1", Some("n1"), "Running");
+        let facts = PodFacts::of(&p, &Default::default());
+        let idle = |r: &GpuReservation| next_step(r, Some(&facts), t(1), TIMEOUT);
+        let mut r = reservation(Some(ReservationPhase::Allocated), 0);
+        allocate(&mut r, 0, &["GPU-a"]);
+        allocate(&mut r, 1, &["GPU-a"]);
+        assert_eq!(idle(&r), Step::Summarize, "never recorded");
+        let mut r = written(&r);
+        assert_eq!(idle(&r), Step::Idle);
+        // The device plugin's cross-check found another pod on its replicas.
+        let s = r.status.as_mut().unwrap();
+        s.conditions.push(gpuledger_crds::conditions::condition(
+            "KubeletMismatch",
+            true,
+            "HeldByAnotherPod",
+            "replica GPU-a-1 held by ns/other",
+            None,
+            Time(t(1)),
+        ));
+        assert_eq!(idle(&r), Step::Summarize, "Stalled not yet recorded");
+        let mut r = written(&r);
+        assert_eq!(idle(&r), Step::Idle);
+        // A spec replace (init containers released) bumps the generation.
+        r.metadata.generation = Some(2);
+        assert_eq!(idle(&r), Step::Summarize, "generation 2 not observed");
+        // A reservation without status (reserved, unbound) has nothing to summarize.
+        let unbound = reservation(None, 0);
+        let waiting = pod("uid-1", None, "Pending");
+        let facts = PodFacts::of(&waiting, &Default::default());
+        assert!(matches!(
+            next_step(&unbound, Some(&facts), t(1), TIMEOUT),
+            Step::WaitFor(_)
+        ));
     }
 
     fn t(secs: i64) -> Timestamp {

@@ -1,6 +1,6 @@
 //! NumaPolicy status: how many GPU pods of its namespace this policy currently decides the
-//! alignment of (the pod has no annotation and this policy wins the tie-break), and a `Ready`
-//! condition saying whether its selector can be evaluated. The alignment itself is resolved at
+//! alignment of (the pod has no annotation and this policy wins the tie-break), and the GitOps
+//! conditions (`Ready` when its selector can be evaluated, `Stalled` with why when it cannot). The alignment itself is resolved at
 //! bind and recorded in each reservation.
 
 use std::collections::BTreeMap;
@@ -8,12 +8,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use gpuledger_crds::NumaPolicy;
 use gpuledger_crds::alignment::AlignmentSource;
-use gpuledger_crds::conditions::{condition, set_condition, types::READY};
 use gpuledger_crds::names::OPERATOR_MANAGER;
 use gpuledger_crds::numapolicy::selector_matches;
 use gpuledger_crds::protocol::status::apply_body;
+use gpuledger_crds::{NumaPolicy, kstatus};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
@@ -116,25 +115,13 @@ async fn reconcile(p: Arc<NumaPolicy>, ctx: Arc<Context>) -> Result<Action, Poli
         }
     }
     let mut conditions = p.status.clone().unwrap_or_default().conditions;
-    let ready = match &selector_check {
-        Ok(_) => condition(
-            READY,
-            true,
-            "SelectorValid",
-            "the pod selector is valid",
-            p.meta().generation,
-            Time(Timestamp::now()),
-        ),
-        Err(e) => condition(
-            READY,
-            false,
-            "InvalidSelector",
-            e.to_string(),
-            p.meta().generation,
-            Time(Timestamp::now()),
-        ),
-    };
-    set_condition(&mut conditions, ready);
+    let verdict = kstatus::numa_policy(
+        selector_check
+            .as_ref()
+            .map(|_| ())
+            .map_err(|e| e.to_string()),
+    );
+    verdict.record(&mut conditions, p.meta().generation, Time(Timestamp::now()));
     let status = p.status.clone().unwrap_or_default();
     let unchanged = status.matched_pods == matched
         && status.observed_generation == p.meta().generation

@@ -224,6 +224,14 @@ pub(super) async fn reconcile(
             shrink_init(ctx, &key).await?;
             Ok(Action::await_change())
         }
+        Step::Summarize => {
+            // The writer records the conditions and generation on every status it applies.
+            ctx.ledger
+                .writer
+                .apply_status(&r, &OperatorStatus::of(&r))
+                .await?;
+            Ok(Action::await_change())
+        }
     }
 }
 
@@ -236,13 +244,12 @@ async fn set_phase(
     status.phase = Some(phase);
     status.phase_since = Some(Time(Timestamp::now()));
     status.observed_generation = r.meta().generation;
-    if status.devices.is_none() {
-        status.devices = Some(devices_summary(
-            ctx.gpunode(&r.spec.node_name).as_deref(),
-            r,
-        ));
-        status.numa = Some(numa_summary(r));
-    }
+    // From the current spec: a refit may have moved the devices since the last summary.
+    status.devices = Some(devices_summary(
+        ctx.gpunode(&r.spec.node_name).as_deref(),
+        r,
+    ));
+    status.numa = Some(numa_summary(r));
     if phase == ReservationPhase::Allocated
         && let Some(message) = super::lifecycle::misalignment(r)
     {

@@ -8,8 +8,9 @@ use std::sync::Arc;
 
 use gpuledger_crds::names::{OPERATOR_MANAGER, RESERVATION_FINALIZER};
 use gpuledger_crds::protocol::status::apply_body;
-use gpuledger_crds::{GpuReservation, ReservationPhase};
+use gpuledger_crds::{GpuReservation, ReservationPhase, kstatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::{Client, ResourceExt};
 use serde::Serialize;
@@ -180,7 +181,9 @@ impl LedgerWriter {
     }
 
     /// Server-side applies the operator's status fields on `current`, guarded by its
-    /// resourceVersion.
+    /// resourceVersion. Every status the operator writes is a decision on `current`'s spec, so
+    /// it records that generation as observed, and the GitOps conditions for what the status
+    /// now says ([`gpuledger_crds::kstatus::reservation`]).
     pub async fn apply_status(
         &self,
         current: &GpuReservation,
@@ -188,7 +191,14 @@ impl LedgerWriter {
     ) -> Result<GpuReservation, WriteError> {
         let key = ReservationKey::of(current);
         let rv = current.resource_version();
-        let mut body = apply_body::<GpuReservation>(&key.name, Some(&key.namespace), status);
+        let mut status = status.clone();
+        status.observed_generation = current.metadata.generation;
+        kstatus::reservation(status.phase, &status.conditions).record(
+            &mut status.conditions,
+            status.observed_generation,
+            Time(Timestamp::now()),
+        );
+        let mut body = apply_body::<GpuReservation>(&key.name, Some(&key.namespace), &status);
         // The version this status was decided on: a newer object refuses the write.
         body["metadata"]["resourceVersion"] = json!(rv);
         let params = PatchParams::apply(OPERATOR_MANAGER).force();

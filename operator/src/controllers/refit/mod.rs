@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use gpuledger_crds::conditions::{condition, set_condition, types};
 use gpuledger_crds::protocol;
-use gpuledger_crds::{RefitPhase, RefitRequest, RefitRequestStatus};
+use gpuledger_crds::{RefitPhase, RefitRequest, RefitRequestStatus, kstatus};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
@@ -132,15 +132,7 @@ impl Answer {
             Some(r) => r.clone(),
             None => devices.join(","),
         };
-        let ready = condition(
-            types::READY,
-            true,
-            &format!("{phase:?}"),
-            result.clone(),
-            generation,
-            Time(now),
-        );
-        RefitRequestStatus {
+        let mut status = RefitRequestStatus {
             observed_generation: generation,
             phase: Some(phase),
             devices,
@@ -148,8 +140,10 @@ impl Answer {
             result: Some(result),
             moved,
             completed_at: Some(Time(now)),
-            conditions: vec![ready],
-        }
+            conditions: Vec::new(),
+        };
+        kstatus::refit(Some(&status)).record(&mut status.conditions, generation, Time(now));
+        status
     }
 }
 
@@ -392,6 +386,9 @@ async fn write_answer(
     }
 }
 
+/// How often [`mark_refitted`] re-reads and retries a conflicting write.
+const MARK_REFITTED_ATTEMPTS: usize = 10;
+
 /// Sets `Refitted` and the kubectl summaries on the moved reservation. The move itself is
 /// already committed and answered, so a failure here is logged, not retried forever.
 async fn mark_refitted(ctx: &Context, req: &RefitRequest, m: &Moved) {
@@ -404,7 +401,10 @@ async fn mark_refitted(ctx: &Context, req: &RefitRequest, m: &Moved) {
     );
     let key = ReservationKey::of(&m.reservation);
     let mut current = m.reservation.clone();
-    for _ in 0..3 {
+    // The lifecycle and the device plugin write this status in the same moments (the kubelet
+    // is allocating), so a conflict is expected; each attempt re-reads and the write is
+    // idempotent.
+    for _ in 0..MARK_REFITTED_ATTEMPTS {
         let mut status = OperatorStatus::of(&current);
         let cond = condition(
             types::REFITTED,
@@ -550,7 +550,11 @@ mod tests {
         assert_eq!(s.phase, Some(RefitPhase::Succeeded));
         assert!(s.moved);
         assert_eq!(s.result.as_deref(), Some("GPU-a,GPU-b"));
-        assert_eq!(s.conditions[0].reason, "Succeeded");
+        let ready = gpuledger_crds::conditions::find(&s.conditions, types::READY).unwrap();
+        assert_eq!(
+            (ready.status.as_str(), ready.reason.as_str()),
+            ("True", "Refitted")
+        );
         let s = Answer::unchanged(vec!["GPU-a".into()]).status(None, now);
         assert!(!s.moved);
         assert_eq!(Answer::unchanged(vec![]).outcome(), "unchanged");
@@ -560,6 +564,10 @@ mod tests {
         assert_eq!(s.reason.as_deref(), Some("no allowed device fits"));
         assert_eq!(s.result, s.reason);
         assert_eq!(s.completed_at, Some(Time(now)));
+        assert!(gpuledger_crds::conditions::is_true(
+            &s.conditions,
+            kstatus::STALLED
+        ));
         let e = Answer::expired();
         assert_eq!(e.outcome(), "expired");
         assert!(e.status(None, now).reason.unwrap().starts_with("expired"));
