@@ -2,7 +2,7 @@
 # Builds kube-apiserver, kube-scheduler and kube-controller-manager (and helm, for the chart tests) from the k8s.io/kubernetes Go
 # module into a fixed cache path, once per pinned version, and gpuledger-sim-kubelet (simkubelet/:
 # one simulated node's kubelet on the real device manager, Topology Manager and pod-resources
-# server) once per version of its sources. The published k8s.io/kubernetes go.mod
+# server) and gpuledger-kstatus (kstatus/) once per version of their sources. The published k8s.io/kubernetes go.mod
 # points its staging modules at ./staging, so we build through this small module of ours, which
 # replaces each staging module with its published v0.<minor>.<patch> tag (see go.mod).
 #
@@ -43,10 +43,27 @@ build_sim_kubelet() {
   rm -f "$BIN"/.sim-kubelet-*; touch "$BIN/.sim-kubelet-$sum"
 }
 
+# gpuledger-kstatus (kstatus/: its own small module on sigs.k8s.io/cli-utils) judges our
+# conditions with the library Flux uses; keyed by its sources like the simulated kubelet.
+build_kstatus() {
+  local sum
+  sum=$(cat "$here"/kstatus/go.mod "$here"/kstatus/go.sum "$here"/kstatus/*.go | sha256sum | cut -c1-16)
+  [ -x "$BIN/gpuledger-kstatus" ] && [ -f "$BIN/.kstatus-$sum" ] && return 0
+  echo "building gpuledger-kstatus ($sum) into $BIN" >&2
+  local w; w=$(mktemp -d)
+  cp -r "$here/kstatus/." "$w/"
+  ( cd "$w" && go build -p "${GO_BUILD_JOBS:-2}" -trimpath -buildvcs=false -ldflags="-s -w" \
+      -o "$BIN/gpuledger-kstatus.new" . ) || { rm -rf "$w"; return 1; }
+  rm -rf "$w"
+  mv "$BIN/gpuledger-kstatus.new" "$BIN/gpuledger-kstatus"
+  rm -f "$BIN"/.kstatus-*; touch "$BIN/.kstatus-$sum"
+}
+
 if [ -f "$BIN/.complete" ]; then
   echo "kubernetes v$K binaries already built in $BIN" >&2
   build_helm
   build_sim_kubelet
+  build_kstatus
   echo "$BIN"; exit 0
 fi
 mkdir -p "$BIN" "$GOMODCACHE" "$GOCACHE"
@@ -67,5 +84,6 @@ for c in $CMDS; do "$BIN/$c" --version >&2; done
 touch "$BIN/.complete"
 build_helm
 build_sim_kubelet
+build_kstatus
 echo "built in $(( $(date +%s) - start ))s" >&2
 echo "$BIN"

@@ -10,12 +10,15 @@
 //! for the Lease's pod, `owner`, so `squatter` starts on `owner`'s GPU. Only the kubelet's own
 //! record tells, and the cross-check reads it.
 
+use gpuledger_crds::GpuReservation;
 use gpuledger_crds::conditions::{self, types::KUBELET_MISMATCH};
 use gpuledger_e2e::cluster::ensure_namespace;
+use gpuledger_e2e::cluster::kstatus::wait_kstatus;
 use gpuledger_e2e::sim::binaries::build_gpuledger_binaries;
 use gpuledger_e2e::sim::pods::{GpuPod, wait_bound, wait_event, wait_reservation};
 use gpuledger_e2e::sim::{Quiet, SimCluster, SimClusterOptions};
 use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
 use kube::api::{Api, PostParams};
 use std::time::Duration;
 
@@ -90,5 +93,15 @@ async fn a_container_on_replicas_the_ledger_gave_another_pod_is_caught() {
         held.iter()
             .any(|(id, pod)| id.starts_with(&owner_gpu) && pod == &format!("{NS}/squatter")),
         "{held:?}"
+    );
+    // The operator turns the plugin's finding into `Stalled`: Flux's verdict (kstatus) on the
+    // owner's reservation is Failed, with the cross-check's message.
+    let reservations: Api<GpuReservation> = Api::namespaced(client.clone(), NS);
+    let verdict = wait_kstatus(&reservations, &reserved.name_any(), "Failed", WAIT)
+        .await
+        .unwrap();
+    assert!(
+        verdict.message.contains(&format!("{NS}/squatter")),
+        "{verdict:?}"
     );
 }

@@ -156,6 +156,14 @@ pub enum ClusterError {
         /// Its name.
         name: String,
     },
+    /// A helper tool ran but did not give an answer.
+    #[error("{name} failed: {problem}")]
+    Tool {
+        /// The tool.
+        name: &'static str,
+        /// Its exit status and stderr, or what was wrong with its output.
+        problem: String,
+    },
     /// Sending a signal failed.
     #[error("cannot signal process {pid}: {source}")]
     Signal {

@@ -20,6 +20,7 @@ mod control_plane;
 mod error;
 pub mod fault_proxy;
 mod identity;
+pub mod kstatus;
 pub mod nodes;
 pub mod pki;
 pub mod pods;

@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use gpuledger_crds::conditions::{self, types::MISALIGNED};
 use gpuledger_crds::{GpuReservation, ReservationPhase};
+use gpuledger_e2e::cluster::kstatus::wait_kstatus;
 use gpuledger_e2e::cluster::{delete_bound_pod, ensure_namespace, wait_for};
 use gpuledger_e2e::kubelet::AdmittedContainer;
 use gpuledger_e2e::sim::binaries::{OPERATOR, locate};
@@ -28,6 +29,21 @@ pub const WAIT: Duration = Duration::from_secs(120);
 
 /// A scenario: an async function of the cluster.
 pub type Scenario = for<'a> fn(&'a SimCluster) -> Pin<Box<dyn Future<Output = ()> + 'a>>;
+
+/// Waits until kstatus (the library Flux uses, run by `gpuledger-kstatus`) says `status` about
+/// object `name` of `api`; returns kstatus's message.
+pub async fn kstatus_of<K>(api: &Api<K>, name: &str, status: &str) -> String
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + serde::Serialize + std::fmt::Debug,
+{
+    wait_kstatus(api, name, status, WAIT).await.unwrap().message
+}
+
+/// [`kstatus_of`] the reservation of pod `pod` of the suite's namespace.
+pub async fn reservation_kstatus(cluster: &SimCluster, pod: &str, status: &str) -> String {
+    let api: Api<GpuReservation> = Api::namespaced(cluster.cp.client(), NS);
+    kstatus_of(&api, &gpuledger_crds::names::reservation_name(pod), status).await
+}
 
 /// Creates the suite's namespace.
 pub async fn prepare(cluster: &SimCluster) {

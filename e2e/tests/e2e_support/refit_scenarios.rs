@@ -4,7 +4,7 @@
 
 use std::collections::BTreeSet;
 
-use gpuledger_crds::conditions::types::REFITTED;
+use gpuledger_crds::conditions::{self, types::REFITTED};
 use gpuledger_crds::{
     Alignment, NumaPolicy, NumaPolicySpec, RefitPhase, RefitRequest, ReservationPhase,
 };
@@ -13,7 +13,8 @@ use gpuledger_e2e::sim::pods::{
     GpuPod, refit_requests, reserved_uuids, wait_event, wait_pod_phase,
 };
 use gpuledger_e2e::sim::{AdmissionOutcome, SimCluster};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement};
+use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, PostParams};
 
 use super::*;
@@ -73,6 +74,12 @@ pub async fn best_effort_refit(cluster: &SimCluster) {
     .await
     .unwrap();
     assert!(message.contains(&uuids[0]), "{message}");
+    let refits: Api<RefitRequest> = Api::namespaced(cluster.cp.client(), NS);
+    kstatus_of(&refits, &refit.name_any(), "Current").await;
+    let ready = conditions::find(&status.conditions, conditions::types::READY).unwrap();
+    assert_eq!(ready.reason, "Refitted");
+    assert!(ready.message.contains(&uuids[0]), "{ready:?}");
+    reservation_kstatus(cluster, "refit-be", "Current").await;
     cleanup(cluster, &["refit-be"]).await;
 }
 
@@ -133,6 +140,10 @@ pub async fn strict_refusal(cluster: &SimCluster) {
     .unwrap();
     assert_eq!(numa_of_reserved(seen.node, &r), [1]);
     assert!(!condition_true(&r, REFITTED));
+    // A refused refit is stalled: kstatus says Failed with the operator's reason.
+    let refits: Api<RefitRequest> = Api::namespaced(client.clone(), NS);
+    let verdict = kstatus_of(&refits, &refit.name_any(), "Failed").await;
+    assert!(verdict.contains("CardUuidMismatch"), "{verdict}");
     // The kubelet's own record (pod-resources) gives the refused pod nothing.
     let held = seen.node.held_replicas().await.unwrap();
     let refused = format!("{NS}/refit-strict");
@@ -247,6 +258,33 @@ pub async fn numapolicy_decides(cluster: &SimCluster) {
     })
     .await
     .unwrap();
+    kstatus_of(&policies, "ml-best-effort", "Current").await;
+    // A selector the operator cannot evaluate stalls the policy, saying why.
+    let mut broken = NumaPolicy::new(
+        "broken-selector",
+        NumaPolicySpec {
+            pod_selector: LabelSelector {
+                match_expressions: Some(vec![LabelSelectorRequirement {
+                    key: "team".into(),
+                    operator: "In".into(),
+                    values: None,
+                }]),
+                ..Default::default()
+            },
+            alignment: Alignment::Strict,
+            priority: 1,
+        },
+    );
+    broken = policies
+        .create(&PostParams::default(), &broken)
+        .await
+        .unwrap();
+    let verdict = kstatus_of(&policies, &broken.name_any(), "Failed").await;
+    assert!(verdict.contains("needs values"), "{verdict}");
+    policies
+        .delete("broken-selector", &DeleteParams::default())
+        .await
+        .unwrap();
     cleanup(cluster, &["by-policy", "by-annotation"]).await;
     policies
         .delete("ml-best-effort", &DeleteParams::default())

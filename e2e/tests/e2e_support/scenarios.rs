@@ -1,7 +1,7 @@
 //! The scenarios without a refit: aligned, alignment `none`, an init container with two GPU
 //! containers, and pod deletion.
 
-use gpuledger_crds::conditions::types::REFITTED;
+use gpuledger_crds::conditions::{self, types::REFITTED};
 use gpuledger_crds::{Alignment, GpuNode, ReservationPhase};
 use gpuledger_e2e::cluster::{delete_bound_pod, wait_for};
 use gpuledger_e2e::sim::AdmissionOutcome;
@@ -48,6 +48,18 @@ pub async fn aligned(cluster: &SimCluster) {
             .all(|(reason, _)| !reason.starts_with("NumaRefit") && reason != "Misaligned"),
         "{events:?}"
     );
+    // Flux's verdict (kstatus): the reservation is where it should be, and so is every node.
+    reservation_kstatus(cluster, "aligned", "Current").await;
+    let r = allocated(cluster, "aligned").await;
+    let ready = conditions::find(&r.status.unwrap().conditions, conditions::types::READY).cloned();
+    assert_eq!(
+        ready.map(|c| (c.status, c.reason)),
+        Some(("True".into(), "Allocated".into()))
+    );
+    let gpunodes: Api<GpuNode> = Api::all(client.clone());
+    for node in &cluster.nodes {
+        kstatus_of(&gpunodes, node.name(), "Current").await;
+    }
     cleanup(cluster, &["aligned"]).await;
 }
 
@@ -91,6 +103,12 @@ pub async fn alignment_none(cluster: &SimCluster) {
         .await
         .unwrap();
     assert!(message.contains(&uuids[0]), "{message}");
+    // Misaligned stalls the reservation: Flux and kstatus show it as Failed, naming both sets.
+    let verdict = reservation_kstatus(cluster, "unaligned", "Failed").await;
+    assert!(
+        verdict.contains(&uuids[0]) && verdict.contains(&kubelet_gpus[0]),
+        "{verdict}"
+    );
     cleanup(cluster, &["unaligned"]).await;
 }
 
