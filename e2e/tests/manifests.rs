@@ -135,6 +135,31 @@ async fn manifests_apply_with_server_side_dry_run_and_agree() {
     eprintln!("chart (defaults):\n{report}");
     assert_every_object_reported(&chart, &report);
 
+    // Every combination of values the README documents, each on its own.
+    for values in [
+        &["--set", "image.repository=registry.example/gpuledger"][..],
+        &["--set", "devicePlugin.isolation.enabled=false"],
+        &[
+            "--set",
+            "operator.extender.selfSigned=false",
+            "--set",
+            "webhook.certManagerCertificate=gpuledger-serving",
+        ],
+        &[
+            "--set",
+            "operator.extender.selfSigned=false",
+            "--set",
+            "webhook.caBundle=LS0tLS1CRUdJTiBDRVJUSUZJQ0FURS0tLS0tCg==",
+        ],
+        &["--set", "scheduler.enabled=false"],
+        &["--set", "devicePlugin.podResourcesCheck=false"],
+    ] {
+        let rendered = helm_template(values);
+        let report = dry_run(cp.kubeconfig(), &rendered);
+        eprintln!("chart {values:?}: {} objects", objects(&rendered).len());
+        assert_every_object_reported(&rendered, &report);
+    }
+
     let simulated = helm_template(&[
         "--set-file",
         "devicePlugin.simulatedDevices=config/samples/devices-8gpu-2numa.yaml",

@@ -101,6 +101,8 @@ pub fn apiserver_args(pki: &Pki, ports: &Ports, cert_dir: &Path) -> Vec<String> 
             "disable-admission-plugins",
             "ServiceAccount,TaintNodesByCondition",
         ),
+        // As every real cluster: a kubelet may create only mirror pods, of its own node.
+        flag("enable-admission-plugins", "NodeRestriction"),
         // Publishes a front-proxy CA in kube-system/extension-apiserver-authentication, which the
         // scheduler and controller manager read for delegated authentication; without it they
         // log an error every few seconds. No front-proxy certificate is ever issued.
@@ -287,6 +289,7 @@ mod tests {
             "--etcd-servers=http://127.0.0.1:2379",
             "--secure-port=6443",
             "--disable-admission-plugins=ServiceAccount,TaintNodesByCondition",
+            "--enable-admission-plugins=NodeRestriction",
         ] {
             assert!(args.iter().any(|a| a == want), "missing {want}: {args:?}");
         }

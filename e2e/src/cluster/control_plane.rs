@@ -310,14 +310,28 @@ impl Drop for ControlPlane {
 
 /// Loads a kubeconfig file and builds a client from its current context.
 pub async fn client_from_kubeconfig(path: &Path, who: &str) -> Result<Client, ClusterError> {
+    client_from_kubeconfig_as(path, who, None).await
+}
+
+/// Like [`client_from_kubeconfig`]; with `impersonate` (a user and its groups) every request
+/// carries impersonation headers, which the kubeconfig's identity must be allowed to send.
+pub async fn client_from_kubeconfig_as(
+    path: &Path,
+    who: &str,
+    impersonate: Option<(&str, &[&str])>,
+) -> Result<Client, ClusterError> {
     let kubeconfig_err = |source| ClusterError::Kubeconfig {
         path: path.to_path_buf(),
         source,
     };
     let kc = Kubeconfig::read_from(path).map_err(kubeconfig_err)?;
-    let cfg = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+    let mut cfg = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
         .await
         .map_err(kubeconfig_err)?;
+    if let Some((user, groups)) = impersonate {
+        cfg.auth_info.impersonate = Some(user.to_string());
+        cfg.auth_info.impersonate_groups = Some(groups.iter().map(|g| g.to_string()).collect());
+    }
     gpuledger_crds::kubeclient::client_for(cfg).map_err(|source| ClusterError::Client {
         who: who.to_string(),
         source,

@@ -10,7 +10,7 @@ use kube::Client;
 use kube::api::{Api, ObjectMeta, PostParams};
 
 use crate::cluster::apply::ensure_namespace;
-use crate::cluster::control_plane::client_from_kubeconfig;
+use crate::cluster::control_plane::{client_from_kubeconfig, client_from_kubeconfig_as};
 use crate::cluster::{ClusterError, ControlPlane, config};
 
 /// Lifetime of minted tokens: long enough for a demo session.
@@ -135,5 +135,18 @@ impl ControlPlane {
             .service_account_kubeconfig(namespace, name, Some(node))
             .await?;
         client_from_kubeconfig(&path, &format!("{namespace}/{name} on {node}")).await
+    }
+
+    /// A client acting as the kubelet of Node `node`: user `system:node:<node>` in group
+    /// `system:nodes`, what a kubelet's client certificate says. The admin impersonates it, so
+    /// the Node authorizer, NodeRestriction and every admission policy see a kubelet.
+    pub async fn client_as_kubelet(&self, node: &str) -> Result<Client, ClusterError> {
+        let user = format!("system:node:{node}");
+        client_from_kubeconfig_as(
+            self.kubeconfig(),
+            &user,
+            Some((&user, &["system:nodes", "system:authenticated"])),
+        )
+        .await
     }
 }

@@ -557,4 +557,67 @@ pub(crate) async fn gpu_pods_naming_a_node_are_refused(cp: &ControlPlane) {
         .delete("direct-cpu", &DeleteParams::default())
         .await
         .unwrap();
+    a_kubelet_may_mirror_its_own_static_gpu_pods_only(cp).await;
+}
+
+/// The policy's kubelet exemption is as narrow as NodeRestriction makes it: a kubelet's mirror
+/// pod of a static GPU pod on its own node is created (its static pod runs either way, and the
+/// mirror is what lets the repair sweep book it), while the same kubelet can neither create an
+/// ordinary GPU pod on its node nor a mirror pod on another node.
+async fn a_kubelet_may_mirror_its_own_static_gpu_pods_only(cp: &ControlPlane) {
+    let kubelet = cp.client_as_kubelet(NODE).await.unwrap();
+    let as_kubelet: Api<Pod> = Api::namespaced(kubelet, NS);
+    let pp = PostParams::default();
+    let nodes: Api<Node> = Api::all(cp.client());
+    let mirror = |name: &str, node: &Node| {
+        let mut pod = pod_on_node(name, json!({ "nvidia.com/gpu": "1" }), false);
+        let node_name = node.name_any();
+        pod.metadata.annotations = Some(
+            [(
+                "kubernetes.io/config.mirror".to_string(),
+                "static-hash".to_string(),
+            )]
+            .into(),
+        );
+        pod.metadata.owner_references = Some(vec![OwnerReference {
+            api_version: "v1".into(),
+            kind: "Node".into(),
+            name: node_name.clone(),
+            uid: node.uid().unwrap(),
+            controller: Some(true),
+            block_owner_deletion: None,
+        }]);
+        pod.spec.as_mut().unwrap().node_name = Some(node_name);
+        pod
+    };
+    let own = nodes.get(NODE).await.unwrap();
+    let other = nodes.get(OTHER_NODE).await.unwrap();
+    let created = as_kubelet
+        .create(&pp, &mirror("static-gpu", &own))
+        .await
+        .unwrap();
+    assert_eq!(created.spec.unwrap().node_name.as_deref(), Some(NODE));
+    assert_refused(
+        as_kubelet
+            .create(&pp, &mirror("static-elsewhere", &other))
+            .await,
+        403,
+        "set to itself",
+        "a kubelet's mirror pod on another node",
+    );
+    assert_refused(
+        as_kubelet
+            .create(
+                &pp,
+                &pod_on_node("kubelet-gpu", json!({ "nvidia.com/gpu": "1" }), false),
+            )
+            .await,
+        403,
+        "can only create mirror pods",
+        "a kubelet's ordinary GPU pod",
+    );
+    Api::<Pod>::namespaced(cp.client(), NS)
+        .delete("static-gpu", &DeleteParams::default().grace_period(0))
+        .await
+        .unwrap();
 }
