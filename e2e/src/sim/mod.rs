@@ -30,7 +30,7 @@ pub use cluster::{Quiet, SimCluster, SimClusterOptions, Steps};
 pub use devices::SimGpu;
 pub use in_process::InProcessOperator;
 pub use lifecycle::{Admission, AdmissionOutcome, Admissions};
-pub use node::{SimNode, SimNodeOptions};
+pub use node::{DEVICE_PLUGIN_SA, SimNode, SimNodeOptions};
 pub use node_kubelet::{NodeKubelet, SIM_KUBELET};
 pub use operator::{OperatorProcess, install_gpuledger};
 pub use scheduler::{GPULEDGER_SCHEDULER, GpuledgerScheduler};
