@@ -244,6 +244,27 @@ async fn a_hand_edit_is_reported_a_hand_delete_is_held_and_a_forced_one_is_booke
                     && !managers.iter().any(|m| m == "gpuledger-operator"))),
         "{findings:?}"
     );
+    // An admin takes the finalizer off without deleting (or the reservation predates it): the
+    // operator puts it back, so a later delete is held as below.
+    ledger
+        .patch(
+            &reservation_name("whole"),
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({ "metadata": { "finalizers": null } })),
+        )
+        .await
+        .unwrap();
+    wait_for("the operator to put its finalizer back", WAIT, || async {
+        let r = ledger.get(&reservation_name("whole")).await?;
+        Ok::<_, kube::Error>(
+            r.finalizers()
+                .iter()
+                .any(|f| f == RESERVATION_FINALIZER)
+                .then_some(()),
+        )
+    })
+    .await
+    .unwrap();
     // A plain `kubectl delete` of the running pod's reservation only marks it: the operator's
     // finalizer keeps it, and its GPUs stay booked, until the pod's GPU containers are gone.
     ledger

@@ -5,6 +5,7 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
+use gpuledger_crds::names::RESERVATION_FINALIZER;
 use gpuledger_crds::{GpuReservation, ReservationPhase, kstatus};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 
@@ -37,6 +38,9 @@ pub enum Step {
     },
     /// The init containers are done: release their usage.
     ShrinkInit,
+    /// Put the finalizer `gpuledger.io/held-until-pod-ends` back on a reservation that still
+    /// holds GPUs (written before the finalizer existed, or an admin took it off).
+    AddFinalizer,
     /// Re-record the GitOps conditions (`Ready`/`Reconciling`/`Stalled`) and the observed
     /// generation: something other than the operator's own status write changed what they say
     /// (the device plugin's `KubeletMismatch`, a spec replace).
@@ -128,9 +132,23 @@ pub fn next_step(
     // conditions with it), and a reservation on its way (Reserved, Allocating) gets its next
     // phase write soon; summarizing then would only add a writer to race the refit's.
     match phase_step(r, pod, now, allocating_timeout) {
+        Step::Idle | Step::WaitFor(_) if lacks_finalizer(r) => Step::AddFinalizer,
         Step::Idle if summary_outdated(r) => Step::Summarize,
         step => step,
     }
+}
+
+/// Whether `r` holds GPUs without the finalizer that keeps a delete from freeing them early.
+/// One already being deleted is left alone: its pod's end takes it away.
+fn lacks_finalizer(r: &GpuReservation) -> bool {
+    r.metadata.deletion_timestamp.is_none()
+        && phase_of(r).holds_capacity()
+        && !r
+            .metadata
+            .finalizers
+            .iter()
+            .flatten()
+            .any(|f| f == RESERVATION_FINALIZER)
 }
 
 /// Whether the GitOps conditions on `r` no longer say what its status and spec do. A
@@ -265,6 +283,47 @@ mod tests {
     }
 
     #[test]
+    fn a_live_reservation_without_the_finalizer_gets_it_back() {
+        let p = pod("uid-1", Some("n1"), "Running");
+        let facts = PodFacts::of(&p, &Default::default());
+        let mut r = written(&reservation(Some(ReservationPhase::Allocated), 0));
+        allocate(&mut r, 0, &["GPU-a"]);
+        allocate(&mut r, 1, &["GPU-a"]);
+        let r = written(&r);
+        assert_eq!(next_step(&r, Some(&facts), t(1), TIMEOUT), Step::Idle);
+        let mut bare = r.clone();
+        bare.metadata.finalizers = None;
+        assert_eq!(
+            next_step(&bare, Some(&facts), t(1), TIMEOUT),
+            Step::AddFinalizer
+        );
+        // Being deleted, or no longer holding GPUs: nothing to hold.
+        let mut deleting = bare.clone();
+        deleting.metadata.deletion_timestamp = Some(Time(t(1)));
+        assert_ne!(
+            next_step(&deleting, Some(&facts), t(1), TIMEOUT),
+            Step::AddFinalizer
+        );
+        let mut released = bare.clone();
+        released.status.as_mut().unwrap().phase = Some(ReservationPhase::Released);
+        assert_ne!(
+            next_step(
+                &written_without_finalizer(&released),
+                Some(&facts),
+                t(1),
+                TIMEOUT
+            ),
+            Step::AddFinalizer
+        );
+    }
+
+    fn written_without_finalizer(r: &GpuReservation) -> GpuReservation {
+        let mut r = written(r);
+        r.metadata.finalizers = None;
+        r
+    }
+
+    #[test]
     fn outdated_gitops_conditions_are_summarized_when_nothing_else_is_due() {
         let p = pod("uid-1", Some("n1"), "Running");
         let facts = PodFacts::of(&p, &Default::default());
@@ -339,6 +398,8 @@ mod tests {
             },
         );
         r.metadata.creation_timestamp = Some(Time(t(0)));
+        // As the operator writes it (`ledger::render`).
+        r.metadata.finalizers = Some(vec![RESERVATION_FINALIZER.to_string()]);
         r.status = phase.map(|p| GpuReservationStatus {
             phase: Some(p),
             phase_since: Some(Time(t(since))),

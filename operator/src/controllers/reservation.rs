@@ -224,6 +224,11 @@ pub(super) async fn reconcile(
             shrink_init(ctx, &key).await?;
             Ok(Action::await_change())
         }
+        Step::AddFinalizer => {
+            ctx.ledger.writer.add_finalizer(&r).await?;
+            tracing::info!(reservation = %key, "finalizer put back");
+            Ok(Action::await_change())
+        }
         Step::Summarize => {
             // The writer records the conditions and generation on every status it applies.
             ctx.ledger

@@ -256,6 +256,31 @@ impl LedgerWriter {
         }
     }
 
+    /// Puts the operator's finalizer back on `current` (guarded by its resourceVersion): a
+    /// reservation written before the finalizer existed, or one an admin took it off without
+    /// deleting it, is held again until its pod's GPU containers are gone.
+    pub async fn add_finalizer(
+        &self,
+        current: &GpuReservation,
+    ) -> Result<GpuReservation, WriteError> {
+        let key = ReservationKey::of(current);
+        let rv = current.resource_version();
+        let mut finalizers = current.finalizers().to_vec();
+        finalizers.push(RESERVATION_FINALIZER.to_string());
+        let patch = json!({ "metadata": { "finalizers": finalizers, "resourceVersion": rv } });
+        let params = PatchParams {
+            field_manager: Some(OPERATOR_MANAGER.to_string()),
+            ..PatchParams::default()
+        };
+        let updated = self
+            .api(&key.namespace)
+            .patch(&key.name, &params, &Patch::Merge(&patch))
+            .await
+            .map_err(|e| WriteError::from_kube("add the finalizer to", &key, rv.as_deref(), e))?;
+        self.index.record_write(updated.clone());
+        Ok(updated)
+    }
+
     /// Takes the operator's finalizer off `current` (guarded by its resourceVersion). `None`:
     /// the object is gone (it was already being deleted, or was never there).
     async fn remove_finalizer(
