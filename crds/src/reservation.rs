@@ -47,7 +47,8 @@ pub struct GpuReservationSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub alignment_source: Option<String>,
     /// Per-container reservations, init containers first, then regular containers; containers
-    /// without GPUs are omitted.
+    /// without GPUs are omitted. At most `gpuledger_fit::podapi::MAX_GPU_CONTAINERS` (the pod
+    /// API refuses pods with more; a test keeps the two equal).
     #[serde(default)]
     #[schemars(length(max = 64))]
     pub containers: Vec<ContainerReservation>,

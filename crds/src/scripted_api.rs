@@ -19,7 +19,7 @@
 //! error of the code under test) and reported by [`ScriptedApi::finish`], which every test
 //! must call after the code under test returns and before it looks at the result.
 //!
-//! ```ignore
+//! ```text
 //! let (client, api) = scripted(vec![
 //!     expect(Method::GET, LEASE_PATH).reply(404, not_found("leases", "gpuledger-alloc-n1")),
 //! ]);

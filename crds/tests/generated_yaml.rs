@@ -89,7 +89,7 @@ fn every_crd_is_in_the_group_with_category_status_and_columns() {
             "NumaPolicy",
             "Namespaced",
             "numapol",
-            vec!["Alignment", "Priority", "Matched", "Age"],
+            vec!["Alignment", "Priority", "Matched", "Ready", "Age"],
         ),
     ];
     let crds = gpuledger_crds::crds();
@@ -166,4 +166,19 @@ fn alignment_is_an_enum_in_the_schema() {
         }
         assert!(text.contains("enum"), "{kind}: {text}");
     }
+}
+
+/// The pod API refuses a pod with more GPU containers than a reservation's schema accepts, so
+/// the two bounds must be one number.
+#[test]
+fn a_reservation_holds_as_many_containers_as_the_pod_api_admits() {
+    use kube::CustomResourceExt;
+    let crd = serde_json::to_value(gpuledger_crds::GpuReservation::crd()).unwrap();
+    let containers = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+        ["properties"]["containers"];
+    assert_eq!(
+        containers["maxItems"].as_u64(),
+        Some(gpuledger_fit::podapi::MAX_GPU_CONTAINERS as u64),
+        "{containers}"
+    );
 }

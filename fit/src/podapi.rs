@@ -286,10 +286,25 @@ pub enum PodApiError {
         /// What would have been accepted.
         expected: &'static str,
     },
+    /// More containers ask for GPUs than one reservation records.
+    #[error(
+        "{count} containers ask for GPUs, but a GpuReservation holds at most {max}: split the pod"
+    )]
+    TooManyGpuContainers {
+        /// GPU containers (init and regular) of the pod.
+        count: usize,
+        /// [`MAX_GPU_CONTAINERS`].
+        max: usize,
+    },
     /// An invalid `hami.io/numa-alignment`.
     #[error(transparent)]
     Alignment(#[from] AlignmentError),
 }
+
+/// The most GPU containers one pod may have: a GpuReservation's `spec.containers` holds at most
+/// this many (its schema's `maxItems`), so a pod with more could pass filter and then fail every
+/// bind on the API server's validation.
+pub const MAX_GPU_CONTAINERS: usize = 64;
 
 /// Reads a pod given as plain data.
 pub fn parse(pod: &PodResources, config: &PodApiConfig) -> Result<PodRequest, PodApiError> {
@@ -305,6 +320,13 @@ pub fn parse(pod: &PodResources, config: &PodApiConfig) -> Result<PodRequest, Po
             name: c.name.clone(),
             init,
             gpu: container_request(c, config)?,
+        });
+    }
+    let count = containers.iter().filter(|c| c.gpu.is_some()).count();
+    if count > MAX_GPU_CONTAINERS {
+        return Err(PodApiError::TooManyGpuContainers {
+            count,
+            max: MAX_GPU_CONTAINERS,
         });
     }
     let a = &pod.annotations;

@@ -119,6 +119,8 @@ fn refusal_subject(err: &PodApiError) -> (String, String) {
         }
         // Not a parse refusal (unallocatable_request's), but its message names both keys.
         PodApiError::MissingGpuCount { key, .. } => (key.clone(), GPU.to_string()),
+        // About the pod's shape: the message names the count and the bound.
+        PodApiError::TooManyGpuContainers { count, max } => (count.to_string(), max.to_string()),
     }
 }
 

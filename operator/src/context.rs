@@ -13,6 +13,7 @@ use kube::runtime::events::Recorder;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Client, Resource, ResourceExt};
 
+use crate::controllers::pod_facts::PodFactsCache;
 use crate::events::{EventQueue, reporter};
 use crate::lease::turns::Turns;
 use crate::ledger::in_flight::BindsInFlight;
@@ -66,6 +67,8 @@ pub struct Caches {
     pub policies: Store<NumaPolicy>,
     /// The fit engine's views of nodes, kept between filter calls.
     pub views: NodeViewCache,
+    /// What the pod watch says about each pod (the lifecycle controller feeds it).
+    pub pods: Arc<PodFactsCache>,
 }
 
 /// Cluster-wide defaults.
@@ -121,6 +124,7 @@ impl Context {
                 gpunodes,
                 policies,
                 views: NodeViewCache::default(),
+                pods: Arc::new(PodFactsCache::new(PodApiConfig::default())),
             },
             defaults: Defaults {
                 pod_api: PodApiConfig::default(),

@@ -146,7 +146,7 @@ fn memory_or_cores_without_a_gpu_count_are_named_as_never_allocated() {
 }
 
 mod finished {
-    use crate::protocol::pod::pod_finished;
+    use crate::protocol::pod::{pod_finished, pod_terminating};
     use k8s_openapi::api::core::v1::{Pod, PodSpec, PodStatus};
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
     use k8s_openapi::jiff::Timestamp;
@@ -170,12 +170,16 @@ mod finished {
     }
 
     #[test]
-    fn ended_or_deleted_pods_are_finished() {
+    fn only_ended_pods_are_finished_and_deleted_ones_terminate_until_then() {
         assert!(pod_finished(&pod(Some("n"), "Succeeded", false)));
         assert!(pod_finished(&pod(Some("n"), "Failed", false)));
-        assert!(pod_finished(&pod(Some("n"), "Running", true)));
-        assert!(pod_finished(&pod(None, "Pending", true)));
+        assert!(pod_finished(&pod(Some("n"), "Failed", true)));
+        assert!(!pod_finished(&pod(Some("n"), "Running", true)));
+        assert!(!pod_finished(&pod(None, "Pending", true)));
         assert!(!pod_finished(&pod(Some("n"), "Running", false)));
         assert!(!pod_finished(&pod(None, "Pending", false)));
+        assert!(pod_terminating(&pod(Some("n"), "Running", true)));
+        assert!(!pod_terminating(&pod(Some("n"), "Succeeded", true)));
+        assert!(!pod_terminating(&pod(Some("n"), "Running", false)));
     }
 }

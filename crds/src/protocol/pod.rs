@@ -17,20 +17,26 @@ pub fn pod_wants_gpus(pod: &Pod, config: &PodApiConfig) -> bool {
     }
 }
 
-/// Whether `pod` no longer holds GPUs: it ended (`Succeeded` or `Failed`) or is being deleted.
-/// The one definition the lifecycle controller, the allocation Lease and the audit share.
+/// Whether `pod` no longer holds GPUs: it ended (`Succeeded` or `Failed`). The one definition
+/// the lifecycle controller, the allocation Lease and the audit share.
 ///
-/// A pod being deleted still runs through its grace period, so counting it free lets another
-/// pod be booked onto GPUs it may still use. Holding them until the kubelet reports the pod
-/// stopped is the right rule, but kube-scheduler retries waiting pods the moment it sees that
-/// report, before the ledger can release: with nothing else happening in the cluster, the
-/// waiting pod then sits out kube-scheduler's five-minute flush. Until the operator can tell
-/// kube-scheduler to look again, deletion frees the GPUs.
+/// A pod being deleted is not finished: through its grace period its processes still hold GPU
+/// memory (HAMi keeps its share booked until then too). The kubelet moves it to a terminal
+/// phase once its containers stopped, or deletes it; either ends its reservation. Pods waiting
+/// for GPUs that only such a pod holds are told to retry rather than parked (see
+/// [`pod_terminating`] and the extender's filter), so the release does not strand them until
+/// kube-scheduler's five-minute flush.
 pub fn pod_finished(pod: &Pod) -> bool {
     matches!(
         pod.status.as_ref().and_then(|s| s.phase.as_deref()),
         Some("Succeeded" | "Failed")
-    ) || pod.metadata.deletion_timestamp.is_some()
+    )
+}
+
+/// Whether `pod` is being deleted but has not finished: its GPUs stay booked until its
+/// containers stop.
+pub fn pod_terminating(pod: &Pod) -> bool {
+    pod.metadata.deletion_timestamp.is_some() && !pod_finished(pod)
 }
 
 /// Whether any container of `pod` names a gpuledger resource in its limits or requests (whatever

@@ -1,11 +1,13 @@
 //! The scenarios about the node itself, on the kubelet's real device manager: a multi-GPU refit,
 //! memory asked as a percentage, a kubelet restart with running pods kept from the checkpoint,
-//! and a device-plugin restart with its re-registration.
+//! a device-plugin restart with its re-registration, and a terminating pod that keeps its GPUs.
 
 use gpuledger_crds::RefitPhase;
 use gpuledger_crds::conditions::types::REFITTED;
 use gpuledger_crds::resources::GPU;
 use gpuledger_e2e::sim::pods::{GpuPod, refit_requests, reserved_uuids, wait_pod_phase};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::DeleteParams;
 
 use super::*;
 
@@ -137,4 +139,62 @@ pub async fn plugin_restart_reregisters(cluster: &SimCluster) {
     assert_eq!(admitted[0].resource, GPU);
     allocated(cluster, "after-plugin-restart").await;
     cleanup(cluster, &["after-plugin-restart"]).await;
+}
+
+/// A pod being deleted keeps its GPUs until its containers stop, as in HAMi: with its node's
+/// kubelet frozen the deleted pod stays Terminating, and its reservation keeps the whole of its
+/// GPU's cores booked, so a pod pinned to that GPU waits (told to retry, not parked). When the
+/// kubelet stops the containers and removes the pod, the GPU comes free and the waiting pod runs
+/// within kube-scheduler's error backoff (seconds), not its five-minute flush.
+pub async fn terminating_pod_keeps_its_gpus(cluster: &SimCluster) {
+    let old = GpuPod::new(NS, "term-old")
+        .gpu_container("main", 1, 2048, 100)
+        .cpu_numa(1);
+    let seen = run_pod(cluster, old).await;
+    seen.admission.admitted().expect("admitted");
+    let r = allocated(cluster, "term-old").await;
+    let gpu = reserved_uuids(&r)[0].clone();
+    let node = seen.node;
+    let client = cluster.cp.client();
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+
+    node.pause_kubelet().await.unwrap();
+    pods.delete("term-old", &DeleteParams::default().grace_period(30))
+        .await
+        .unwrap();
+    let waiting = GpuPod::new(NS, "term-new")
+        .gpu_container("main", 1, 1024, 50)
+        .use_gpus(std::slice::from_ref(&gpu))
+        .cpu_numa(1);
+    waiting.create(&client).await.unwrap();
+    let told = wait_event(&client, NS, "term-new", "WaitingForTerminatingPods", WAIT)
+        .await
+        .unwrap();
+    assert!(told.contains(node.name()), "{told}");
+    // Still terminating, still booked, and nothing placed on its GPU.
+    let terminating = pods.get("term-old").await.unwrap();
+    assert!(terminating.metadata.deletion_timestamp.is_some());
+    let held = allocated(cluster, "term-old").await;
+    assert_eq!(held.metadata.uid, r.metadata.uid);
+    let new_pod = pods.get("term-new").await.unwrap();
+    assert!(
+        new_pod.spec.unwrap().node_name.is_none(),
+        "placed on a GPU a terminating pod still holds"
+    );
+
+    node.resume_kubelet().await.unwrap();
+    reservations_gone(cluster, &["term-old"]).await;
+    wait_bound(&client, NS, "term-new", WAIT).await.unwrap();
+    let admitted = node
+        .wait_admission(NS, "term-new", None, WAIT)
+        .await
+        .unwrap();
+    let admitted = admitted.admitted().expect("admitted").to_vec();
+    assert_env(
+        env_of(&admitted, "main"),
+        std::slice::from_ref(&gpu),
+        1024,
+        50,
+    );
+    cleanup(cluster, &["term-new"]).await;
 }

@@ -412,3 +412,24 @@ fn plain_data_reads_the_fit_cli_json_shape() {
     assert_eq!(r.containers[0].gpu, gpu(1, MemoryRequest::Mib(4096), 0));
     assert!(r.numa_bind);
 }
+
+#[test]
+fn more_gpu_containers_than_a_reservation_holds_are_refused() {
+    let gpu_ctr = |i: usize| ctr(&format!("c{i}"), &[(GPU, "1")]);
+    let at_most: Vec<_> = (0..MAX_GPU_CONTAINERS).map(gpu_ctr).collect();
+    assert!(parse(&pod(&[], at_most), &PodApiConfig::default()).is_ok());
+    // Containers without GPUs do not count.
+    let mut with_plain: Vec<_> = (0..MAX_GPU_CONTAINERS).map(gpu_ctr).collect();
+    with_plain.push(ctr("sidecar", &[("cpu", "1")]));
+    assert!(parse(&pod(&[], with_plain), &PodApiConfig::default()).is_ok());
+    let too_many: Vec<_> = (0..=MAX_GPU_CONTAINERS).map(gpu_ctr).collect();
+    let err = parse(&pod(&[], too_many), &PodApiConfig::default()).unwrap_err();
+    assert_eq!(
+        err,
+        PodApiError::TooManyGpuContainers {
+            count: MAX_GPU_CONTAINERS + 1,
+            max: MAX_GPU_CONTAINERS
+        }
+    );
+    assert!(err.to_string().contains("65 containers"), "{err}");
+}

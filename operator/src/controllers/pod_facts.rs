@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::sync::RwLock;
 
 use gpuledger_crds::podapi::PodApiConfig;
-use gpuledger_crds::protocol::pod::{pod_finished, pod_wants_gpus};
+use gpuledger_crds::protocol::pod::{pod_finished, pod_terminating, pod_wants_gpus};
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use kube::runtime::watcher::Event;
@@ -29,8 +29,10 @@ pub struct PodFacts {
     pub uid: String,
     /// `spec.nodeName`, once bound.
     pub node_name: Option<String>,
-    /// Succeeded, Failed, or being deleted: its containers hold no GPU any more.
+    /// Succeeded or Failed: its containers hold no GPU any more.
     pub finished: bool,
+    /// Being deleted, not finished yet: its containers may still hold their GPUs.
+    pub terminating: bool,
     /// It has init containers and every one terminated with exit code 0.
     pub init_done: bool,
     /// It holds GPU capacity once bound ([`pod_wants_gpus`], as the extender decides).
@@ -44,6 +46,7 @@ impl PodFacts {
             uid: pod.uid().unwrap_or_default(),
             node_name: pod.spec.as_ref().and_then(|s| s.node_name.clone()),
             finished: pod_finished(pod),
+            terminating: pod_terminating(pod),
             init_done: init_containers_done(pod),
             wants_gpus: pod_wants_gpus(pod, config),
         }
@@ -152,6 +155,16 @@ impl PodFactsCache {
             .collect()
     }
 
+    /// How many GPU pods bound to `node` are being deleted but have not stopped: their GPUs
+    /// come free without any further event kube-scheduler would retry a waiting pod on.
+    pub fn terminating_gpu_pods_on(&self, node: &str) -> usize {
+        self.read()
+            .pods
+            .values()
+            .filter(|f| f.wants_gpus && f.terminating && f.node_name.as_deref() == Some(node))
+            .count()
+    }
+
     /// Whether the first full list has been seen.
     pub fn is_synced(&self) -> bool {
         self.read().synced
@@ -227,7 +240,56 @@ pub(crate) mod tests {
         assert!(of(&pod("a", "u1", None, "Failed")).finished);
         let mut deleting = pod("a", "u1", Some("n1"), "Running");
         deleting.metadata.deletion_timestamp = Some(Time(Timestamp::UNIX_EPOCH));
-        assert!(of(&deleting).finished);
+        assert!(
+            !of(&deleting).finished,
+            "its containers may still hold GPUs"
+        );
+        assert!(of(&deleting).terminating);
+    }
+
+    #[test]
+    fn terminating_gpu_pods_are_counted_per_node() {
+        let gpu = |name: &str, node: &str, deleting: bool| {
+            let mut p = pod(name, name, Some(node), "Running");
+            p.spec.as_mut().unwrap().containers = vec![Container {
+                name: "main".into(),
+                resources: Some(k8s_openapi::api::core::v1::ResourceRequirements {
+                    limits: Some(
+                        [(
+                            "nvidia.com/gpu".to_string(),
+                            k8s_openapi::apimachinery::pkg::api::resource::Quantity("1".into()),
+                        )]
+                        .into(),
+                    ),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }];
+            if deleting {
+                p.metadata.deletion_timestamp = Some(Time(Timestamp::UNIX_EPOCH));
+            }
+            p
+        };
+        let cache = PodFactsCache::new(PodApiConfig::default());
+        let mut plain = pod("plain", "plain", Some("n1"), "Running");
+        plain.metadata.deletion_timestamp = Some(Time(Timestamp::UNIX_EPOCH));
+        for p in [
+            gpu("a", "n1", true),
+            gpu("b", "n1", false),
+            gpu("c", "n2", true),
+            plain,
+        ] {
+            cache.apply(&Event::Apply(p));
+        }
+        assert_eq!(
+            cache.terminating_gpu_pods_on("n1"),
+            1,
+            "not b, not the CPU pod"
+        );
+        assert_eq!(cache.terminating_gpu_pods_on("n2"), 1);
+        assert_eq!(cache.terminating_gpu_pods_on("n3"), 0);
+        cache.apply(&Event::Delete(gpu("a", "n1", true)));
+        assert_eq!(cache.terminating_gpu_pods_on("n1"), 0);
     }
 
     #[test]

@@ -88,7 +88,7 @@ where
 {
     let (keys, writer) = reflector::store::<GpuReservation>();
     let trigger = reservations.reflect(writer).touched_objects();
-    let facts = Arc::new(PodFactsCache::new(ctx.defaults.pod_api));
+    let facts = ctx.caches.pods.clone();
     // Bound GPU pods without a reservation are found in the same pod cache.
     tokio::spawn(super::unreserved::run(ctx.clone(), facts.clone()));
     let pod_events = {

@@ -159,6 +159,22 @@ pub async fn filter(ctx: &Context, args: ExtenderArgs) -> ExtenderFilterResult {
         failed.extend(choice.failed);
     }
     let fit: Vec<String> = choice.chosen.into_iter().collect();
+    if fit.is_empty()
+        && let Some(wait) = waiting_for_terminating_pods(ctx, &failed)
+    {
+        // Failed nodes park the pod until some cluster event; the end of a terminating pod's
+        // reservation is not one kube-scheduler sees (it retries on the pod's own end, before
+        // the operator released its GPUs), so the pod would sit out the five-minute flush.
+        // An error is retried with backoff (at most 10 s apart) instead.
+        ctx.pod_event(
+            &pod_ref(&args.pod),
+            true,
+            "WaitingForTerminatingPods",
+            wait.clone(),
+        );
+        ctx.metrics.decision("filter", "terminating", started);
+        return ExtenderFilterResult::error(wait);
+    }
     if fit.is_empty() {
         let note = failed
             .iter()
@@ -176,6 +192,28 @@ pub async fn filter(ctx: &Context, args: ExtenderArgs) -> ExtenderFilterResult {
         ctx.metrics.decision("filter", "fit", started);
     }
     ExtenderFilterResult::verdict(&args, fit, failed)
+}
+
+/// When no node fits and some candidate node has GPU pods being deleted whose containers have
+/// not stopped yet, a message naming them: their GPUs come free when they stop.
+fn waiting_for_terminating_pods(
+    ctx: &Context,
+    failed: &BTreeMap<String, String>,
+) -> Option<String> {
+    let held: Vec<String> = failed
+        .keys()
+        .filter_map(|node| {
+            let n = ctx.caches.pods.terminating_gpu_pods_on(node);
+            (n > 0).then(|| format!("{node} ({n})"))
+        })
+        .collect();
+    (!held.is_empty()).then(|| {
+        format!(
+            "no node fits the GPU request now; GPUs on {} are held by terminating pods until \
+             their containers stop, retrying",
+            held.join(", ")
+        )
+    })
 }
 
 /// The `prioritize` verb: nodes where the pod fits get the fit's score scaled to 0..=10,

@@ -75,8 +75,12 @@ async fn holder_gone(client: &Client, holder: &str) -> Result<bool, kube::Error>
         .await?;
     Ok(match pod {
         None => true,
+        // A pod being deleted is not admitted any more, so it no longer needs the node's
+        // admission turn (its GPUs stay booked in the ledger until it stops).
         Some(p) => {
-            p.uid().as_deref() != Some(uid) || gpuledger_crds::protocol::pod::pod_finished(&p)
+            p.uid().as_deref() != Some(uid)
+                || gpuledger_crds::protocol::pod::pod_finished(&p)
+                || gpuledger_crds::protocol::pod::pod_terminating(&p)
         }
     })
 }

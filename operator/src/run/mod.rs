@@ -14,6 +14,8 @@ use axum::routing::get;
 use axum::serve::ListenerExt;
 use gpuledger_crds::kubeclient::{self, ClientError};
 use gpuledger_crds::podapi::PodApiConfig;
+
+use crate::controllers::pod_facts::PodFactsCache;
 use gpuledger_crds::{GpuNode, GpuReservation, NumaPolicy};
 use k8s_openapi::api::core::v1::Namespace;
 use kube::Client;
@@ -183,6 +185,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
             gpunodes: gpunodes.clone(),
             policies,
             views: Default::default(),
+            pods: Arc::new(PodFactsCache::new(PodApiConfig::default())),
         },
         defaults: Defaults {
             pod_api: PodApiConfig::default(),
