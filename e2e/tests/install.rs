@@ -235,24 +235,28 @@ async fn the_charts_scheduler_and_webhooks_place_default_and_refuse_gpu_pods_ove
     assert_eq!(scheduled_by(&client, "auto").await, GPULEDGER_SCHEDULER);
     allocated(&client, "auto").await;
 
-    // Memory only: HAMi's default count is written into the pod, and it runs.
+    // Memory only, at low task priority: HAMi's default count is written into the pod, its
+    // priority reaches HAMi-core as CUDA_TASK_PRIORITY, and it runs (the scheduler leaves
+    // nvidia.com/priority to the extender, which does not book it).
     let memory_only = serde_json::from_value::<Pod>(serde_json::json!({
         "metadata": {"name": "memory-only", "namespace": NS},
         "spec": {"restartPolicy": "Never", "containers": [{"name": "main", "image": "registry.k8s.io/pause:3.10",
-            "resources": {"limits": {"nvidia.com/gpumem": "1024"}}}]}
+            "resources": {"limits": {"nvidia.com/gpumem": "1024", "nvidia.com/priority": "1"}}}]}
     }))
     .unwrap();
     let created = pods
         .create(&PostParams::default(), &memory_only)
         .await
         .unwrap();
-    let limits = created.spec.unwrap().containers[0]
-        .resources
-        .clone()
-        .unwrap()
-        .limits
-        .unwrap();
+    let main = created.spec.unwrap().containers[0].clone();
+    let limits = main.resources.clone().unwrap().limits.unwrap();
     assert_eq!(limits["nvidia.com/gpu"].0, "1");
+    let env = main.env.unwrap_or_default();
+    assert!(
+        env.iter()
+            .any(|e| e.name == "CUDA_TASK_PRIORITY" && e.value.as_deref() == Some("1")),
+        "{env:?}"
+    );
     allocated(&client, "memory-only").await;
     wait_pod_phase(&client, NS, "memory-only", &["Running"], WAIT)
         .await

@@ -11,6 +11,9 @@ pub mod resources {
     pub const GPU_MEM_PERCENTAGE: &str = "nvidia.com/gpumem-percentage";
     /// Share of the GPU's streaming multiprocessors, in percent (100 = exclusive).
     pub const GPU_CORES: &str = "nvidia.com/gpucores";
+    /// HAMi-core task priority of the container: 0 (high) or 1 (low). Not a capacity: the
+    /// admission webhook passes it to the container as `CUDA_TASK_PRIORITY`, as HAMi's does.
+    pub const PRIORITY: &str = "nvidia.com/priority";
 }
 
 /// Pod annotations of the pod-facing API (HAMi-compatible).
@@ -31,4 +34,7 @@ pub mod annotations {
     pub const NODE_SCHEDULER_POLICY: &str = "hami.io/node-scheduler-policy";
     /// NUMA alignment mode at admission: `none`, `best-effort` or `strict`.
     pub const NUMA_ALIGNMENT: &str = "hami.io/numa-alignment";
+    /// The device modes the pod accepts; a GPU fits when its mode is a substring of the value
+    /// (HAMi). gpuledger's GPUs all run in `hami-core` mode.
+    pub const VGPU_MODE: &str = "nvidia.com/vgpu-mode";
 }

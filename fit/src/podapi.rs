@@ -27,9 +27,9 @@ use serde::{Deserialize, Serialize};
 use crate::alignment::{self, Alignment, AlignmentError};
 use crate::keys::annotations::{
     GPU_SCHEDULER_POLICY, NODE_SCHEDULER_POLICY, NOUSE_GPU_TYPE, NOUSE_GPU_UUID, NUMA_BIND,
-    USE_GPU_TYPE, USE_GPU_UUID,
+    USE_GPU_TYPE, USE_GPU_UUID, VGPU_MODE,
 };
-use crate::keys::resources::{GPU, GPU_CORES, GPU_MEM, GPU_MEM_PERCENTAGE};
+use crate::keys::resources::{GPU, GPU_CORES, GPU_MEM, GPU_MEM_PERCENTAGE, PRIORITY};
 
 pub use quantity::QuantityError;
 
@@ -330,6 +330,7 @@ pub fn parse(pod: &PodResources, config: &PodApiConfig) -> Result<PodRequest, Po
         });
     }
     let a = &pod.annotations;
+    check_vgpu_mode(a)?;
     Ok(PodRequest {
         containers,
         filters: DeviceFilters {
@@ -356,6 +357,40 @@ pub fn parse(pod: &PodResources, config: &PodApiConfig) -> Result<PodRequest, Po
 }
 
 /// One container's request, or `None` when it asks for no GPU.
+/// The mode every gpuledger GPU runs in (HAMi's `hami-core`; no MIG, no MPS).
+pub const DEVICE_MODE: &str = "hami-core";
+
+/// The container's `nvidia.com/priority` (HAMi-core's `CUDA_TASK_PRIORITY`): 0 (high) or 1
+/// (low), `None` when it names none. Anything else is refused naming the value, never ignored.
+pub fn task_priority(c: &ContainerResources) -> Result<Option<u8>, PodApiError> {
+    let Some(raw) = c.limits.get(PRIORITY).or_else(|| c.requests.get(PRIORITY)) else {
+        return Ok(None);
+    };
+    match raw.trim() {
+        "0" => Ok(Some(0)),
+        "1" => Ok(Some(1)),
+        _ => Err(PodApiError::InvalidQuantity {
+            container: c.name.clone(),
+            key: PRIORITY.to_string(),
+            value: raw.clone(),
+            reason: "expected 0 (high) or 1 (low)",
+        }),
+    }
+}
+
+/// Refuses a `nvidia.com/vgpu-mode` no gpuledger GPU matches: HAMi fits a device only when its
+/// mode is a substring of the value, and every gpuledger GPU is in [`DEVICE_MODE`].
+fn check_vgpu_mode(annotations: &BTreeMap<String, String>) -> Result<(), PodApiError> {
+    match annotations.get(VGPU_MODE) {
+        Some(v) if !v.contains(DEVICE_MODE) => Err(PodApiError::InvalidAnnotation {
+            key: VGPU_MODE.to_string(),
+            value: v.clone(),
+            expected: "a value containing \"hami-core\" (gpuledger's GPUs run in HAMi-core mode only; MIG and MPS are not supported)",
+        }),
+        _ => Ok(()),
+    }
+}
+
 fn container_request(
     c: &ContainerResources,
     config: &PodApiConfig,
@@ -379,6 +414,7 @@ fn container_request(
         Ok(Some(v))
     };
 
+    task_priority(c)?;
     let count = read(GPU)?;
     let mem = read(GPU_MEM)?;
     let pct = read(GPU_MEM_PERCENTAGE)?;

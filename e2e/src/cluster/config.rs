@@ -184,6 +184,7 @@ pub fn scheduler_config(kubeconfig: &Path, extender: Option<&str>) -> Value {
                 { "name": "nvidia.com/gpumem", "ignoredByScheduler": true },
                 { "name": "nvidia.com/gpumem-percentage", "ignoredByScheduler": true },
                 { "name": "nvidia.com/gpucores", "ignoredByScheduler": true },
+                { "name": "nvidia.com/priority", "ignoredByScheduler": true },
             ],
         }]);
     }

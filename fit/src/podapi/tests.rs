@@ -433,3 +433,39 @@ fn more_gpu_containers_than_a_reservation_holds_are_refused() {
     );
     assert!(err.to_string().contains("65 containers"), "{err}");
 }
+
+#[test]
+fn task_priority_is_zero_or_one_and_anything_else_is_refused_naming_it() {
+    use crate::keys::resources::PRIORITY;
+    assert_eq!(task_priority(&ctr("c", &[(PRIORITY, "0")])), Ok(Some(0)));
+    assert_eq!(task_priority(&ctr("c", &[(PRIORITY, "1")])), Ok(Some(1)));
+    assert_eq!(task_priority(&ctr("c", &[(GPU, "1")])), Ok(None));
+    for bad in ["2", "-1", "high", "0.5"] {
+        let p = pod(&[], vec![ctr("main", &[(GPU, "1"), (PRIORITY, bad)])]);
+        let err = parse(&p, &PodApiConfig::default()).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains(PRIORITY) && msg.contains(&format!("{bad:?}")),
+            "{msg}"
+        );
+    }
+    let ok = pod(&[], vec![ctr("main", &[(GPU, "1"), (PRIORITY, "1")])]);
+    assert!(parse(&ok, &PodApiConfig::default()).is_ok());
+}
+
+#[test]
+fn a_vgpu_mode_without_hami_core_fits_no_gpu_and_is_refused() {
+    use crate::keys::annotations::VGPU_MODE;
+    let main = || vec![ctr("main", &[(GPU, "1")])];
+    for ok in ["hami-core", "hami-core,mig"] {
+        assert!(parse(&pod(&[(VGPU_MODE, ok)], main()), &PodApiConfig::default()).is_ok());
+    }
+    for bad in ["mig", "mps", ""] {
+        let err = parse(&pod(&[(VGPU_MODE, bad)], main()), &PodApiConfig::default()).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains(VGPU_MODE) && msg.contains("hami-core"),
+            "{msg}"
+        );
+    }
+}

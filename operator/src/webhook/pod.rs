@@ -9,7 +9,9 @@
 //!   `nvidia.com/gpu: 1`, HAMi's default count, so the scheduler, the kubelet, the plugin and the
 //!   ledger all see the same request (without it the kubelet would never allocate the container);
 //! - containers that ask for no GPU get `NVIDIA_VISIBLE_DEVICES=none`, as HAMi's webhook does,
-//!   so the NVIDIA runtime shows them none of the node's GPUs.
+//!   so the NVIDIA runtime shows them none of the node's GPUs;
+//! - a container naming `nvidia.com/priority` gets `CUDA_TASK_PRIORITY` with that value, which
+//!   HAMi-core reads (HAMi's webhook does the same).
 //!
 //! **Validation** refuses, with the key and value in the message, a pod whose GPU resources or
 //! annotations do not parse (the pod API's own errors), and a GPU pod created with
@@ -18,7 +20,10 @@
 use gpuledger_crds::podapi::{self, PodApiConfig};
 use gpuledger_crds::protocol::pod::names_gpu_resources;
 use gpuledger_crds::resources::{GPU, GPU_CORES, GPU_MEM, GPU_MEM_PERCENTAGE};
+use std::collections::BTreeMap;
+
 use k8s_openapi::api::core::v1::{Container, Pod};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use serde_json::{Value, json};
 
 /// The scheduler name the API server gives a pod that names none.
@@ -72,13 +77,18 @@ pub fn mutation(pod: &Pod, scheduler_name: &str) -> Vec<Value> {
     for (list, containers) in lists {
         for (i, c) in containers.iter().enumerate() {
             let base = format!("/spec/{list}/{i}");
-            if asks_for_gpus(c) {
-                if !names(c, GPU) {
-                    ops.extend(default_count(c, &base));
-                }
-            } else {
-                ops.extend(hide_gpus(c, &base));
+            if asks_for_gpus(c) && !names(c, GPU) {
+                ops.extend(default_count(c, &base));
             }
+            let mut vars = Vec::new();
+            if !asks_for_gpus(c) {
+                vars.push(("NVIDIA_VISIBLE_DEVICES", "none".to_string()));
+            }
+            // A bad value is refused by the validation; only a readable one is passed on.
+            if let Some(p) = container_priority(c) {
+                vars.push((TASK_PRIORITY_ENV, p.to_string()));
+            }
+            ops.extend(set_env(c, &base, &vars));
         }
     }
     ops
@@ -99,18 +109,43 @@ fn default_count(c: &Container, base: &str) -> Vec<Value> {
     }
 }
 
-/// Sets `NVIDIA_VISIBLE_DEVICES=none` (replacing a value the container set itself).
-fn hide_gpus(c: &Container, base: &str) -> Vec<Value> {
-    let var = json!({"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"});
-    match c.env.as_deref() {
-        None => vec![json!({"op": "add", "path": format!("{base}/env"), "value": [var]})],
-        Some(env) => match env.iter().position(|e| e.name == "NVIDIA_VISIBLE_DEVICES") {
-            Some(k) => {
-                vec![json!({"op": "replace", "path": format!("{base}/env/{k}"), "value": var})]
-            }
-            None => vec![json!({"op": "add", "path": format!("{base}/env/-"), "value": var})],
-        },
-    }
+/// The environment variable HAMi-core reads the task priority from.
+pub const TASK_PRIORITY_ENV: &str = "CUDA_TASK_PRIORITY";
+
+/// The container's readable `nvidia.com/priority`, if any.
+fn container_priority(c: &Container) -> Option<u8> {
+    let r = c.resources.as_ref()?;
+    let plain = |m: &Option<BTreeMap<String, Quantity>>| {
+        m.iter()
+            .flatten()
+            .map(|(k, q)| (k.clone(), q.0.clone()))
+            .collect()
+    };
+    let resources = podapi::ContainerResources {
+        name: c.name.clone(),
+        limits: plain(&r.limits),
+        requests: plain(&r.requests),
+    };
+    podapi::task_priority(&resources).ok().flatten()
+}
+
+/// Sets each `(name, value)` in the container's environment, replacing a value the container
+/// set itself.
+fn set_env(c: &Container, base: &str, vars: &[(&str, String)]) -> Vec<Value> {
+    let var = |(name, value): &(&str, String)| json!({"name": name, "value": value});
+    let Some(env) = c.env.as_deref() else {
+        if vars.is_empty() {
+            return Vec::new();
+        }
+        let all: Vec<Value> = vars.iter().map(var).collect();
+        return vec![json!({"op": "add", "path": format!("{base}/env"), "value": all})];
+    };
+    vars.iter()
+        .map(|v| match env.iter().position(|e| e.name == v.0) {
+            Some(k) => json!({"op": "replace", "path": format!("{base}/env/{k}"), "value": var(v)}),
+            None => json!({"op": "add", "path": format!("{base}/env/-"), "value": var(v)}),
+        })
+        .collect()
 }
 
 /// Why `pod` may not be created, or `None`.
@@ -250,6 +285,42 @@ mod tests {
         let why = refusal(&p, &PodApiConfig::default()).unwrap();
         assert!(
             why.contains("hami.io/numa-alignment") && why.contains("sideways"),
+            "{why}"
+        );
+    }
+
+    #[test]
+    fn the_task_priority_reaches_the_container_and_a_bad_one_is_refused() {
+        let p = pod(json!({"metadata": {"name": "p"}, "spec": {"containers": [
+            {"name": "low", "resources": {"limits": {"nvidia.com/gpu": "1", "nvidia.com/priority": "1"}},
+             "env": [{"name": "CUDA_TASK_PRIORITY", "value": "0"}]},
+            {"name": "high", "resources": {"limits": {"nvidia.com/gpu": "1", "nvidia.com/priority": "0"}}},
+            {"name": "side", "resources": {"limits": {"nvidia.com/priority": "1"}}},
+        ]}}));
+        let out = apply(&p, &mutation(&p, "gpuledger-scheduler"));
+        let env = |i: usize| out["spec"]["containers"][i]["env"].clone();
+        assert_eq!(
+            env(0),
+            json!([{"name": "CUDA_TASK_PRIORITY", "value": "1"}]),
+            "replaced"
+        );
+        assert_eq!(
+            env(1),
+            json!([{"name": "CUDA_TASK_PRIORITY", "value": "0"}])
+        );
+        assert_eq!(
+            env(2),
+            json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"},
+                   {"name": "CUDA_TASK_PRIORITY", "value": "1"}]),
+            "both variables on a container that had no environment"
+        );
+        assert_eq!(refusal(&p, &PodApiConfig::default()), None);
+        let bad = pod(json!({"metadata": {"name": "p"}, "spec": {"containers": [
+            {"name": "main", "resources": {"limits": {"nvidia.com/gpu": "1", "nvidia.com/priority": "5"}}},
+        ]}}));
+        let why = refusal(&bad, &PodApiConfig::default()).unwrap();
+        assert!(
+            why.contains("nvidia.com/priority") && why.contains("\"5\""),
             "{why}"
         );
     }
