@@ -2,8 +2,9 @@
 //! the first GPUs that pass every check (HAMi's `fitInDevices` + `NvidiaGPUDevices.Fit`).
 //!
 //! Device score, per candidate GPU, in `f32` like HAMi so that ties tie the same way:
-//! `10 × ((1 + sharers)/split + (cores_req + cores)/total_cores + (mem_req + mem)/total_mem)`,
-//! 0 when a total is 0.
+//! `10 × (ws·(1 + sharers)/split + wc·(cores_req + cores)/total_cores + wm·(mem_req + mem)/total_mem)`,
+//! 0 when a total is 0; the weights are the pod's `hami.io/device-scoring-weights` (1 each by
+//! default).
 //!
 //! **The request share.** HAMi adds the request's own share (`1`, `cores_req`, `mem_req`) only
 //! when the request's type string equals the device's type string. In production the device type
@@ -25,7 +26,7 @@
 
 use std::cmp::Ordering;
 
-use crate::podapi::{GpuRequest, PodRequest, SchedulerPolicy};
+use crate::podapi::{GpuRequest, PodRequest, SchedulerPolicy, ScoringWeights};
 
 use super::model::{NodeView, Usage};
 use super::reason::{FitFailure, Reason, ReasonCounts};
@@ -62,6 +63,7 @@ pub(crate) fn device_score(
     used: Usage,
     cores_req: u32,
     mem_req: u64,
+    w: ScoringWeights,
 ) -> f32 {
     if split == 0 || total_cores == 0 || total_mem == 0 {
         return 0.0;
@@ -69,7 +71,7 @@ pub(crate) fn device_score(
     let slots = (1 + used.sharers) as f32 / split as f32;
     let cores = (cores_req + used.cores) as f32 / total_cores as f32;
     let mem = (mem_req + used.memory_mib) as f32 / total_mem as f32;
-    10.0 * (slots + cores + mem)
+    10.0 * (w.slot as f32 * slots + w.core as f32 * cores + w.memory as f32 * mem)
 }
 
 /// Fits `ask` on the GPUs of `node` at the positions `candidates`, against `usage` (indexed like
@@ -103,6 +105,7 @@ pub(crate) fn fit_container(
             usage[i as usize],
             cores_req,
             mem_req,
+            ask.pod.scoring_weights,
         );
     }
     scratch.order.clear();

@@ -34,6 +34,9 @@ pub mod annotations {
     pub const NODE_SCHEDULER_POLICY: &str = "hami.io/node-scheduler-policy";
     /// NUMA alignment mode at admission: `none`, `best-effort` or `strict`.
     pub const NUMA_ALIGNMENT: &str = "hami.io/numa-alignment";
+    /// Per-pod weights of the device score: `slot=<a>,core=<b>,memory=<c>`, all three
+    /// non-negative integers, not all zero.
+    pub const DEVICE_SCORING_WEIGHTS: &str = "hami.io/device-scoring-weights";
     /// The device modes the pod accepts; a GPU fits when its mode is a substring of the value
     /// (HAMi). gpuledger's GPUs all run in `hami-core` mode.
     pub const VGPU_MODE: &str = "nvidia.com/vgpu-mode";

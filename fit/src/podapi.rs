@@ -26,8 +26,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::alignment::{self, Alignment, AlignmentError};
 use crate::keys::annotations::{
-    GPU_SCHEDULER_POLICY, NODE_SCHEDULER_POLICY, NOUSE_GPU_TYPE, NOUSE_GPU_UUID, NUMA_BIND,
-    USE_GPU_TYPE, USE_GPU_UUID, VGPU_MODE,
+    DEVICE_SCORING_WEIGHTS, GPU_SCHEDULER_POLICY, NODE_SCHEDULER_POLICY, NOUSE_GPU_TYPE,
+    NOUSE_GPU_UUID, NUMA_BIND, USE_GPU_TYPE, USE_GPU_UUID, VGPU_MODE,
 };
 use crate::keys::resources::{GPU, GPU_CORES, GPU_MEM, GPU_MEM_PERCENTAGE, PRIORITY};
 
@@ -203,6 +203,64 @@ pub struct PodRequest {
     pub node_policy: Option<SchedulerPolicy>,
     /// `hami.io/numa-alignment`, when set.
     pub alignment: Option<Alignment>,
+    /// `hami.io/device-scoring-weights` (1/1/1 when unset).
+    #[serde(default)]
+    pub scoring_weights: ScoringWeights,
+}
+
+/// The weights of the device score's three terms (HAMi's `hami.io/device-scoring-weights`):
+/// `10 × (slot·slots_used + core·cores_used + memory·memory_used)`, each term a fraction of the
+/// GPU after placement.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ScoringWeights {
+    /// Weight of the share of the GPU's slots (its split count) in use.
+    pub slot: u32,
+    /// Weight of the share of its cores in use.
+    pub core: u32,
+    /// Weight of the share of its memory in use.
+    pub memory: u32,
+}
+
+impl Default for ScoringWeights {
+    fn default() -> Self {
+        Self {
+            slot: 1,
+            core: 1,
+            memory: 1,
+        }
+    }
+}
+
+impl ScoringWeights {
+    /// Parses `slot=<a>,core=<b>,memory=<c>` (any order, spaces around parts allowed): all three
+    /// named once, non-negative integers, at least one positive.
+    pub fn parse(raw: &str) -> Result<Self, PodApiError> {
+        let invalid = || PodApiError::InvalidAnnotation {
+            key: DEVICE_SCORING_WEIGHTS.to_string(),
+            value: raw.to_string(),
+            expected: "slot=<n>,core=<n>,memory=<n>: all three, non-negative integers, not all 0",
+        };
+        let (mut slot, mut core, mut memory) = (None, None, None);
+        for part in raw.split(',') {
+            let (k, v) = part.split_once('=').ok_or_else(invalid)?;
+            let v: u32 = v.trim().parse().map_err(|_| invalid())?;
+            let slot_of = match k.trim() {
+                "slot" => &mut slot,
+                "core" => &mut core,
+                "memory" => &mut memory,
+                _ => return Err(invalid()),
+            };
+            if slot_of.replace(v).is_some() {
+                return Err(invalid());
+            }
+        }
+        match (slot, core, memory) {
+            (Some(slot), Some(core), Some(memory)) if slot + core + memory > 0 => {
+                Ok(Self { slot, core, memory })
+            }
+            _ => Err(invalid()),
+        }
+    }
 }
 
 impl PodRequest {
@@ -331,7 +389,13 @@ pub fn parse(pod: &PodResources, config: &PodApiConfig) -> Result<PodRequest, Po
     }
     let a = &pod.annotations;
     check_vgpu_mode(a)?;
+    let scoring_weights = a
+        .get(DEVICE_SCORING_WEIGHTS)
+        .map(|v| ScoringWeights::parse(v))
+        .transpose()?
+        .unwrap_or_default();
     Ok(PodRequest {
+        scoring_weights,
         containers,
         filters: DeviceFilters {
             use_uuids: list(a, USE_GPU_UUID),

@@ -138,6 +138,7 @@ fn pod() -> impl Strategy<Value = PodRequest> {
                     gpu_policy,
                     node_policy,
                     alignment: None,
+                    scoring_weights: Default::default(),
                 }
             },
         )

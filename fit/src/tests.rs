@@ -137,7 +137,7 @@ fn worked_example_scores_match_the_research_note() {
     let s: Vec<f32> = n
         .usage
         .iter()
-        .map(|u| device_score(SPLIT, 100, 40000, *u, 10, 4096))
+        .map(|u| device_score(SPLIT, 100, 40000, *u, 10, 4096, Default::default()))
         .collect();
     assert!((s[0] - 16.524).abs() < 0.01, "{s:?}");
     assert!((s[1] - 12.024).abs() < 0.01, "{s:?}");
@@ -639,3 +639,64 @@ fn a_pod_without_gpus_gets_no_opinion() {
 }
 
 mod refits;
+
+#[test]
+fn scoring_weights_reorder_the_gpus_as_hami_documents() {
+    // GPU a: many sharers, little memory; GPU b: one sharer holding most of the memory.
+    let n = node(
+        "n",
+        vec![
+            (dev("GPU-a", 0, 40000), used(8, 4000, 10)),
+            (dev("GPU-b", 0, 40000), used(1, 30000, 10)),
+        ],
+    );
+    let binpack = policy(SchedulerPolicy::Binpack);
+    // Equal weights: a scores 10×(0.9+0.2+0.125), b 10×(0.2+0.2+0.775); binpack takes a.
+    let p = pod(1, 1000, 10);
+    assert_eq!(picked(&only(&n, &p, binpack).unwrap()), ["GPU-a"]);
+    // Memory weighted three times: b's memory share wins.
+    let heavy = pod_with(
+        &[("hami.io/device-scoring-weights", "slot=1,core=1,memory=3")],
+        &[],
+        &[(1, 1000, 10)],
+    );
+    assert_eq!(heavy.scoring_weights.memory, 3);
+    assert_eq!(picked(&only(&n, &heavy, binpack).unwrap()), ["GPU-b"]);
+    // The score itself: each term times its weight.
+    let w = podapi::ScoringWeights {
+        slot: 0,
+        core: 0,
+        memory: 2,
+    };
+    let s = device_score(SPLIT, 100, 40000, used(0, 10000, 0), 0, 10000, w);
+    assert!((s - 10.0).abs() < 1e-4, "{s}");
+}
+
+#[test]
+fn scoring_weights_must_name_all_three_non_negative_not_all_zero() {
+    use podapi::ScoringWeights;
+    assert_eq!(
+        ScoringWeights::parse(" memory=3, slot=1 ,core=0").unwrap(),
+        ScoringWeights {
+            slot: 1,
+            core: 0,
+            memory: 3
+        }
+    );
+    for bad in [
+        "",
+        "slot=1,core=1",
+        "slot=1,core=1,memory=1,slot=2",
+        "slot=0,core=0,memory=0",
+        "slot=-1,core=1,memory=1",
+        "slot=1,core=1,mem=1",
+        "slot=1;core=1;memory=1",
+    ] {
+        let err = ScoringWeights::parse(bad).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("hami.io/device-scoring-weights") && msg.contains(&format!("{bad:?}")),
+            "{msg}"
+        );
+    }
+}
