@@ -62,6 +62,9 @@ async fn gpuledger_end_to_end() {
         ("device plugin restart and re-registration", |c| {
             Box::pin(node_scenarios::plugin_restart_reregisters(c))
         }),
+        ("mutex takes only an unused GPU", |c| {
+            Box::pin(scenarios::mutex_takes_only_an_unused_gpu(c))
+        }),
         ("a terminating pod keeps its GPUs until it stops", |c| {
             Box::pin(node_scenarios::terminating_pod_keeps_its_gpus(c))
         }),

@@ -172,6 +172,10 @@ pub(crate) fn fit_container(
             counts.add(Reason::CardTimeSlicingExhausted, 1);
             continue;
         }
+        if ask.pod.gpu_mutex && u.sharers > 0 {
+            counts.add(Reason::ExclusiveDeviceAllocateConflict, 1);
+            continue;
+        }
         let mem_req = ask.gpu.memory.on_device(d.memory_mib);
         if d.memory_mib.saturating_sub(u.memory_mib) < mem_req {
             counts.add(Reason::CardInsufficientMemory, 1);

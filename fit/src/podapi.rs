@@ -201,11 +201,58 @@ pub struct PodRequest {
     pub gpu_policy: Option<SchedulerPolicy>,
     /// `hami.io/node-scheduler-policy`, when set.
     pub node_policy: Option<SchedulerPolicy>,
+    /// `mutex` in `hami.io/gpu-scheduler-policy`: only GPUs no other pod uses.
+    #[serde(default)]
+    pub gpu_mutex: bool,
     /// `hami.io/numa-alignment`, when set.
     pub alignment: Option<Alignment>,
     /// `hami.io/device-scoring-weights` (1/1/1 when unset).
     #[serde(default)]
     pub scoring_weights: ScoringWeights,
+}
+
+/// `hami.io/gpu-scheduler-policy` read as HAMi's chain of keys: at most one order (`binpack` or
+/// `spread`) and the `mutex` filter, comma-separated in any order. A chain with only `mutex`
+/// orders like `spread`, as HAMi's does. `numa` and `topology-aware` need what the ledger does
+/// not record yet (the chain's NUMA key order, the NVLink matrix): refused, naming them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct GpuPolicy {
+    order: Option<SchedulerPolicy>,
+    mutex: bool,
+}
+
+impl GpuPolicy {
+    fn parse(raw: &str) -> Result<Self, PodApiError> {
+        let invalid = |expected| PodApiError::InvalidAnnotation {
+            key: GPU_SCHEDULER_POLICY.to_string(),
+            value: raw.to_string(),
+            expected,
+        };
+        const EXPECTED: &str =
+            "\"binpack\", \"spread\", \"mutex\", or \"mutex\" with one of the others";
+        let mut policy = GpuPolicy {
+            order: None,
+            mutex: false,
+        };
+        for key in raw.split(',').map(|k| k.trim().to_ascii_lowercase()) {
+            match key.as_str() {
+                "mutex" if !policy.mutex => policy.mutex = true,
+                "binpack" | "spread" if policy.order.is_none() => {
+                    policy.order = Some(SchedulerPolicy::parse(GPU_SCHEDULER_POLICY, &key)?);
+                }
+                "numa" | "topology-aware" => {
+                    return Err(invalid(
+                        "\"binpack\", \"spread\" or \"mutex\" (gpuledger does not support \"numa\" or \"topology-aware\" in this version)",
+                    ));
+                }
+                _ => return Err(invalid(EXPECTED)),
+            }
+        }
+        if policy.mutex && policy.order.is_none() {
+            policy.order = Some(SchedulerPolicy::Spread);
+        }
+        Ok(policy)
+    }
 }
 
 /// The weights of the device score's three terms (HAMi's `hami.io/device-scoring-weights`):
@@ -389,6 +436,10 @@ pub fn parse(pod: &PodResources, config: &PodApiConfig) -> Result<PodRequest, Po
     }
     let a = &pod.annotations;
     check_vgpu_mode(a)?;
+    let gpu_policy = a
+        .get(GPU_SCHEDULER_POLICY)
+        .map(|v| GpuPolicy::parse(v))
+        .transpose()?;
     let scoring_weights = a
         .get(DEVICE_SCORING_WEIGHTS)
         .map(|v| ScoringWeights::parse(v))
@@ -408,10 +459,8 @@ pub fn parse(pod: &PodResources, config: &PodApiConfig) -> Result<PodRequest, Po
             .map(|v| parse_bool(NUMA_BIND, v))
             .transpose()?
             .unwrap_or(false),
-        gpu_policy: a
-            .get(GPU_SCHEDULER_POLICY)
-            .map(|v| SchedulerPolicy::parse(GPU_SCHEDULER_POLICY, v))
-            .transpose()?,
+        gpu_policy: gpu_policy.and_then(|p| p.order),
+        gpu_mutex: gpu_policy.is_some_and(|p| p.mutex),
         node_policy: a
             .get(NODE_SCHEDULER_POLICY)
             .map(|v| SchedulerPolicy::parse(NODE_SCHEDULER_POLICY, v))
@@ -420,7 +469,6 @@ pub fn parse(pod: &PodResources, config: &PodApiConfig) -> Result<PodRequest, Po
     })
 }
 
-/// One container's request, or `None` when it asks for no GPU.
 /// The mode every gpuledger GPU runs in (HAMi's `hami-core`; no MIG, no MPS).
 pub const DEVICE_MODE: &str = "hami-core";
 
@@ -455,6 +503,7 @@ fn check_vgpu_mode(annotations: &BTreeMap<String, String>) -> Result<(), PodApiE
     }
 }
 
+/// One container's request, or `None` when it asks for no GPU.
 fn container_request(
     c: &ContainerResources,
     config: &PodApiConfig,

@@ -139,6 +139,7 @@ fn pod() -> impl Strategy<Value = PodRequest> {
                     node_policy,
                     alignment: None,
                     scoring_weights: Default::default(),
+                    gpu_mutex: false,
                 }
             },
         )

@@ -700,3 +700,74 @@ fn scoring_weights_must_name_all_three_non_negative_not_all_zero() {
         );
     }
 }
+
+#[test]
+fn mutex_takes_only_gpus_nobody_uses_and_orders_like_spread() {
+    let n = node(
+        "n",
+        vec![
+            (dev("GPU-a", 0, 40000), used(1, 1000, 10)),
+            (dev("GPU-b", 0, 40000), used(0, 0, 0)),
+            (dev("GPU-c", 0, 40000), used(0, 0, 0)),
+        ],
+    );
+    let binpack = policy(SchedulerPolicy::Binpack);
+    assert_eq!(
+        picked(&only(&n, &pod(1, 1000, 10), binpack).unwrap()),
+        ["GPU-a"]
+    );
+    let mutex = pod_with(&[(GPU_SCHEDULER_POLICY, "mutex")], &[], &[(1, 1000, 10)]);
+    assert!(mutex.gpu_mutex);
+    assert_eq!(mutex.gpu_policy, Some(SchedulerPolicy::Spread));
+    assert_eq!(picked(&only(&n, &mutex, binpack).unwrap()), ["GPU-c"]);
+    // With an order key the chain keeps it.
+    let chained = pod_with(
+        &[(GPU_SCHEDULER_POLICY, "Binpack, mutex")],
+        &[],
+        &[(1, 1000, 10)],
+    );
+    assert_eq!(chained.gpu_policy, Some(SchedulerPolicy::Binpack));
+    assert!(chained.gpu_mutex);
+    // Every GPU in use: refused with HAMi's reason.
+    let busy = node(
+        "busy",
+        vec![
+            (dev("GPU-a", 0, 40000), used(1, 1000, 10)),
+            (dev("GPU-b", 0, 40000), used(2, 1000, 10)),
+        ],
+    );
+    let err = only(&busy, &mutex, binpack).unwrap_err();
+    assert_eq!(err.to_string(), "2/2 ExclusiveDeviceAllocateConflict");
+}
+
+#[test]
+fn gpu_policy_chains_gpuledger_cannot_follow_are_refused_naming_them() {
+    let parse = |raw: &str| {
+        let resources = PodResources {
+            annotations: limits(&[(GPU_SCHEDULER_POLICY, raw)]),
+            init_containers: Vec::new(),
+            containers: Vec::new(),
+        };
+        podapi::parse(&resources, &PodApiConfig::default())
+    };
+    for bad in [
+        "numa",
+        "binpack,numa",
+        "topology-aware",
+        "mutex,topology-aware",
+    ] {
+        let msg = parse(bad).unwrap_err().to_string();
+        assert!(
+            msg.contains(bad) && msg.contains("does not support"),
+            "{msg}"
+        );
+    }
+    for bad in ["binpack,spread", "mutex,mutex", "fastest", ""] {
+        let msg = parse(bad).unwrap_err().to_string();
+        assert!(
+            msg.contains(GPU_SCHEDULER_POLICY) && msg.contains(&format!("{bad:?}")),
+            "{msg}"
+        );
+    }
+    assert!(parse("spread").is_ok() && parse(" mutex ").is_ok());
+}

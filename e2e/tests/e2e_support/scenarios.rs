@@ -232,3 +232,35 @@ pub async fn deletion_cleans_the_ledger(cluster: &SimCluster) {
         assert!(held.is_empty(), "{}: {held:?}", node.name());
     }
 }
+
+/// `hami.io/gpu-scheduler-policy: mutex`: a pod allowed two GPUs, one already shared, gets the
+/// unused one; a second such pod, with both now in use, is refused with HAMi's reason.
+pub async fn mutex_takes_only_an_unused_gpu(cluster: &SimCluster) {
+    let node = &cluster.nodes[0];
+    let gpus: Vec<String> = node.gpus_on_numa(1).into_iter().take(2).collect();
+    let shared = GpuPod::new(NS, "shared")
+        .gpu_container("main", 1, 1024, 10)
+        .use_gpus(&gpus[..1])
+        .cpu_numa(1);
+    run_pod(cluster, shared).await;
+    let alone = GpuPod::new(NS, "alone")
+        .gpu_container("main", 1, 1024, 10)
+        .annotate("hami.io/gpu-scheduler-policy", "mutex")
+        .use_gpus(&gpus)
+        .cpu_numa(1);
+    run_pod(cluster, alone).await;
+    let r = allocated(cluster, "alone").await;
+    assert_eq!(reserved_uuids(&r), [gpus[1].clone()], "the GPU nobody used");
+    let client = cluster.cp.client();
+    let late = GpuPod::new(NS, "late")
+        .gpu_container("main", 1, 1024, 10)
+        .annotate("hami.io/gpu-scheduler-policy", "mutex")
+        .use_gpus(&gpus)
+        .cpu_numa(1);
+    late.create(&client).await.unwrap();
+    let why = wait_event(&client, NS, "late", "FilteringFailed", WAIT)
+        .await
+        .unwrap();
+    assert!(why.contains("ExclusiveDeviceAllocateConflict"), "{why}");
+    cleanup(cluster, &["shared", "alone", "late"]).await;
+}
