@@ -145,8 +145,8 @@ impl fmt::Display for SchedulerPolicy {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct DeviceFilters {
-    /// `nvidia.com/use-gpuuuid`: only these UUIDs (exact). When set, `nouse_uuids` is ignored,
-    /// as in HAMi.
+    /// `nvidia.com/use-gpuuuid`: only these UUIDs (exact). Both lists apply, as in HAMi: a UUID
+    /// in both is refused.
     pub use_uuids: Vec<String>,
     /// `nvidia.com/nouse-gpuuuid`: never these UUIDs (exact).
     pub nouse_uuids: Vec<String>,
