@@ -264,21 +264,37 @@ impl LedgerWriter {
         current: &GpuReservation,
     ) -> Result<GpuReservation, WriteError> {
         let key = ReservationKey::of(current);
+        let mut finalizers: Vec<&String> = current.finalizers().iter().collect();
+        let ours = RESERVATION_FINALIZER.to_string();
+        finalizers.push(&ours);
+        let updated = self
+            .set_finalizers(current, &finalizers)
+            .await
+            .map_err(|e| {
+                let rv = current.resource_version();
+                WriteError::from_kube("add the finalizer to", &key, rv.as_deref(), e)
+            })?;
+        self.index.record_write(updated.clone());
+        Ok(updated)
+    }
+
+    /// Replaces `current`'s finalizers with `finalizers`, under the operator's field manager and
+    /// guarded by the resourceVersion it was read at.
+    async fn set_finalizers(
+        &self,
+        current: &GpuReservation,
+        finalizers: &[&String],
+    ) -> Result<GpuReservation, kube::Error> {
+        let key = ReservationKey::of(current);
         let rv = current.resource_version();
-        let mut finalizers = current.finalizers().to_vec();
-        finalizers.push(RESERVATION_FINALIZER.to_string());
         let patch = json!({ "metadata": { "finalizers": finalizers, "resourceVersion": rv } });
         let params = PatchParams {
             field_manager: Some(OPERATOR_MANAGER.to_string()),
             ..PatchParams::default()
         };
-        let updated = self
-            .api(&key.namespace)
+        self.api(&key.namespace)
             .patch(&key.name, &params, &Patch::Merge(&patch))
             .await
-            .map_err(|e| WriteError::from_kube("add the finalizer to", &key, rv.as_deref(), e))?;
-        self.index.record_write(updated.clone());
-        Ok(updated)
     }
 
     /// Takes the operator's finalizer off `current` (guarded by its resourceVersion). `None`:
@@ -294,16 +310,7 @@ impl LedgerWriter {
             .iter()
             .filter(|f| *f != RESERVATION_FINALIZER)
             .collect();
-        let patch = json!({ "metadata": { "finalizers": kept, "resourceVersion": rv } });
-        let params = PatchParams {
-            field_manager: Some(OPERATOR_MANAGER.to_string()),
-            ..PatchParams::default()
-        };
-        match self
-            .api(&key.namespace)
-            .patch(&key.name, &params, &Patch::Merge(&patch))
-            .await
-        {
+        match self.set_finalizers(current, &kept).await {
             Ok(updated) if updated.metadata.deletion_timestamp.is_some() && kept.is_empty() => {
                 // Already marked for deletion: without finalizers it is gone now.
                 self.index.record_delete(&key, None);
