@@ -68,7 +68,8 @@ pub fn unallocatable_request(pod: &Pod, req: &PodRequest) -> Option<PodApiError>
     None
 }
 
-fn plain_container(c: &Container) -> ContainerResources {
+/// A container's name and resource maps as the plain pod API reads them.
+pub fn plain_container(c: &Container) -> ContainerResources {
     let quantities =
         |m: Option<&BTreeMap<String, k8s_openapi::apimachinery::pkg::api::resource::Quantity>>| {
             m.map(|m| m.iter().map(|(k, q)| (k.clone(), q.0.clone())).collect())

@@ -373,11 +373,8 @@ fn attacks(
         }));
         // A careless admin lowers a reservation's memory by hand.
         let as_admin: Api<GpuReservation> = Api::namespaced(admin.clone(), NS);
-        let node = if i % 2 == 0 {
-            node1_name(cluster)
-        } else {
-            node2_name(cluster)
-        };
+        // Alternately on node 1 and node 2.
+        let node = cluster.nodes[i % 2].name().to_string();
         all.push(Box::pin(async move {
             let what = "admin editing a reservation's spec".to_string();
             let target = booked_on(&as_admin, &node).await;
@@ -395,14 +392,6 @@ fn attacks(
         }));
     }
     all
-}
-
-fn node1_name(cluster: &SimCluster) -> String {
-    cluster.nodes[0].name().to_string()
-}
-
-fn node2_name(cluster: &SimCluster) -> String {
-    cluster.nodes[1].name().to_string()
 }
 
 /// A pod the API server may take (no webhook runs here), which the extender must refuse.

@@ -80,9 +80,31 @@ pub fn init_containers_done(pod: &Pod) -> bool {
 #[derive(Default)]
 struct Inner {
     pods: HashMap<ReservationKey, PodFacts>,
+    /// The node of every GPU pod being deleted whose containers have not stopped: a few
+    /// entries, read by filter whenever no node fits, so it must not scan every pod.
+    terminating: HashMap<ReservationKey, String>,
     /// Pods of a relist in progress (between `Init` and `InitDone`).
     relist: Option<HashMap<ReservationKey, PodFacts>>,
     synced: bool,
+}
+
+impl Inner {
+    fn insert(&mut self, key: ReservationKey, facts: PodFacts) {
+        match facts.node_name.as_ref() {
+            Some(node) if facts.wants_gpus && facts.terminating => {
+                self.terminating.insert(key.clone(), node.clone());
+            }
+            _ => {
+                self.terminating.remove(&key);
+            }
+        }
+        self.pods.insert(key, facts);
+    }
+
+    fn remove(&mut self, key: &ReservationKey) {
+        self.terminating.remove(key);
+        self.pods.remove(key);
+    }
 }
 
 /// [`PodFacts`] of every pod, keyed like reservations (namespace and pod name).
@@ -119,12 +141,8 @@ impl PodFactsCache {
         let config = &self.config;
         let mut inner = self.write();
         match event {
-            Event::Apply(pod) => {
-                inner.pods.insert(key_of(pod), PodFacts::of(pod, config));
-            }
-            Event::Delete(pod) => {
-                inner.pods.remove(&key_of(pod));
-            }
+            Event::Apply(pod) => inner.insert(key_of(pod), PodFacts::of(pod, config)),
+            Event::Delete(pod) => inner.remove(&key_of(pod)),
             Event::Init => inner.relist = Some(HashMap::new()),
             Event::InitApply(pod) => {
                 if let Some(buf) = inner.relist.as_mut() {
@@ -133,7 +151,11 @@ impl PodFactsCache {
             }
             Event::InitDone => {
                 if let Some(listed) = inner.relist.take() {
-                    inner.pods = listed;
+                    inner.pods.clear();
+                    inner.terminating.clear();
+                    for (key, facts) in listed {
+                        inner.insert(key, facts);
+                    }
                 }
                 inner.synced = true;
             }
@@ -159,9 +181,9 @@ impl PodFactsCache {
     /// come free without any further event kube-scheduler would retry a waiting pod on.
     pub fn terminating_gpu_pods_on(&self, node: &str) -> usize {
         self.read()
-            .pods
+            .terminating
             .values()
-            .filter(|f| f.wants_gpus && f.terminating && f.node_name.as_deref() == Some(node))
+            .filter(|n| n.as_str() == node)
             .count()
     }
 
@@ -290,6 +312,17 @@ pub(crate) mod tests {
         assert_eq!(cache.terminating_gpu_pods_on("n3"), 0);
         cache.apply(&Event::Delete(gpu("a", "n1", true)));
         assert_eq!(cache.terminating_gpu_pods_on("n1"), 0);
+        // Stopped and moved on: no longer terminating.
+        cache.apply(&Event::Apply(gpu("b", "n1", true)));
+        assert_eq!(cache.terminating_gpu_pods_on("n1"), 1);
+        cache.apply(&Event::Apply(gpu("b", "n1", false)));
+        assert_eq!(cache.terminating_gpu_pods_on("n1"), 0);
+        // A relist that no longer has c forgets it.
+        cache.apply(&Event::Init);
+        cache.apply(&Event::InitApply(gpu("b", "n1", true)));
+        cache.apply(&Event::InitDone);
+        assert_eq!(cache.terminating_gpu_pods_on("n2"), 0);
+        assert_eq!(cache.terminating_gpu_pods_on("n1"), 1);
     }
 
     #[test]

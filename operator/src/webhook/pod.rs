@@ -20,10 +20,7 @@
 use gpuledger_crds::podapi::{self, PodApiConfig};
 use gpuledger_crds::protocol::pod::names_gpu_resources;
 use gpuledger_crds::resources::{GPU, GPU_CORES, GPU_MEM, GPU_MEM_PERCENTAGE};
-use std::collections::BTreeMap;
-
 use k8s_openapi::api::core::v1::{Container, Pod};
-use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use serde_json::{Value, json};
 
 /// The scheduler name the API server gives a pod that names none.
@@ -114,19 +111,9 @@ pub const TASK_PRIORITY_ENV: &str = "CUDA_TASK_PRIORITY";
 
 /// The container's readable `nvidia.com/priority`, if any.
 fn container_priority(c: &Container) -> Option<u8> {
-    let r = c.resources.as_ref()?;
-    let plain = |m: &Option<BTreeMap<String, Quantity>>| {
-        m.iter()
-            .flatten()
-            .map(|(k, q)| (k.clone(), q.0.clone()))
-            .collect()
-    };
-    let resources = podapi::ContainerResources {
-        name: c.name.clone(),
-        limits: plain(&r.limits),
-        requests: plain(&r.requests),
-    };
-    podapi::task_priority(&resources).ok().flatten()
+    podapi::task_priority(&podapi::plain_container(c))
+        .ok()
+        .flatten()
 }
 
 /// Sets each `(name, value)` in the container's environment, replacing a value the container
