@@ -88,6 +88,12 @@ pub(crate) async fn device_plugin_may_write_reservation_status_only(cp: &Control
             json!([{ "type": "Misaligned", "status": "False", "reason": "Forged", "message": "",
                      "lastTransitionTime": "2026-01-01T00:00:00Z" }]),
         ),
+        // Nor may it tell GitOps tools that all is well.
+        (
+            "conditions",
+            json!([{ "type": "Ready", "status": "True", "reason": "Forged", "message": "",
+                     "lastTransitionTime": "2026-01-01T00:00:00Z" }]),
+        ),
     ] {
         assert_refused(
             as_plugin
