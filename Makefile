@@ -4,6 +4,9 @@ SHELL := /bin/bash
 CARGO ?= cargo
 JOBS ?= 2
 export CARGO_BUILD_JOBS ?= $(JOBS)
+# Incremental compilation keeps a copy of every test binary's intermediate state: tens of GB for
+# the 23 test binaries after a few rebuilds, which filled CI's disk once. Off unless asked for.
+export CARGO_INCREMENTAL ?= 0
 
 .PHONY: help demo demo-down sandbox sandbox-down test unit e2e crds crds-check bench soak lint fmt k8s-binaries cluster-up cluster-down image
 
