@@ -16,6 +16,19 @@ pub mod resources {
     pub const PRIORITY: &str = "nvidia.com/priority";
 }
 
+/// ResourceQuota keys that limit a namespace's GPU shares, as HAMi reads them (`spec.hard`).
+/// Kubernetes' own quota admission counts only `requests.`-prefixed extended resources, so
+/// these are left to gpuledger; `requests.nvidia.com/gpu` stays Kubernetes' to enforce.
+pub mod quota {
+    /// GPU memory in MiB, summed over the namespace's reservations (percentages resolved).
+    pub const GPU_MEM: &str = "limits.nvidia.com/gpumem";
+    /// GPU cores in percent points, summed over the namespace's reservations.
+    pub const GPU_CORES: &str = "limits.nvidia.com/gpucores";
+    /// GPU shares (one per GPU per pod), summed over the namespace's reservations. Not a HAMi
+    /// key: gpuledger adds it so that all three show in one quota.
+    pub const GPU: &str = "limits.nvidia.com/gpu";
+}
+
 /// Pod annotations of the pod-facing API (HAMi-compatible).
 pub mod annotations {
     /// Comma list of GPU UUIDs the pod may use (exact match).

@@ -18,19 +18,22 @@
 //!   allowed set (HAMi's release-then-fit, or phase-aware capacity as HAMi does since #2868).
 //! - [`reservation_usage`]: what a reservation holds per GPU, for the ledger index.
 //!
-//! Not carried over from HAMi: `hami.io/device-scoring-weights` (weights are 1/1/1), the
-//! `mutex`/`topology-aware`/`numa` GPU policy chains, `nvidia.com/vgpu-mode`, MIG profiles (MIG
-//! GPUs are skipped as `CardTypeMismatch`, the reason HAMi gives a mode mismatch) and resource
-//! quotas. Module map: `model` (data), `device_fit` (one container on one node: score, order,
-//! walk), `node` (a pod on a node, the node choice), `restricted` (refits), `usage`
-//! (init-container collapse), `reason` (HAMi's failure strings), `cli` (the JSON front end),
-//! `fixture` (seeded synthetic clusters for benchmarks and side-by-side runs).
+//! - [`quota`]: a namespace's GPU limits from ResourceQuota keys, and the check against them.
+//!
+//! Not carried over from HAMi: the `topology-aware` and `numa` GPU policy chains (refused with a
+//! message), MIG profiles (MIG GPUs are skipped as `CardTypeMismatch`, the reason HAMi gives a
+//! mode mismatch) and `memoryFactor` (1). Module map: `model` (data), `device_fit` (one container
+//! on one node: score with the pod's weights, order, walk, `mutex`), `node` (a pod on a node, the
+//! node choice), `restricted` (refits), `usage` (init-container collapse), `reason` (HAMi's
+//! failure strings), `quota` (namespace limits), `cli` (the JSON front end), `fixture` (seeded
+//! synthetic clusters for benchmarks and side-by-side runs).
 //!
 //! [`PodRequest`]: crate::podapi::PodRequest
 
 pub mod alignment;
 pub mod keys;
 pub mod podapi;
+pub mod quota;
 pub mod shares;
 
 pub mod cli;

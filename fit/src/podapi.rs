@@ -17,7 +17,7 @@
 //! List annotations ignore blank entries and surrounding spaces (HAMi would treat the blank entry
 //! of `"A100,"` as "every model").
 
-mod quantity;
+pub(crate) mod quantity;
 
 use std::collections::BTreeMap;
 use std::fmt;
