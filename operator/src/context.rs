@@ -8,7 +8,7 @@ use gpuledger_crds::alignment::{self, ResolvedAlignment};
 use gpuledger_crds::numapolicy::matching_policies;
 use gpuledger_crds::podapi::{self, PodApiConfig, PodApiError, PodRequest};
 use gpuledger_crds::{Alignment, AlignmentError, GpuNode, NumaPolicy};
-use k8s_openapi::api::core::v1::{ObjectReference, Pod};
+use k8s_openapi::api::core::v1::{ObjectReference, Pod, ResourceQuota};
 use kube::runtime::events::Recorder;
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Client, Resource, ResourceExt};
@@ -53,6 +53,9 @@ pub struct Ledger {
     pub writer: LedgerWriter,
     /// Per-node serialisation shared by bind, init shrink, refits and repairs.
     pub node_locks: Arc<NodeLocks>,
+    /// Per-namespace serialisation of binds in namespaces with GPU quotas (taken before the
+    /// node's lock), so two binds cannot both pass on the same quota room.
+    pub quota_locks: Arc<NodeLocks>,
     /// Filter's answers whose binds have not written a reservation yet.
     pub holds: Holds,
     /// Pods whose bind is running (one bind per pod at a time).
@@ -69,6 +72,8 @@ pub struct Caches {
     pub views: NodeViewCache,
     /// What the pod watch says about each pod (the lifecycle controller feeds it).
     pub pods: Arc<PodFactsCache>,
+    /// ResourceQuotas (their GPU limits, [`crate::quota`]).
+    pub quotas: Store<ResourceQuota>,
 }
 
 /// Cluster-wide defaults.
@@ -107,6 +112,7 @@ impl Context {
         leader: bool,
     ) -> Context {
         let (policies, _) = kube::runtime::reflector::store();
+        let (quotas, _) = kube::runtime::reflector::store();
         let health = Arc::new(Health::default());
         health.set_leader(leader);
         let metrics = Arc::new(Metrics::new());
@@ -117,6 +123,7 @@ impl Context {
                 writer: LedgerWriter::new(client.clone(), index.clone()),
                 index,
                 node_locks: Arc::new(NodeLocks::new()),
+                quota_locks: Arc::new(NodeLocks::new()),
                 holds: Holds::default(),
                 binds: BindsInFlight::default(),
             },
@@ -125,6 +132,7 @@ impl Context {
                 policies,
                 views: NodeViewCache::default(),
                 pods: Arc::new(PodFactsCache::new(PodApiConfig::default())),
+                quotas,
             },
             defaults: Defaults {
                 pod_api: PodApiConfig::default(),

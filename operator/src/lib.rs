@@ -3,7 +3,8 @@
 //!
 //! 1. [`webhook`]: the pod's creation — sent to gpuledger-scheduler, HAMi's defaults, refusals.
 //! 2. [`extender`]: kube-scheduler's HTTP calls, `filter`, `prioritize`, `bind`.
-//! 3. [`schedule`]: the one adapter onto the fit engine (`gpuledger-fit`).
+//! 3. [`schedule`]: the one adapter onto the fit engine (`gpuledger-fit`); [`quota`]: the
+//!    namespace's GPU limits both filter and bind check.
 //! 4. [`ledger`]: the GpuReservations in memory and every write to them.
 //! 5. [`lease`]: the per-node allocation Lease, the bind turns, leader election.
 //! 6. [`controllers`]: the lifecycle after bind, refits, repairs, NumaPolicy and GpuNode status.
@@ -21,6 +22,7 @@ pub mod events;
 pub mod extender;
 pub mod lease;
 pub mod ledger;
+pub mod quota;
 pub mod run;
 pub mod schedule;
 pub mod telemetry;

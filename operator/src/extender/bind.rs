@@ -1,5 +1,6 @@
 //! `bind`: wait for the node's turn (binds of one node go one at a time), fit on the chosen
-//! node under that node's lock, write the GpuReservation, take the node's allocation Lease,
+//! node under that node's lock (and check the namespace's GPU quota under its lock, taken
+//! first), write the GpuReservation, take the node's allocation Lease,
 //! POST the Binding. The ledger write happens before the Binding, so capacity is never promised
 //! twice. The lifecycle controller moves the reservation on to `Allocating` once it sees the pod
 //! bound.
@@ -46,7 +47,9 @@ use crate::context::{Context, pod_ref_by_name};
 use crate::lease::allocation::{self as lease, LeaseError};
 use crate::lease::turns::Turn;
 use crate::ledger::render::{devices_summary, reservation_for};
+use crate::ledger::usage::reservation_load;
 use crate::ledger::{ReservationKey, WriteError};
+use crate::quota::{self, QuotaError};
 use crate::schedule::PlaceError;
 
 /// Why a bind failed.
@@ -86,6 +89,15 @@ pub enum BindError {
         node: String,
         /// Why.
         reason: PlaceError,
+    },
+    /// The pod's share would pass its namespace's GPU quota (another pod of the namespace was
+    /// bound since filter).
+    #[error("pod {pod} does not fit its namespace's GPU quota: {reason}")]
+    Quota {
+        /// namespace/name.
+        pod: String,
+        /// Which limit, by how much.
+        reason: QuotaError,
     },
     /// The pod is already bound (an earlier bind of it finished after kube-scheduler gave up
     /// on it); its reservation stays as it is.
@@ -257,6 +269,26 @@ async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Bound, Bi
 
     let turn = wait_turn(ctx, &args.node, deadline).await?;
     let reservation = {
+        // The namespace's lock before the node's, always in this order (nothing that holds a
+        // node lock waits for a namespace's), and only where a GPU quota applies.
+        let ns = &args.pod_namespace;
+        let limited = !quota::limits(&ctx.caches.quotas, ns).is_unlimited();
+        let _namespace = match limited {
+            true => {
+                let ns_lock = async { Ok(ctx.ledger.quota_locks.lock(ns).await) };
+                Some(
+                    within(
+                        deadline,
+                        started,
+                        args,
+                        "the namespace's quota lock",
+                        ns_lock,
+                    )
+                    .await?,
+                )
+            }
+            false => None,
+        };
         let node_lock = async { Ok(ctx.ledger.node_locks.lock(&args.node).await) };
         let _node = within(deadline, started, args, "the node lock", node_lock).await?;
         let placement = ctx
@@ -267,6 +299,16 @@ async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Bound, Bi
                 reason,
             })?;
         let desired = reservation_for(&pod, &args.node, placement.containers, &alignment);
+        if limited {
+            let asked = quota::use_of_load(&reservation_load(&desired));
+            let uid = Some(args.pod_uid.as_str());
+            quota::check(&ctx.caches.quotas, &ctx.ledger.index, ns, uid, asked).map_err(
+                |reason| BindError::Quota {
+                    pod: pod_id.clone(),
+                    reason,
+                },
+            )?;
+        }
         let written = match write_fresh(ctx, args, &desired).await? {
             Fresh::Written(r) => *r,
             Fresh::PodBound(node) => return earlier_bind(ctx, args, node),

@@ -1,6 +1,7 @@
-//! `filter` and `prioritize`: read-only fits of the pod on each candidate node. Nothing is
-//! reserved here; bind fits again under the node's lock, so a stale answer costs a retry, never
-//! an over-commit.
+//! `filter` and `prioritize`: read-only fits of the pod on each candidate node, and the pod's
+//! share on the chosen node checked against its namespace's GPU quota. Nothing is reserved
+//! here; bind fits and checks again under the namespace's and the node's locks, so a stale
+//! answer costs a retry, never an over-commit.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -12,6 +13,7 @@ use k8s_openapi::api::core::v1::Pod;
 use super::wire::{ExtenderArgs, ExtenderFilterResult, HostPriority};
 use crate::context::{Context, pod_ref};
 use crate::ledger::{Held, ReservationKey};
+use crate::quota;
 use crate::schedule::{self, FitView, NodeChoice, Policy, node_view, with_extra_usage};
 
 /// The node of the pod's own reservation, if it holds one (same name and pod UID).
@@ -145,7 +147,25 @@ pub async fn filter(ctx: &Context, args: ExtenderArgs) -> ExtenderFilterResult {
         }
     }
     let policies = ctx.defaults.policies.for_pod(&req);
+    let namespace = args.pod.metadata.namespace.clone().unwrap_or_default();
     let choice = choose_among_free(ctx, &req, &views, &held, policies);
+    if choice.chosen.is_some()
+        && let Err(e) = quota::check(
+            &ctx.caches.quotas,
+            &ctx.ledger.index,
+            &namespace,
+            uid,
+            quota::use_of_load(&choice.load),
+        )
+    {
+        // An error, not failed nodes: a quota frees up when the namespace's pods end, which
+        // kube-scheduler does not count as a reason to try a parked pod again; an error is
+        // retried with backoff (at most 10 s apart) until it fits.
+        let why = format!("namespace {namespace}: {e}; retrying until the namespace has room");
+        ctx.pod_event(&pod_ref(&args.pod), true, "QuotaExceeded", why.clone());
+        ctx.metrics.decision("filter", "quota", started);
+        return ExtenderFilterResult::error(why);
+    }
     if let (Some(node), Some(uid)) = (&choice.chosen, uid) {
         ctx.ledger.holds.hold(uid, node, choice.load.clone(), now);
     }

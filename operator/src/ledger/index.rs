@@ -72,6 +72,8 @@ struct Inner {
     /// The keys of `live`, by node: a filter over 1000 nodes asks for every node's usage, so a
     /// scan of every reservation per node would make one filter call O(nodes × reservations).
     by_node: HashMap<String, HashSet<ReservationKey>>,
+    /// The keys of `live`, by namespace: a quota check sums one namespace's reservations.
+    by_namespace: HashMap<String, HashSet<ReservationKey>>,
     /// Deleted keys, with the resourceVersion of the deletion (when known) and when it happened.
     tombstones: HashMap<ReservationKey, (Option<u64>, Instant)>,
     /// Keys the operator wrote itself, and when.
@@ -139,6 +141,10 @@ impl Inner {
             self.touch(&old.spec.node_name);
             self.unindex(&old.spec.node_name, &key);
         }
+        self.by_namespace
+            .entry(key.namespace.clone())
+            .or_default()
+            .insert(key.clone());
         self.by_node.entry(node).or_default().insert(key);
     }
 
@@ -147,6 +153,12 @@ impl Inner {
         if let Some(old) = self.live.remove(key) {
             self.touch(&old.spec.node_name);
             self.unindex(&old.spec.node_name, key);
+            if let Some(keys) = self.by_namespace.get_mut(&key.namespace) {
+                keys.remove(key);
+                if keys.is_empty() {
+                    self.by_namespace.remove(&key.namespace);
+                }
+            }
         }
     }
 
@@ -170,9 +182,14 @@ impl Inner {
             self.touch(&obj.spec.node_name);
         }
         self.by_node.clear();
+        self.by_namespace.clear();
         for (key, obj) in &live {
             self.by_node
                 .entry(obj.spec.node_name.clone())
+                .or_default()
+                .insert(key.clone());
+            self.by_namespace
+                .entry(key.namespace.clone())
                 .or_default()
                 .insert(key.clone());
         }
@@ -413,6 +430,18 @@ impl LedgerIndex {
             .collect()
     }
 
+    /// Every reservation in `namespace`.
+    pub fn in_namespace(&self, namespace: &str) -> Vec<Arc<GpuReservation>> {
+        let inner = self.read();
+        inner
+            .by_namespace
+            .get(namespace)
+            .into_iter()
+            .flatten()
+            .filter_map(|k| inner.live.get(k).cloned())
+            .collect()
+    }
+
     /// Every reservation on `node`.
     pub fn on_node(&self, node: &str) -> Vec<Arc<GpuReservation>> {
         let inner = self.read();
@@ -510,6 +539,31 @@ mod tests {
         idx.apply_event(Event::InitApply(obj("c", "9", "n3")));
         idx.apply_event(Event::InitDone);
         assert!(idx.node_version("n2") > m2 && idx.node_version("n3") > 0);
+    }
+
+    #[test]
+    fn namespace_index_follows_adds_deletes_and_relists() {
+        let idx = LedgerIndex::new();
+        let mut other = obj("x", "1", "n1");
+        other.metadata.namespace = Some("other".into());
+        idx.apply_event(Event::Apply(other));
+        idx.apply_event(Event::Apply(obj("a", "2", "n1")));
+        idx.record_write(obj("b", "3", "n2"));
+        let names = |ns: &str| {
+            let mut v: Vec<String> = idx.in_namespace(ns).iter().map(|r| r.name_any()).collect();
+            v.sort();
+            v
+        };
+        assert_eq!(names("ns"), ["a", "b"]);
+        assert_eq!(names("other"), ["x"]);
+        idx.record_delete(&key("a"), Some(4));
+        assert_eq!(names("ns"), ["b"]);
+        idx.apply_event(Event::Init);
+        idx.apply_event(Event::InitApply(obj("c", "9", "n3")));
+        idx.apply_event(Event::InitDone);
+        // The list is newer than the own write of "b" and does not show it: it was deleted.
+        assert_eq!(names("ns"), ["c"]);
+        assert!(names("other").is_empty());
     }
 
     #[test]

@@ -1,0 +1,208 @@
+//! Namespace GPU quotas: the limits a namespace's ResourceQuotas set on GPU memory, cores and
+//! shares (HAMi's keys, [`gpuledger_fit::quota`]), and what the ledger says the namespace holds.
+//!
+//! Filter checks a pod's share on its chosen node against them and answers an error when it does
+//! not fit (kube-scheduler retries an error with backoff; a refusal would park the pod until some
+//! cluster event, and a quota freeing up is not one it sees). Bind checks again under the
+//! namespace's lock, taken before the node's lock, so two binds of one namespace on different
+//! nodes cannot both pass on the same room. Namespaces without GPU limits take no lock.
+
+use std::sync::Arc;
+
+use gpuledger_crds::GpuReservation;
+use gpuledger_fit::quota::{QuotaLimits, QuotaUse};
+use k8s_openapi::api::core::v1::ResourceQuota;
+use kube::ResourceExt;
+use kube::runtime::reflector::Store;
+
+use crate::ledger::LedgerIndex;
+use crate::ledger::usage::{DeviceUsage, holds_capacity, reservation_load};
+
+pub use gpuledger_fit::quota::QuotaError;
+
+/// The GPU limits of `namespace`, from every ResourceQuota in it.
+pub fn limits(quotas: &Store<ResourceQuota>, namespace: &str) -> QuotaLimits {
+    let mut limits = QuotaLimits::default();
+    for q in quotas.state() {
+        if q.namespace().as_deref() == Some(namespace) {
+            add_quota(&mut limits, &q);
+        }
+    }
+    limits
+}
+
+/// Adds one ResourceQuota's `spec.hard` to `limits`.
+pub fn add_quota(limits: &mut QuotaLimits, quota: &ResourceQuota) {
+    let name = format!(
+        "{}/{}",
+        quota.namespace().unwrap_or_default(),
+        quota.name_any()
+    );
+    if let Some(hard) = quota.spec.as_ref().and_then(|s| s.hard.as_ref()) {
+        limits.add_quota(&name, hard.iter().map(|(k, v)| (k.as_str(), v.0.as_str())));
+    }
+}
+
+/// What a load (per-GPU usage, as a placement or a reservation holds it) counts against quota.
+pub fn use_of_load(load: &[(String, DeviceUsage)]) -> QuotaUse {
+    let mut total = QuotaUse::default();
+    for (_, u) in load {
+        total.add(QuotaUse {
+            memory_mib: u.memory_mib,
+            cores: u.cores,
+            gpus: u64::from(u.sharers),
+        });
+    }
+    total
+}
+
+/// What `reservation` counts against its namespace's quota (nothing once it holds no capacity).
+pub fn use_of(reservation: &GpuReservation) -> QuotaUse {
+    if !holds_capacity(reservation) {
+        return QuotaUse::default();
+    }
+    use_of_load(&reservation_load(reservation))
+}
+
+/// What `namespace` holds according to the ledger, leaving out the reservation of the pod with
+/// UID `except` (a pod being bound again must not count against itself).
+pub fn used(index: &LedgerIndex, namespace: &str, except: Option<&str>) -> QuotaUse {
+    let mut total = QuotaUse::default();
+    for r in index.in_namespace(namespace) {
+        if except.is_some_and(|uid| r.spec.pod_uid == uid) {
+            continue;
+        }
+        total.add(use_of(&r));
+    }
+    total
+}
+
+/// The quota check with the namespace named, as filter and bind report it.
+pub fn check(
+    quotas: &Store<ResourceQuota>,
+    index: &Arc<LedgerIndex>,
+    namespace: &str,
+    pod_uid: Option<&str>,
+    asked: QuotaUse,
+) -> Result<(), QuotaError> {
+    let limits = limits(quotas, namespace);
+    if limits.is_unlimited() {
+        return Ok(());
+    }
+    gpuledger_fit::quota::check(&limits, used(index, namespace, pod_uid), asked)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpuledger_crds::{
+        ContainerReservation, GpuReservationSpec, GpuReservationStatus, ReservationPhase,
+        ReservedDevice,
+    };
+    use k8s_openapi::api::core::v1::ResourceQuotaSpec;
+    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+    use kube::runtime::watcher::Event;
+
+    fn reservation(ns: &str, name: &str, phase: ReservationPhase, mem: u64) -> GpuReservation {
+        let mut r = GpuReservation::new(
+            name,
+            GpuReservationSpec {
+                pod_name: name.into(),
+                pod_uid: format!("uid-{name}"),
+                node_name: "n1".into(),
+                containers: vec![ContainerReservation {
+                    index: 0,
+                    name: "c".into(),
+                    init: false,
+                    devices: vec![ReservedDevice {
+                        uuid: "GPU-a".into(),
+                        memory_mib: mem,
+                        cores: 10,
+                        numa_node: None,
+                    }],
+                }],
+                ..Default::default()
+            },
+        );
+        r.metadata.namespace = Some(ns.into());
+        r.metadata.resource_version = Some("1".into());
+        r.status = Some(GpuReservationStatus {
+            phase: Some(phase),
+            ..Default::default()
+        });
+        r
+    }
+
+    fn quota(ns: &str, name: &str, hard: &[(&str, &str)]) -> ResourceQuota {
+        let mut q = ResourceQuota {
+            spec: Some(ResourceQuotaSpec {
+                hard: Some(
+                    hard.iter()
+                        .map(|(k, v)| (k.to_string(), Quantity(v.to_string())))
+                        .collect(),
+                ),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        q.metadata.namespace = Some(ns.into());
+        q.metadata.name = Some(name.into());
+        q
+    }
+
+    fn store(quotas: Vec<ResourceQuota>) -> Store<ResourceQuota> {
+        let (reader, mut writer) = kube::runtime::reflector::store();
+        writer.apply_watcher_event(&Event::Init);
+        for q in quotas {
+            writer.apply_watcher_event(&Event::InitApply(q));
+        }
+        writer.apply_watcher_event(&Event::InitDone);
+        reader
+    }
+
+    #[test]
+    fn a_namespace_uses_what_its_capacity_holding_reservations_book() {
+        let index = Arc::new(LedgerIndex::new());
+        for r in [
+            reservation("team-a", "p1", ReservationPhase::Allocated, 4000),
+            reservation("team-a", "p2", ReservationPhase::Allocating, 1000),
+            reservation("team-a", "gone", ReservationPhase::Released, 9000),
+            reservation("team-b", "q1", ReservationPhase::Allocated, 7000),
+        ] {
+            index.record_write(r);
+        }
+        let u = used(&index, "team-a", None);
+        assert_eq!((u.memory_mib, u.cores, u.gpus), (5000, 20, 2));
+        let without_p1 = used(&index, "team-a", Some("uid-p1"));
+        assert_eq!(without_p1.memory_mib, 1000);
+    }
+
+    #[test]
+    fn check_reads_only_the_pods_namespace() {
+        let index = Arc::new(LedgerIndex::new());
+        index.record_write(reservation(
+            "team-a",
+            "p1",
+            ReservationPhase::Allocated,
+            4000,
+        ));
+        let quotas = store(vec![
+            quota("team-a", "gpu", &[("limits.nvidia.com/gpumem", "6000")]),
+            quota("team-b", "gpu", &[("limits.nvidia.com/gpumem", "0")]),
+        ]);
+        let asked = |memory_mib| QuotaUse {
+            memory_mib,
+            cores: 10,
+            gpus: 1,
+        };
+        assert!(check(&quotas, &index, "team-a", None, asked(2000)).is_ok());
+        let err = check(&quotas, &index, "team-a", None, asked(2001)).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("6000 in this namespace, 4000 in use"),
+            "{err}"
+        );
+        assert!(check(&quotas, &index, "team-b", None, asked(1)).is_err());
+        assert!(check(&quotas, &index, "team-c", None, asked(1 << 30)).is_ok());
+    }
+}
