@@ -76,6 +76,15 @@ pub struct FailureLabels {
     pub kind: String,
 }
 
+/// Labels of one GPU quota key of one namespace.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct QuotaLabels {
+    /// The namespace.
+    pub namespace: String,
+    /// The ResourceQuota key (`limits.nvidia.com/gpumem`, …).
+    pub resource: String,
+}
+
 /// Every metric the operator exports.
 pub struct Metrics {
     registry: Registry,
@@ -119,6 +128,10 @@ pub struct Metrics {
     pub lifecycle_resyncs: Counter,
     /// Failed reconciles by controller and kind (each is retried); see [`Metrics::reconcile_failed`].
     pub reconcile_failures: Family<FailureLabels, Counter>,
+    /// GPU quota limits by namespace and key (refreshed at scrape time; the tightest quota).
+    pub quota_limit: Family<QuotaLabels, Gauge>,
+    /// What the ledger books against each limited key (refreshed at scrape time).
+    pub quota_used: Family<QuotaLabels, Gauge>,
     /// 1 on the leader.
     pub leader: Gauge,
 }
@@ -231,6 +244,18 @@ impl Metrics {
             "Failed reconciles by controller and kind of failure (each is retried)",
             reconcile_failures.clone(),
         );
+        let quota_limit = Family::<QuotaLabels, Gauge>::default();
+        registry.register(
+            "quota_limit",
+            "GPU quota limit by namespace and ResourceQuota key",
+            quota_limit.clone(),
+        );
+        let quota_used = Family::<QuotaLabels, Gauge>::default();
+        registry.register(
+            "quota_used",
+            "GPU quota booked by the ledger, by namespace and ResourceQuota key",
+            quota_used.clone(),
+        );
         let leader = Gauge::default();
         registry.register(
             "leader",
@@ -256,6 +281,8 @@ impl Metrics {
             watch_restarts,
             lifecycle_resyncs,
             reconcile_failures,
+            quota_limit,
+            quota_used,
             leader,
         }
     }

@@ -1,9 +1,11 @@
-//! The operator's controllers: reservation lifecycle, NumaPolicy status, GpuNode usage, NUMA refits.
+//! The operator's controllers: reservation lifecycle, NumaPolicy status, GpuNode usage, GPU quota
+//! usage, NUMA refits.
 
 pub mod gpunode_usage;
 pub mod lifecycle;
 pub mod numapolicy;
 pub mod pod_facts;
+pub mod quota_usage;
 pub mod refit;
 pub mod reservation;
 pub mod resync;

@@ -17,7 +17,7 @@ use gpuledger_crds::podapi::PodApiConfig;
 
 use crate::controllers::pod_facts::PodFactsCache;
 use gpuledger_crds::{GpuNode, GpuReservation, NumaPolicy};
-use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::core::v1::{Namespace, ResourceQuota};
 use kube::Client;
 use kube::api::{Api, ObjectMeta, PostParams};
 use kube::runtime::events::Recorder;
@@ -32,10 +32,11 @@ use crate::ledger::feed::feed_index;
 use crate::ledger::usage::holds_capacity;
 use crate::ledger::{LedgerIndex, LedgerWriter, NodeLocks};
 use crate::schedule::Policy;
-use crate::telemetry::{Health, Metrics};
+use crate::telemetry::{Health, Metrics, QuotaLabels};
 use crate::watches::{drive, strip_managed_fields, tracked};
-use crate::{certs, controllers, extender, ledger, webhook};
+use crate::{certs, controllers, extender, ledger, quota, webhook};
 use config::RunConfig;
+use gpuledger_fit::keys::quota as quota_keys;
 
 /// Why the operator could not start or stopped.
 #[derive(Debug, thiserror::Error)]
@@ -157,6 +158,15 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
     .modify(strip_managed_fields)
     .reflect(writer);
     tasks.spawn(drive("numapolicies", stream, health.clone()));
+    let (quotas, writer) = reflector::store::<ResourceQuota>();
+    let stream = watcher(
+        Api::<ResourceQuota>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .modify(strip_managed_fields)
+    .reflect(writer);
+    tasks.spawn(drive("resourcequotas", stream, health.clone()));
 
     if config.leader_elect {
         tasks.spawn(leader::run(
@@ -178,6 +188,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
             writer: LedgerWriter::new(client.clone(), index.clone()),
             index: index.clone(),
             node_locks: Arc::new(NodeLocks::new()),
+            quota_locks: Arc::new(NodeLocks::new()),
             holds: Default::default(),
             binds: Default::default(),
         },
@@ -186,6 +197,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
             policies,
             views: Default::default(),
             pods: Arc::new(PodFactsCache::new(PodApiConfig::default())),
+            quotas: quotas.clone(),
         },
         defaults: Defaults {
             pod_api: PodApiConfig::default(),
@@ -218,6 +230,10 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
     index.wait_synced().await;
     if gpunodes.wait_until_ready().await.is_err() {
         return Err(RunError::TaskEnded("GpuNode watch"));
+    }
+    // A quota not yet read would let a namespace's first pods past its limit.
+    if quotas.wait_until_ready().await.is_err() {
+        return Err(RunError::TaskEnded("ResourceQuota watch"));
     }
     tracing::info!(identity = %identity, reservations = index.all().len(), "ledger index synced");
 
@@ -275,6 +291,10 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         ctx.clone(),
         config.usage_interval,
     ));
+    tasks.spawn(controllers::quota_usage::run(
+        ctx.clone(),
+        config.usage_interval,
+    ));
 
     tokio::select! {
         () = shutdown => {
@@ -304,9 +324,47 @@ async fn metrics_handler(State(ctx): State<Arc<Context>>) -> (StatusCode, String
         *counts.entry(phase).or_insert(0) += 1;
     }
     ctx.metrics.set_phase_counts(&counts);
+    set_quota_gauges(&ctx);
     match ctx.metrics.encode() {
         Ok(text) => (StatusCode::OK, text),
         Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
+}
+
+/// The GPU quota gauges of every namespace that has a GPU limit, from the caches as they stand.
+fn set_quota_gauges(ctx: &Context) {
+    let namespaces: std::collections::BTreeSet<String> = ctx
+        .caches
+        .quotas
+        .state()
+        .iter()
+        .filter_map(|q| q.metadata.namespace.clone())
+        .collect();
+    ctx.metrics.quota_limit.clear();
+    ctx.metrics.quota_used.clear();
+    for ns in namespaces {
+        let limits = quota::limits(&ctx.caches.quotas, &ns);
+        let used = quota::used(&ctx.ledger.index, &ns, None);
+        for (resource, limit, used) in [
+            (quota_keys::GPU_MEM, limits.memory_mib, used.memory_mib),
+            (quota_keys::GPU_CORES, limits.cores, used.cores),
+            (quota_keys::GPU, limits.gpus, used.gpus),
+        ] {
+            let Some(limit) = limit else { continue };
+            let labels = QuotaLabels {
+                namespace: ns.clone(),
+                resource: resource.to_string(),
+            };
+            let clamp = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+            ctx.metrics
+                .quota_limit
+                .get_or_create(&labels)
+                .set(clamp(limit));
+            ctx.metrics
+                .quota_used
+                .get_or_create(&labels)
+                .set(clamp(used));
+        }
     }
 }
 
