@@ -14,7 +14,7 @@ pub struct Device {
     pub model: String,
     /// Total memory in MiB.
     pub memory_mib: u64,
-    /// Compute capacity in percent points (100 unless core scaling is configured).
+    /// Compute capacity in percent points (100 from the plugin; no core scaling).
     pub cores: u32,
     /// NUMA node; `None` counts as NUMA 0, as HAMi counts an unknown (negative) node.
     pub numa_node: Option<u32>,

@@ -19,10 +19,10 @@ pub struct GpuDevice {
     pub index: u32,
     /// Model name, e.g. `NVIDIA A100-SXM4-80GB`.
     pub model: String,
-    /// Total memory in MiB (after the plugin's memory scaling).
+    /// Total memory in MiB, as the driver reports it (gpuledger does not scale memory).
     #[serde(rename = "memoryMiB")]
     pub memory_mib: u64,
-    /// Compute capacity in percent of the SMs (100 unless core scaling is configured).
+    /// Compute capacity in percent of the SMs (100: gpuledger does not scale cores).
     pub cores: u32,
     /// NUMA node of the GPU's PCI device; absent when the platform does not report one.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -29,11 +29,13 @@ pub const SERVICE_CIDR: &str = "10.0.0.0/24";
 pub const SA_ISSUER: &str = "https://kubernetes.default.svc.cluster.local";
 /// Controllers run by kube-controller-manager: ownerReference garbage collection, namespace
 /// deletion, the `default` ServiceAccount of each namespace, and ServiceAccount token Secrets.
-pub const CONTROLLERS: [&str; 5] = [
+pub const CONTROLLERS: [&str; 6] = [
     // gpuledger's roles for people join the built-in view/edit/admin roles by aggregation.
     "clusterrole-aggregation-controller",
     "garbage-collector-controller",
     "namespace-controller",
+    // Writes ResourceQuota usage beside gpuledger's GPU keys, as on every real cluster.
+    "resourcequota-controller",
     "serviceaccount-controller",
     "serviceaccount-token-controller",
 ];

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod node_scenarios;
+pub mod quota_scenarios;
 pub mod refit_scenarios;
 pub mod scenarios;
 
