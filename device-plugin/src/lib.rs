@@ -35,6 +35,7 @@ pub mod allocate;
 pub mod config;
 pub mod discovery;
 pub mod gpunode;
+pub mod health;
 pub mod inventory;
 pub mod kubelet_check;
 pub mod ledger;

@@ -1,5 +1,7 @@
 //! `--devices-from FILE`: a YAML description of the node's GPUs, for clusters and tests without
-//! GPUs. The file is re-read on every refresh, so editing `healthy` simulates a health change.
+//! GPUs. The file is re-read on every refresh, so editing `healthy` simulates a health change,
+//! and appending to a GPU's `xids` simulates the driver reporting an XID error: the file is
+//! polled twice a second and each new entry is reported once, as NVML's event would be.
 //!
 //! ```yaml
 //! gpus:
@@ -12,14 +14,18 @@
 //!     mig: false         # default false
 //!     cores: 100         # default 100
 //!     pciBusId: 0000:18:00.0   # optional
+//!     xids: [79]         # XID errors reported so far, oldest first (optional)
 //! ```
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use gpuledger_crds::GpuDevice;
 use serde::Deserialize;
 
-use super::{Discovery, DiscoveryError, validate};
+use super::{Discovery, DiscoveryError, XidSender, validate};
+use crate::health::XidEvent;
 
 /// The whole file.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -57,6 +63,9 @@ pub struct FileGpu {
     /// PCI bus id.
     #[serde(default)]
     pub pci_bus_id: Option<String>,
+    /// XID errors the GPU reported, oldest first.
+    #[serde(default)]
+    pub xids: Vec<u64>,
 }
 
 fn default_true() -> bool {
@@ -83,15 +92,38 @@ impl From<FileGpu> for GpuDevice {
     }
 }
 
+fn read_file(origin: &str, text: &str) -> Result<DevicesFile, DiscoveryError> {
+    serde_yaml::from_str(text).map_err(|source| DiscoveryError::ParseFile {
+        path: origin.to_string(),
+        source,
+    })
+}
+
 /// Parses the file's text; `origin` names it in errors.
 pub fn parse(origin: &str, text: &str) -> Result<Vec<GpuDevice>, DiscoveryError> {
-    let file: DevicesFile =
-        serde_yaml::from_str(text).map_err(|source| DiscoveryError::ParseFile {
-            path: origin.to_string(),
-            source,
-        })?;
+    let file = read_file(origin, text)?;
     validate(origin, file.gpus.into_iter().map(GpuDevice::from).collect())
 }
+
+/// The XID entries of `file` not reported yet, given how many of each GPU's were (`reported`,
+/// updated).
+pub fn new_xids(file: &DevicesFile, reported: &mut HashMap<String, usize>) -> Vec<XidEvent> {
+    let mut out = Vec::new();
+    for g in &file.gpus {
+        let seen = reported.entry(g.uuid.clone()).or_insert(0);
+        for &xid in g.xids.iter().skip(*seen) {
+            out.push(XidEvent {
+                uuid: g.uuid.clone(),
+                xid,
+            });
+        }
+        *seen = (*seen).max(g.xids.len());
+    }
+    out
+}
+
+/// How often the file is read for new XID entries.
+const XID_POLL: Duration = Duration::from_millis(500);
 
 /// Discovery from a YAML file.
 #[derive(Debug, Clone)]
@@ -121,6 +153,32 @@ impl Discovery for FileDiscovery {
 
     fn describe(&self) -> String {
         format!("file:{}", self.path.display())
+    }
+
+    fn watch_xids(&self, events: XidSender) -> Result<(), DiscoveryError> {
+        let path = self.path.clone();
+        std::thread::Builder::new()
+            .name("file-xid-events".into())
+            .spawn(move || {
+                let origin = path.display().to_string();
+                let mut reported = HashMap::new();
+                while !events.is_closed() {
+                    // A file mid-edit may not parse; the next poll reads it whole.
+                    if let Ok(file) = std::fs::read_to_string(&path)
+                        .map_err(|e| e.to_string())
+                        .and_then(|t| read_file(&origin, &t).map_err(|e| e.to_string()))
+                    {
+                        for event in new_xids(&file, &mut reported) {
+                            if events.send(event).is_err() {
+                                return;
+                            }
+                        }
+                    }
+                    std::thread::sleep(XID_POLL);
+                }
+            })
+            .map_err(DiscoveryError::EventThread)?;
+        Ok(())
     }
 }
 
@@ -172,6 +230,58 @@ gpus:
             .discover()
             .unwrap_err();
         assert!(missing.to_string().contains("/nonexistent/devices.yaml"));
+    }
+
+    #[test]
+    fn each_xid_entry_is_reported_once_in_order() {
+        let file = |xids_a: &str, xids_b: &str| {
+            read_file(
+                "f",
+                &format!(
+                    "gpus:\n  - {{uuid: GPU-a, index: 0, model: m, memoryMiB: 1, xids: {xids_a}}}\n  \
+                     - {{uuid: GPU-b, index: 1, model: m, memoryMiB: 1, xids: {xids_b}}}\n"
+                ),
+            )
+            .unwrap()
+        };
+        let ev = |uuid: &str, xid| XidEvent {
+            uuid: uuid.into(),
+            xid,
+        };
+        let mut reported = HashMap::new();
+        assert_eq!(
+            new_xids(&file("[13]", "[]"), &mut reported),
+            [ev("GPU-a", 13)]
+        );
+        assert!(new_xids(&file("[13]", "[]"), &mut reported).is_empty());
+        assert_eq!(
+            new_xids(&file("[13, 79]", "[48, 94]"), &mut reported),
+            [ev("GPU-a", 79), ev("GPU-b", 48), ev("GPU-b", 94)]
+        );
+    }
+
+    #[tokio::test]
+    async fn the_watch_reports_entries_appended_to_the_file() {
+        let dir = std::env::temp_dir().join(format!("gpuledger-xids-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("devices.yaml");
+        let write = |xids: &str| {
+            let text = format!(
+                "gpus:\n  - {{uuid: GPU-a, index: 0, model: m, memoryMiB: 1, xids: {xids}}}\n"
+            );
+            std::fs::write(&path, text).unwrap();
+        };
+        write("[]");
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        FileDiscovery::new(&path).watch_xids(tx).unwrap();
+        write("[79]");
+        let got = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!((got.uuid.as_str(), got.xid), ("GPU-a", 79));
+        drop(rx);
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     #[test]

@@ -10,6 +10,8 @@ pub mod sysfs;
 
 use gpuledger_crds::GpuDevice;
 
+use crate::health::XidEvent;
+
 /// Why the GPU inventory could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum DiscoveryError {
@@ -37,6 +39,9 @@ pub enum DiscoveryError {
         /// What is wrong.
         problem: String,
     },
+    /// The thread that watches for XID errors could not be started.
+    #[error("cannot start the XID event thread: {0}")]
+    EventThread(std::io::Error),
     /// NVML could not be loaded or queried.
     #[error("NVML {call} failed: {source}")]
     Nvml {
@@ -55,7 +60,18 @@ pub trait Discovery: Send + Sync {
 
     /// A short name for logs (`nvml`, `file:/path`).
     fn describe(&self) -> String;
+
+    /// Starts reporting the driver's XID errors on `events`, from a thread of its own, until the
+    /// receiver is dropped ([`crate::health`] decides what they mean). A source without events
+    /// reports none.
+    fn watch_xids(&self, events: XidSender) -> Result<(), DiscoveryError> {
+        drop(events);
+        Ok(())
+    }
 }
+
+/// Where a discovery source sends XID errors (usable from a plain thread).
+pub type XidSender = tokio::sync::mpsc::UnboundedSender<XidEvent>;
 
 /// Orders by index and rejects inventories the rest of the plugin cannot work with: empty or
 /// duplicate UUIDs (replica IDs would collide) and duplicate indexes.

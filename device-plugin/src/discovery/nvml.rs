@@ -6,12 +6,16 @@
 //! into the inventory entry.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use gpuledger_crds::GpuDevice;
-use nvml_wrapper::Nvml;
+use nvml_wrapper::bitmasks::event::EventTypes;
+use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::error::NvmlError;
+use nvml_wrapper::{EventSet, Nvml};
 
-use super::{Discovery, DiscoveryError, sysfs, validate};
+use super::{Discovery, DiscoveryError, XidSender, sysfs, validate};
+use crate::health::XidEvent;
 
 /// What NVML told us about one GPU, before conversion.
 #[derive(Debug, Clone, PartialEq)]
@@ -56,7 +60,8 @@ impl NvmlGpu {
 
 /// Discovery through NVML.
 pub struct NvmlDiscovery {
-    nvml: Nvml,
+    /// Shared with the XID event thread.
+    nvml: Arc<Nvml>,
     sysfs_root: PathBuf,
 }
 
@@ -67,7 +72,10 @@ impl NvmlDiscovery {
             call: "init",
             source,
         })?;
-        Ok(NvmlDiscovery { nvml, sysfs_root })
+        Ok(NvmlDiscovery {
+            nvml: Arc::new(nvml),
+            sysfs_root,
+        })
     }
 
     fn query(&self, index: u32) -> NvmlGpu {
@@ -134,6 +142,88 @@ impl Discovery for NvmlDiscovery {
 
     fn describe(&self) -> String {
         "nvml".to_string()
+    }
+
+    fn watch_xids(&self, events: XidSender) -> Result<(), DiscoveryError> {
+        let nvml = self.nvml.clone();
+        std::thread::Builder::new()
+            .name("nvml-xid-events".into())
+            .spawn(move || watch_critical_xids(&nvml, &events))
+            .map_err(DiscoveryError::EventThread)?;
+        Ok(())
+    }
+}
+
+/// How long one NVML wait blocks before the thread checks whether anyone still listens.
+const EVENT_WAIT_MS: u32 = 5000;
+
+/// An event set with every GPU that supports critical-XID events registered. A failed
+/// registration releases the whole set (NVML's rule), so a GPU that fails is skipped and the set
+/// built again without it.
+fn xid_event_set(nvml: &Nvml) -> Option<EventSet<'_>> {
+    let count = nvml.device_count().ok()?;
+    let mut skip = Vec::new();
+    'build: for _ in 0..=count {
+        let mut set = nvml.create_event_set().ok()?;
+        for index in (0..count).filter(|i| !skip.contains(i)) {
+            let Ok(device) = nvml.device_by_index(index) else {
+                continue;
+            };
+            let supported = device
+                .supported_event_types()
+                .is_ok_and(|t| t.contains(EventTypes::CRITICAL_XID_ERROR));
+            if !supported {
+                tracing::warn!(
+                    index,
+                    "GPU cannot report XID errors; its health is not watched"
+                );
+                continue;
+            }
+            match device.register_events(EventTypes::CRITICAL_XID_ERROR, set) {
+                Ok(s) => set = s,
+                Err(e) => {
+                    tracing::warn!(index, error = %e.error, "cannot watch XID errors of GPU");
+                    skip.push(index);
+                    continue 'build;
+                }
+            }
+        }
+        return Some(set);
+    }
+    None
+}
+
+/// Sends every critical XID error of the node's GPUs until `events` has no receiver.
+fn watch_critical_xids(nvml: &Nvml, events: &XidSender) {
+    let Some(set) = xid_event_set(nvml) else {
+        tracing::error!("cannot create an NVML event set: GPU health follows discovery only");
+        return;
+    };
+    while !events.is_closed() {
+        match set.wait(EVENT_WAIT_MS) {
+            Ok(data) => {
+                let xid = match data.event_data {
+                    Some(XidError::Value(v)) => v,
+                    // NVML could not say which: count it (no ignored XID is "unknown").
+                    Some(XidError::Unknown) => u64::MAX,
+                    None => continue,
+                };
+                match data.device.uuid() {
+                    Ok(uuid) => {
+                        tracing::warn!(%uuid, xid, "XID error");
+                        if events.send(XidEvent { uuid, xid }).is_err() {
+                            return;
+                        }
+                    }
+                    Err(e) => tracing::warn!(xid, error = %e, "XID error on a GPU without a UUID"),
+                }
+            }
+            Err(NvmlError::Timeout) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "waiting for NVML events failed");
+                std::thread::sleep(std::time::Duration::from_secs(1));
+            }
+        }
     }
 }
 
