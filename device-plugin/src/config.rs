@@ -8,6 +8,7 @@ use gpuledger_crds::duration::parse_duration;
 
 use clap::Parser;
 
+use crate::health::{XidListError, XidPolicy};
 use crate::plugin::PluginOptions;
 
 /// The kubelet device plugin of gpuledger.
@@ -61,6 +62,19 @@ pub struct Cli {
     /// How often GPUs are re-discovered to notice health changes.
     #[arg(long, env = "GPULEDGER_REFRESH_INTERVAL", default_value = "10s", value_parser = parse_duration)]
     pub refresh_interval: Duration,
+    /// XID errors that leave a GPU healthy, as a comma list (the default is NVIDIA's and
+    /// HAMi's list of errors an application causes); `all` turns XID health off, an empty value
+    /// counts every XID.
+    #[arg(
+        long,
+        env = "GPULEDGER_IGNORED_XIDS",
+        default_value = "13,31,43,45,68,109"
+    )]
+    pub ignored_xids: String,
+    /// A GPU an XID error made unhealthy is healthy again after this long without another
+    /// (e.g. 10m); unset: it stays unhealthy until the plugin restarts, as NVIDIA's plugin does.
+    #[arg(long, env = "GPULEDGER_XID_RECOVERY", value_parser = parse_duration)]
+    pub xid_recovery: Option<Duration>,
 }
 
 /// A socket address, or none when the flag is empty.
@@ -75,8 +89,9 @@ fn parse_addr(raw: &str) -> Result<OptionalAddr, std::net::AddrParseError> {
 }
 
 impl Cli {
-    /// The plugin's options from the flags.
-    pub fn plugin_options(&self) -> PluginOptions {
+    /// The plugin's options from the flags; an `--ignored-xids` entry that is not a number is
+    /// an error naming it.
+    pub fn plugin_options(&self) -> Result<PluginOptions, XidListError> {
         let mut o = PluginOptions::new(self.node_name.clone(), self.device_plugin_dir.clone());
         o.namespace = self.namespace.clone();
         o.split_count = self.split_count;
@@ -85,7 +100,8 @@ impl Cli {
         o.pod_resources_socket = self.pod_resources_socket.clone();
         o.refresh_interval = self.refresh_interval;
         o.metrics_addr = self.metrics_addr.0;
-        o
+        o.xid_policy = XidPolicy::from_ignored(&self.ignored_xids, self.xid_recovery)?;
+        Ok(o)
     }
 }
 
@@ -104,8 +120,26 @@ mod tests {
         assert_eq!(cli.refit_timeout, Duration::from_secs(2));
         assert_eq!(cli.namespace, "gpuledger-system");
         assert_eq!(cli.sysfs_root, PathBuf::from("/sys"));
-        let o = cli.plugin_options();
+        let o = cli.plugin_options().unwrap();
         assert_eq!(o.node_name, "n1");
+        assert_eq!(o.xid_policy, XidPolicy::default());
+        let cli = Cli::try_parse_from([
+            "p",
+            "--node-name=n1",
+            "--ignored-xids=13,79",
+            "--xid-recovery=10m",
+        ])
+        .unwrap();
+        let p = cli.plugin_options().unwrap().xid_policy;
+        assert!(!p.counts(79) && p.counts(31));
+        assert_eq!(p.recover_after, Some(Duration::from_secs(600)));
+        let bad = Cli::try_parse_from(["p", "--node-name=n1", "--ignored-xids=13,x"]).unwrap();
+        assert!(
+            bad.plugin_options()
+                .unwrap_err()
+                .to_string()
+                .contains("\"x\"")
+        );
         let cli = Cli::try_parse_from([
             "p",
             "--node-name",
@@ -129,6 +163,7 @@ mod tests {
             "--refit=true",
             "--refit-timeout=2s",
             "--metrics-addr=0.0.0.0:8081",
+            "--ignored-xids=13,31,43,45,68,109",
         ])
         .unwrap();
         assert!(cli.refit);

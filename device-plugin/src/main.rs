@@ -66,7 +66,14 @@ async fn main() -> ExitCode {
     } else {
         Arc::new(NoRefit)
     };
-    match plugin::run(cli.plugin_options(), client, discovery, refit, stop_rx).await {
+    let options = match cli.plugin_options() {
+        Ok(o) => o,
+        Err(e) => {
+            tracing::error!("{e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match plugin::run(options, client, discovery, refit, stop_rx).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!("{e}");

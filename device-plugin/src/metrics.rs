@@ -31,6 +31,9 @@ pub struct Metrics {
     pub healthy_gpus: Gauge,
     /// GPUs in the current inventory.
     pub gpus: Gauge,
+    /// XID errors the driver reported, by whether they mark the GPU unhealthy (`counted`) or
+    /// are on the ignored list (`ignored`).
+    pub xid_errors: Family<OutcomeLabel, Counter>,
 }
 
 impl Default for Metrics {
@@ -68,6 +71,12 @@ impl Default for Metrics {
             healthy_gpus.clone(),
         );
         registry.register("gpus", "GPUs on the node", gpus.clone());
+        let xid_errors = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "xid_errors",
+            "XID errors reported by the driver, counted (GPU unhealthy) or ignored",
+            xid_errors.clone(),
+        );
         Metrics {
             registry,
             allocations,
@@ -76,6 +85,7 @@ impl Default for Metrics {
             kubelet_checks,
             healthy_gpus,
             gpus,
+            xid_errors,
         }
     }
 }

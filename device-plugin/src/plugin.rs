@@ -4,17 +4,18 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kube::Client;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 
 use crate::discovery::{Discovery, DiscoveryError};
+use crate::health::{HealthTracker, XidEvent, XidPolicy};
 use crate::inventory::Inventory;
 use crate::kubelet_check::KubeletCheck;
 use crate::ledger::Ledger;
 use crate::lifecycle::{self, LifecycleConfig, LifecycleError};
-use crate::metrics::{self, Metrics};
+use crate::metrics::{self, Metrics, OutcomeLabel};
 use crate::refit::RefitHook;
 use crate::service::{ServiceConfig, Shared};
 
@@ -41,6 +42,9 @@ pub struct PluginOptions {
     pub poll_interval: Duration,
     /// `--metrics-addr`; none serves no metrics.
     pub metrics_addr: Option<SocketAddr>,
+    /// Which XID errors mark a GPU unhealthy, and for how long (`--ignored-xids`,
+    /// `--xid-recovery`).
+    pub xid_policy: XidPolicy,
 }
 
 impl PluginOptions {
@@ -57,6 +61,7 @@ impl PluginOptions {
             refresh_interval: Duration::from_secs(10),
             poll_interval: Duration::from_secs(1),
             metrics_addr: None,
+            xid_policy: XidPolicy::default(),
         }
     }
 }
@@ -96,20 +101,54 @@ fn record_gpus(metrics: &Metrics, inv: &Inventory) {
         .set(inv.gpus.iter().filter(|g| g.healthy).count() as i64);
 }
 
-async fn refresh_loop(
+/// Discovery with the XID health applied.
+async fn discover_with_health(
+    discovery: &Arc<dyn Discovery>,
+    split: u32,
+    health: &HealthTracker,
+) -> Result<Inventory, DiscoveryError> {
+    let mut inv = discover(discovery, split).await?;
+    health.apply(&mut inv.gpus, Instant::now());
+    Ok(inv)
+}
+
+/// What wakes the refresh loop.
+struct RefreshInputs {
     discovery: Arc<dyn Discovery>,
     split: u32,
     interval: Duration,
+    xids: mpsc::UnboundedReceiver<XidEvent>,
+    health: HealthTracker,
+}
+
+async fn refresh_loop(
+    mut inputs: RefreshInputs,
     tx: watch::Sender<Inventory>,
     metrics: Arc<Metrics>,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    let mut xids_open = true;
     loop {
         tokio::select! {
-            _ = tokio::time::sleep(interval) => {}
+            _ = tokio::time::sleep(inputs.interval) => {}
+            event = inputs.xids.recv(), if xids_open => {
+                let Some(event) = event else {
+                    // The source reports no events (or its thread ended): discovery alone.
+                    xids_open = false;
+                    continue;
+                };
+                let counted = inputs.health.record(&event, Instant::now());
+                let outcome = if counted { "counted" } else { "ignored" };
+                metrics.xid_errors.get_or_create(&OutcomeLabel { outcome: outcome.into() }).inc();
+                if !counted {
+                    tracing::info!(uuid = %event.uuid, xid = event.xid, "XID error on the ignored list");
+                    continue;
+                }
+                tracing::warn!(uuid = %event.uuid, xid = event.xid, "XID error: GPU marked unhealthy");
+            }
             _ = shutdown.wait_for(|s| *s) => return,
         }
-        match discover(&discovery, split).await {
+        match discover_with_health(&inputs.discovery, inputs.split, &inputs.health).await {
             Ok(inv) => {
                 record_gpus(&metrics, &inv);
                 tx.send_if_modified(|cur| {
@@ -153,11 +192,20 @@ pub async fn run(
     tracing::info!(source = %discovery.describe(), gpus = first.gpus.len(), split_count = first.split_count, "GPU inventory discovered");
     let (tx, rx) = watch::channel(first);
 
+    let (xid_tx, xids) = mpsc::unbounded_channel();
+    if let Err(e) = discovery.watch_xids(xid_tx) {
+        // Health then follows discovery alone, as before XIDs were watched.
+        tracing::error!(error = %e, "XID errors are not watched");
+    }
     let mut tasks = tokio::task::JoinSet::new();
     tasks.spawn(refresh_loop(
-        discovery.clone(),
-        options.split_count,
-        options.refresh_interval,
+        RefreshInputs {
+            discovery: discovery.clone(),
+            split: options.split_count,
+            interval: options.refresh_interval,
+            xids,
+            health: HealthTracker::new(options.xid_policy.clone()),
+        },
         tx,
         metrics.clone(),
         shutdown.clone(),
