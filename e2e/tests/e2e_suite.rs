@@ -74,6 +74,10 @@ async fn gpuledger_end_to_end() {
         ("pod deletion cleans the ledger", |c| {
             Box::pin(scenarios::deletion_cleans_the_ledger(c))
         }),
+        // Last: the GPU it breaks stays unhealthy for the rest of the plugin's life.
+        ("an XID error takes a GPU out of service", |c| {
+            Box::pin(node_scenarios::xid_error_makes_a_gpu_unhealthy(c))
+        }),
     ];
     for (name, run) in scenarios {
         let t = Instant::now();

@@ -153,6 +153,7 @@ async fn manifests_apply_with_server_side_dry_run_and_agree() {
         ],
         &["--set", "scheduler.enabled=false"],
         &["--set", "devicePlugin.podResourcesCheck=false"],
+        &["--set", "devicePlugin.health.recovery=10m"],
     ] {
         let rendered = helm_template(values);
         let report = dry_run(cp.kubeconfig(), &rendered);
@@ -181,6 +182,21 @@ async fn manifests_apply_with_server_side_dry_run_and_agree() {
         args.contains(&"--devices-from=/etc/gpuledger/devices.yaml".to_string()),
         "{args:?}"
     );
+    // XID health: the default list always, recovery only when asked for.
+    assert!(
+        args.contains(&"--ignored-xids=13,31,43,45,68,109".to_string()),
+        "{args:?}"
+    );
+    assert!(
+        !args.iter().any(|a| a.starts_with("--xid-recovery")),
+        "{args:?}"
+    );
+    let recovering = objects(&helm_template(&[
+        "--set",
+        "devicePlugin.health.recovery=10m",
+    ]));
+    let args = container_args(&recovering["DaemonSet/gpuledger-device-plugin"]);
+    assert!(args.contains(&"--xid-recovery=10m".to_string()), "{args:?}");
 
     // Nothing was created by the dry runs.
     let out = ok_stdout(

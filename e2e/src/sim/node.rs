@@ -69,6 +69,8 @@ pub struct SimNode {
     admissions: Admissions,
     plugin: Mutex<PluginProcess>,
     plugin_log: PathBuf,
+    /// The `--devices-from` file the plugin reads (health and XID errors are simulated in it).
+    devices_file: PathBuf,
     follower: JoinHandle<()>,
     admin: Client,
     _node: FakeNode,
@@ -184,10 +186,45 @@ impl SimNode {
             admissions,
             plugin: Mutex::new(plugin),
             plugin_log,
+            devices_file,
             follower,
             admin,
             _node: node,
         })
+    }
+
+    /// Reports XID error `xid` on GPU `uuid` as the driver would: appended to the GPU's `xids`
+    /// in the node's devices file, which the plugin polls for new entries. The file is replaced
+    /// whole (written aside, then renamed), so the plugin never reads half of it.
+    pub fn report_xid(&self, uuid: &str, xid: u64) -> Result<(), SimNodeError> {
+        let bad = |problem: String| SimNodeError::DevicesFile {
+            path: self.devices_file.clone(),
+            problem,
+        };
+        let text = std::fs::read_to_string(&self.devices_file)
+            .map_err(|e| SimNodeError::io("read", &self.devices_file, e))?;
+        let mut doc: serde_yaml::Value =
+            serde_yaml::from_str(&text).map_err(|e| bad(e.to_string()))?;
+        let gpu = doc
+            .get_mut("gpus")
+            .and_then(|g| g.as_sequence_mut())
+            .and_then(|gpus| {
+                gpus.iter_mut()
+                    .find(|g| g.get("uuid").and_then(|u| u.as_str()) == Some(uuid))
+            })
+            .and_then(|g| g.as_mapping_mut())
+            .ok_or_else(|| bad(format!("no GPU {uuid}")))?;
+        let xids = gpu
+            .entry("xids".into())
+            .or_insert_with(|| serde_yaml::Value::Sequence(Vec::new()));
+        xids.as_sequence_mut()
+            .ok_or_else(|| bad(format!("xids of {uuid} is not a list")))?
+            .push(xid.into());
+        let text = serde_yaml::to_string(&doc).map_err(|e| bad(e.to_string()))?;
+        let aside = self.devices_file.with_extension("yaml.new");
+        std::fs::write(&aside, text).map_err(|e| SimNodeError::io("write", &aside, e))?;
+        std::fs::rename(&aside, &self.devices_file)
+            .map_err(|e| SimNodeError::io("rename", &self.devices_file, e))
     }
 
     /// The node's name.

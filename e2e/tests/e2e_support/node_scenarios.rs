@@ -1,13 +1,15 @@
 //! The scenarios about the node itself, on the kubelet's real device manager: a multi-GPU refit,
 //! memory asked as a percentage, a kubelet restart with running pods kept from the checkpoint,
-//! a device-plugin restart with its re-registration, and a terminating pod that keeps its GPUs.
+//! a device-plugin restart with its re-registration, a terminating pod that keeps its GPUs, and
+//! an XID error that takes a GPU out of service.
 
-use gpuledger_crds::RefitPhase;
 use gpuledger_crds::conditions::types::REFITTED;
 use gpuledger_crds::resources::GPU;
+use gpuledger_crds::{GpuNode, RefitPhase};
+use gpuledger_e2e::cluster::wait_for;
 use gpuledger_e2e::sim::pods::{GpuPod, refit_requests, reserved_uuids, wait_pod_phase};
-use k8s_openapi::api::core::v1::Pod;
-use kube::api::DeleteParams;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Api, DeleteParams};
 
 use super::*;
 
@@ -197,4 +199,78 @@ pub async fn terminating_pod_keeps_its_gpus(cluster: &SimCluster) {
         50,
     );
     cleanup(cluster, &["term-new"]).await;
+}
+
+/// XID errors from the driver (simulated in the node's devices file, polled by the plugin as
+/// NVML's events would arrive): 13, an application's fault, leaves its GPU healthy; 79, fallen off
+/// the bus, marks its GPU unhealthy for the kubelet (its replicas leave the Node's allocatable)
+/// and on the GpuNode, and the scheduler stops placing on it.
+pub async fn xid_error_makes_a_gpu_unhealthy(cluster: &SimCluster) {
+    let node = &cluster.nodes[0];
+    let on_numa_1 = node.gpus_on_numa(1);
+    let (bad, good) = (on_numa_1[0].clone(), on_numa_1[1].clone());
+    node.report_xid(&good, 13).unwrap();
+    node.report_xid(&bad, 79).unwrap();
+    let client = cluster.cp.client();
+    let gpunodes: Api<GpuNode> = Api::all(client.clone());
+    let health = |g: &GpuNode, uuid: &str| {
+        g.status
+            .as_ref()
+            .and_then(|s| s.devices.iter().find(|d| d.uuid == uuid))
+            .map(|d| d.healthy)
+    };
+    let seen = wait_for("the GpuNode to show the XID-79 GPU unhealthy", WAIT, || {
+        let gpunodes = gpunodes.clone();
+        let bad = bad.clone();
+        async move {
+            let g = gpunodes.get(node.name()).await?;
+            Ok::<_, kube::Error>((health(&g, &bad) == Some(false)).then_some(g))
+        }
+    })
+    .await
+    .unwrap();
+    // The plugin handles events in order: the 13 came first and left its GPU alone.
+    assert_eq!(
+        health(&seen, &good),
+        Some(true),
+        "XID 13 is an application's"
+    );
+    let nodes: Api<Node> = Api::all(client.clone());
+    let total = node.gpus().len() * 10;
+    wait_for(
+        "the kubelet to drop the unhealthy GPU's replicas",
+        WAIT,
+        || {
+            let nodes = nodes.clone();
+            async move {
+                let n = nodes.get(node.name()).await?;
+                let allocatable = n
+                    .status
+                    .and_then(|s| s.allocatable)
+                    .and_then(|a| a.get("nvidia.com/gpu").map(|q| q.0.clone()));
+                let want = (total - 10).to_string();
+                Ok::<_, kube::Error>((allocatable.as_deref() == Some(want.as_str())).then_some(()))
+            }
+        },
+    )
+    .await
+    .unwrap();
+
+    let either = GpuPod::new(NS, "xid-either")
+        .gpu_container("main", 1, 1024, 10)
+        .use_gpus(&[bad.clone(), good.clone()])
+        .cpu_numa(1);
+    run_pod(cluster, either).await;
+    let r = allocated(cluster, "xid-either").await;
+    assert_eq!(reserved_uuids(&r), [good], "the healthy one");
+    let only_bad = GpuPod::new(NS, "xid-only-bad")
+        .gpu_container("main", 1, 1024, 10)
+        .use_gpus(std::slice::from_ref(&bad))
+        .cpu_numa(1);
+    only_bad.create(&client).await.unwrap();
+    let why = wait_event(&client, NS, "xid-only-bad", "FilteringFailed", WAIT)
+        .await
+        .unwrap();
+    assert!(why.contains("CardNotHealth"), "{why}");
+    cleanup(cluster, &["xid-either", "xid-only-bad"]).await;
 }
