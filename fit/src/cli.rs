@@ -5,7 +5,7 @@
 //! ```json
 //! {"nodes": [{"name": "n1", "devices": [{"uuid": "GPU-a", "index": 0, "model": "NVIDIA A100",
 //!     "memoryMiB": 40000, "cores": 100, "numaNode": 0, "splitCount": 10, "healthy": true,
-//!     "mig": false, "cordoned": false}]}],
+//!     "mig": false, "cordoned": false, "linkScores": {"GPU-b": 420}}]}],
 //!  "usage": [{"uuid": "GPU-a", "sharers": 1, "memoryMiB": 1000, "cores": 10}],
 //!  "pod": {"namespace": "default", "name": "p", "annotations": {},
 //!          "initContainers": [], "containers": [{"name": "main", "limits": {"nvidia.com/gpu": "1"}}]},
@@ -365,6 +365,7 @@ fn read_nodes(root: &Map<String, Value>) -> Result<Vec<NodeView>, CliError> {
             Some(v) => as_array(v, &devices_path)?,
         };
         let mut devices = Vec::with_capacity(devs.len());
+        let mut links = Vec::new();
         for (j, d) in devs.iter().enumerate() {
             let path = format!("{devices_path}[{j}]");
             let o = as_object(d, &path)?;
@@ -399,8 +400,29 @@ fn read_nodes(root: &Map<String, Value>) -> Result<Vec<NodeView>, CliError> {
                 mig: opt_bool(o, "mig", &path)?.unwrap_or(false),
                 cordoned: opt_bool(o, "cordoned", &path)?.unwrap_or(false),
             });
+            if let Some(v) = o.get("linkScores") {
+                let lpath = format!("{path}.linkScores");
+                for (peer, score) in as_object(v, &lpath)? {
+                    let score = score
+                        .as_u64()
+                        .and_then(|s| u32::try_from(s).ok())
+                        .ok_or_else(|| field(format!("{lpath}.{peer}"), "expected a score"))?;
+                    links.push((j, peer.clone(), score, lpath.clone()));
+                }
+            }
         }
-        nodes.push(NodeView::new(name, devices));
+        let mut node = NodeView::new(name, devices);
+        if !links.is_empty() {
+            let n = node.devices.len();
+            node.links = vec![0; n * n];
+            for (j, peer, score, lpath) in links {
+                let k = node
+                    .position(&peer)
+                    .ok_or_else(|| field(format!("{lpath}.{peer}"), "no such GPU on this node"))?;
+                node.links[j * n + k] = score;
+            }
+        }
+        nodes.push(node);
     }
     Ok(nodes)
 }

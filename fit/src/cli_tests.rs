@@ -58,6 +58,38 @@ fn spread_policy_from_the_input_changes_the_gpu() {
 }
 
 #[test]
+fn topology_aware_reads_link_scores_and_takes_the_linked_pair() {
+    let dev = |uuid: &str, i: u32, links: Value| json!({"uuid": uuid, "index": i, "memoryMiB": 40000, "numaNode": 0, "linkScores": links});
+    let mut s = scenario();
+    s["nodes"] = json!([{"name": "n1", "devices": [
+        dev("GPU-a", 0, json!({"GPU-b": 420, "GPU-c": 10})),
+        dev("GPU-b", 1, json!({"GPU-a": 420, "GPU-c": 10})),
+        dev("GPU-c", 2, json!({"GPU-a": 10, "GPU-b": 10})),
+    ]}]);
+    s["usage"] = json!([]);
+    s["policy"]["gpu"] = json!("spread");
+    s["pod"]["containers"][1]["limits"]["nvidia.com/gpu"] = json!("2");
+    let uuids = |out: &Value| -> Vec<String> {
+        out["containers"][1]["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d["uuid"].as_str().unwrap().to_string())
+            .collect()
+    };
+    // Plain spread walks c, b, a and takes the first two.
+    assert_eq!(uuids(&run(&s).unwrap()), ["GPU-c", "GPU-b"]);
+    s["pod"]["annotations"]["hami.io/gpu-scheduler-policy"] = json!("topology-aware");
+    assert_eq!(uuids(&run(&s).unwrap()), ["GPU-b", "GPU-a"]);
+    s["nodes"][0]["devices"][0]["linkScores"] = json!({"GPU-z": 1});
+    let err = run(&s).unwrap_err().to_string();
+    assert!(
+        err.contains("nodes[0].devices[0].linkScores.GPU-z"),
+        "{err}"
+    );
+}
+
+#[test]
 fn reports_every_node_when_nothing_fits() {
     let mut s = scenario();
     s["pod"]["containers"][1]["limits"]["nvidia.com/gpumem"] = json!("50000");

@@ -21,6 +21,9 @@
 //! - numa-bind + binpack: lowest NUMA id first, within it highest score, then higher index;
 //! - numa-bind + spread: highest NUMA id first, within it lowest score, then higher index.
 //!
+//! `topology-aware` walks the whole order and then chooses among every GPU that passed
+//! ([`keep_best_connected`], HAMi's combination search over the node's pair scores).
+//!
 //! The index tie-break makes the order total (HAMi's sort is unstable, so its order among fully
 //! tied GPUs depends on input order); it is the last key of HAMi's policy chains.
 
@@ -141,6 +144,9 @@ pub(crate) fn fit_container(
 
     let filters = &ask.pod.filters;
     let check_filters = !filters.is_empty();
+    // `topology-aware` walks every GPU and chooses among all that pass (HAMi's walk does not
+    // stop at the count then).
+    let topology = ask.pod.gpu_topology;
     let mut counts = ReasonCounts::default();
     let mut prev_numa: Option<u32> = None;
     for &i in &scratch.order {
@@ -159,8 +165,11 @@ pub(crate) fn fit_container(
             continue;
         }
         if ask.pod.numa_bind && prev_numa != Some(d.numa()) {
-            // A new NUMA group: whatever the previous group gave is dropped.
-            counts.add(Reason::NumaNotFit, scratch.picks.len() as u32);
+            // A new NUMA group: whatever the previous group gave is dropped (HAMi counts it as
+            // NumaNotFit only when its count went down, which `topology-aware` never does).
+            if !topology {
+                counts.add(Reason::NumaNotFit, scratch.picks.len() as u32);
+            }
             scratch.picks.clear();
             prev_numa = Some(d.numa());
         }
@@ -198,15 +207,15 @@ pub(crate) fn fit_container(
             memory_mib: mem_req,
             cores: cores_req,
         });
-        if scratch.picks.len() as u32 == want {
-            for p in &scratch.picks {
-                let u = &mut usage[p.device as usize];
-                u.sharers += 1;
-                u.memory_mib += p.memory_mib;
-                u.cores += p.cores;
-            }
+        if !topology && scratch.picks.len() as u32 == want {
+            commit(&scratch.picks, usage);
             return Ok(());
         }
+    }
+    if topology && scratch.picks.len() as u32 >= want {
+        keep_best_connected(node, want as usize, &mut scratch.picks);
+        commit(&scratch.picks, usage);
+        return Ok(());
     }
     counts.add(
         Reason::AllocatedCardsInsufficientRequest,
@@ -217,4 +226,90 @@ pub(crate) fn fit_container(
         counts,
         devices: candidates.len() as u32,
     })
+}
+
+/// Adds the picks to the usage they were fitted against.
+fn commit(picks: &[RawPick], usage: &mut [Usage]) {
+    for p in picks {
+        let u = &mut usage[p.device as usize];
+        u.sharers += 1;
+        u.memory_mib += p.memory_mib;
+        u.cores += p.cores;
+    }
+}
+
+/// Beyond this many combinations `topology-aware` keeps the walk's first picks instead of
+/// searching (C(16, 8) is 12 870; a node large enough to pass this would make one decision take
+/// seconds). HAMi has no bound.
+const MAX_COMBINATIONS: u64 = 200_000;
+
+/// C(n, k), saturating.
+pub(crate) fn combinations(n: usize, k: usize) -> u64 {
+    let k = k.min(n - k.min(n));
+    (0..k).fold(1u64, |acc, i| {
+        acc.saturating_mul((n - i) as u64) / (i as u64 + 1)
+    })
+}
+
+/// `topology-aware`'s choice among the GPUs that passed (`picks`, in walk order), as HAMi's:
+/// one GPU → the one whose pair scores with the other candidates sum lowest (it keeps the well
+/// connected ones free for multi-GPU pods); several → the combination, in walk order, whose pair
+/// scores sum highest. Ties keep the first found.
+pub(crate) fn keep_best_connected(node: &NodeView, want: usize, picks: &mut Vec<RawPick>) {
+    if picks.len() <= want {
+        return;
+    }
+    let score =
+        |a: &RawPick, b: &RawPick| u64::from(node.link_score(a.device as usize, b.device as usize));
+    if want == 1 {
+        let mut worst: Option<(u64, usize)> = None;
+        for (i, a) in picks.iter().enumerate() {
+            let total: u64 = picks
+                .iter()
+                .enumerate()
+                .filter(|(j, _)| *j != i)
+                .map(|(_, b)| score(a, b))
+                .sum();
+            if worst.is_none_or(|(t, _)| total < t) {
+                worst = Some((total, i));
+            }
+        }
+        if let Some((_, i)) = worst {
+            let keep = picks[i];
+            picks.clear();
+            picks.push(keep);
+        }
+        return;
+    }
+    if combinations(picks.len(), want) > MAX_COMBINATIONS {
+        picks.truncate(want);
+        return;
+    }
+    // Every combination of `want` positions in lexicographic order.
+    let n = picks.len();
+    let mut at: Vec<usize> = (0..want).collect();
+    let mut best: Option<(u64, Vec<usize>)> = None;
+    loop {
+        let mut total = 0;
+        for (x, &i) in at.iter().enumerate() {
+            for &j in &at[x + 1..] {
+                total += score(&picks[i], &picks[j]);
+            }
+        }
+        if best.as_ref().is_none_or(|(t, _)| total > *t) {
+            best = Some((total, at.clone()));
+        }
+        // The next combination: raise the last position that can still move, reset the rest.
+        let Some(x) = (0..want).rev().find(|&x| at[x] < n - want + x) else {
+            break;
+        };
+        at[x] += 1;
+        for y in x + 1..want {
+            at[y] = at[y - 1] + 1;
+        }
+    }
+    if let Some((_, chosen)) = best {
+        let kept: Vec<RawPick> = chosen.iter().map(|&i| picks[i]).collect();
+        *picks = kept;
+    }
 }

@@ -20,10 +20,9 @@
 //!
 //! - [`quota`]: a namespace's GPU limits from ResourceQuota keys, and the check against them.
 //!
-//! Not carried over from HAMi: the `topology-aware` and `numa` GPU policy chains (refused with a
-//! message), MIG profiles (MIG GPUs are skipped as `CardTypeMismatch`, the reason HAMi gives a
+//! Not carried over from HAMi: the `numa` GPU policy key (refused with a message), MIG profiles (MIG GPUs are skipped as `CardTypeMismatch`, the reason HAMi gives a
 //! mode mismatch) and `memoryFactor` (1). Module map: `model` (data), `device_fit` (one container
-//! on one node: score with the pod's weights, order, walk, `mutex`), `node` (a pod on a node, the
+//! on one node: score with the pod's weights, order, walk, `mutex`, `topology-aware`), `node` (a pod on a node, the
 //! node choice), `restricted` (refits), `usage` (init-container collapse), `reason` (HAMi's
 //! failure strings), `quota` (namespace limits), `cli` (the JSON front end), `fixture` (seeded
 //! synthetic clusters for benchmarks and side-by-side runs).

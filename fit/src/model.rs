@@ -71,6 +71,9 @@ pub struct NodeView {
     pub devices: Vec<Device>,
     /// Usage of `devices[i]` at `usage[i]`.
     pub usage: Vec<Usage>,
+    /// HAMi's pair score of `devices[i]` with `devices[j]` at `links[i * n + j]` (n devices);
+    /// empty when the node reports none (every pair then scores 0).
+    pub links: Vec<u32>,
 }
 
 impl NodeView {
@@ -81,7 +84,14 @@ impl NodeView {
             name: name.into(),
             devices,
             usage,
+            links: Vec::new(),
         }
+    }
+
+    /// The pair score of the GPUs at positions `a` and `b` (0 when unknown).
+    pub fn link_score(&self, a: usize, b: usize) -> u32 {
+        let n = self.devices.len();
+        self.links.get(a * n + b).copied().unwrap_or(0)
     }
 
     /// A node from what a `GpuNode` carries: its devices, split count and cordoned UUIDs.
@@ -91,6 +101,7 @@ impl NodeView {
         split_count: u32,
         cordoned: &[String],
     ) -> Self {
+        let devices_in = devices;
         let devices = devices
             .iter()
             .map(|d| Device {
@@ -106,7 +117,19 @@ impl NodeView {
                 cordoned: cordoned.contains(&d.uuid),
             })
             .collect();
-        NodeView::new(name, devices)
+        let mut view = NodeView::new(name, devices);
+        if devices_have_links(devices_in) {
+            let n = view.devices.len();
+            view.links = vec![0; n * n];
+            for (i, d) in devices_in.iter().enumerate() {
+                for (j, peer) in view.devices.iter().enumerate() {
+                    if let Some(score) = d.link_scores.get(&peer.uuid) {
+                        view.links[i * n + j] = *score;
+                    }
+                }
+            }
+        }
+        view
     }
 
     /// Position of the GPU `uuid` on this node.
@@ -124,6 +147,10 @@ impl NodeView {
             None => false,
         }
     }
+}
+
+fn devices_have_links(devices: &[GpuDevice]) -> bool {
+    devices.iter().any(|d| !d.link_scores.is_empty())
 }
 
 /// The operator's default policies; a pod's annotations override them.

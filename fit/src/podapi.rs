@@ -204,6 +204,10 @@ pub struct PodRequest {
     /// `mutex` in `hami.io/gpu-scheduler-policy`: only GPUs no other pod uses.
     #[serde(default)]
     pub gpu_mutex: bool,
+    /// `topology-aware` in `hami.io/gpu-scheduler-policy`: among the GPUs that fit, the best
+    /// connected set (one GPU: the one worst connected to the others, keeping good pairs free).
+    #[serde(default)]
+    pub gpu_topology: bool,
     /// `hami.io/numa-alignment`, when set.
     pub alignment: Option<Alignment>,
     /// `hami.io/device-scoring-weights` (1/1/1 when unset).
@@ -212,13 +216,14 @@ pub struct PodRequest {
 }
 
 /// `hami.io/gpu-scheduler-policy` read as HAMi's chain of keys: at most one order (`binpack` or
-/// `spread`) and the `mutex` filter, comma-separated in any order. A chain with only `mutex`
-/// orders like `spread`, as HAMi's does. `numa` and `topology-aware` need what the ledger does
-/// not record yet (the chain's NUMA key order, the NVLink matrix): refused, naming them.
+/// `spread`), the `mutex` filter and the `topology-aware` choice, comma-separated in any order.
+/// A chain without an order orders like `spread`, as HAMi's does. `numa` needs what the ledger
+/// does not record yet (the chain's NUMA key order): refused, naming it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct GpuPolicy {
     order: Option<SchedulerPolicy>,
     mutex: bool,
+    topology: bool,
 }
 
 impl GpuPolicy {
@@ -228,27 +233,29 @@ impl GpuPolicy {
             value: raw.to_string(),
             expected,
         };
-        const EXPECTED: &str =
-            "\"binpack\", \"spread\", \"mutex\", or \"mutex\" with one of the others";
+        const EXPECTED: &str = "a comma list of at most one of \"binpack\" and \"spread\", \
+             \"mutex\" and \"topology-aware\", each at most once";
         let mut policy = GpuPolicy {
             order: None,
             mutex: false,
+            topology: false,
         };
         for key in raw.split(',').map(|k| k.trim().to_ascii_lowercase()) {
             match key.as_str() {
                 "mutex" if !policy.mutex => policy.mutex = true,
+                "topology-aware" if !policy.topology => policy.topology = true,
                 "binpack" | "spread" if policy.order.is_none() => {
                     policy.order = Some(SchedulerPolicy::parse(GPU_SCHEDULER_POLICY, &key)?);
                 }
-                "numa" | "topology-aware" => {
+                "numa" => {
                     return Err(invalid(
-                        "\"binpack\", \"spread\" or \"mutex\" (gpuledger does not support \"numa\" or \"topology-aware\" in this version)",
+                        "\"binpack\", \"spread\", \"mutex\" or \"topology-aware\" (gpuledger does not support \"numa\" in this version)",
                     ));
                 }
                 _ => return Err(invalid(EXPECTED)),
             }
         }
-        if policy.mutex && policy.order.is_none() {
+        if (policy.mutex || policy.topology) && policy.order.is_none() {
             policy.order = Some(SchedulerPolicy::Spread);
         }
         Ok(policy)
@@ -461,6 +468,7 @@ pub fn parse(pod: &PodResources, config: &PodApiConfig) -> Result<PodRequest, Po
             .unwrap_or(false),
         gpu_policy: gpu_policy.and_then(|p| p.order),
         gpu_mutex: gpu_policy.is_some_and(|p| p.mutex),
+        gpu_topology: gpu_policy.is_some_and(|p| p.topology),
         node_policy: a
             .get(NODE_SCHEDULER_POLICY)
             .map(|v| SchedulerPolicy::parse(NODE_SCHEDULER_POLICY, v))

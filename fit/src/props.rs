@@ -108,9 +108,10 @@ fn pod() -> impl Strategy<Value = PodRequest> {
         prop::option::of(policy()),
         prop::option::of(0usize..8),
         any::<bool>(),
+        (any::<bool>(), any::<bool>()),
     )
         .prop_map(
-            |(init, app, numa_bind, gpu_policy, node_policy, pin, avoid_l4)| {
+            |(init, app, numa_bind, gpu_policy, node_policy, pin, avoid_l4, (mutex, topology))| {
                 let containers = init
                     .into_iter()
                     .map(|g| (true, g))
@@ -139,7 +140,8 @@ fn pod() -> impl Strategy<Value = PodRequest> {
                     node_policy,
                     alignment: None,
                     scoring_weights: Default::default(),
-                    gpu_mutex: false,
+                    gpu_mutex: mutex,
+                    gpu_topology: topology,
                 }
             },
         )

@@ -5,6 +5,8 @@
 //!
 //! The JSON schema derive is behind the `schema` feature: the engine itself never needs it.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 /// One physical GPU as the device plugin discovered it.
@@ -35,6 +37,12 @@ pub struct GpuDevice {
     pub mig: bool,
     /// Whether the GPU is healthy.
     pub healthy: bool,
+    /// How well this GPU talks to each other GPU of the node, by the other's UUID: HAMi's pair
+    /// score, the PCIe path (10 across CPUs, 20 same CPU, 30 host bridge, 40 several switches,
+    /// 50 one switch, 60 same board) plus 100 per NVLink between the two. What the
+    /// `topology-aware` GPU policy maximises; empty when the plugin does not know.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub link_scores: BTreeMap<String, u32>,
 }
 
 /// One container's reserved GPUs.

@@ -741,7 +741,7 @@ fn mutex_takes_only_gpus_nobody_uses_and_orders_like_spread() {
 }
 
 #[test]
-fn gpu_policy_chains_gpuledger_cannot_follow_are_refused_naming_them() {
+fn gpu_policy_chains_are_read_and_the_ones_gpuledger_cannot_follow_refused_naming_them() {
     let parse = |raw: &str| {
         let resources = PodResources {
             annotations: limits(&[(GPU_SCHEDULER_POLICY, raw)]),
@@ -750,19 +750,20 @@ fn gpu_policy_chains_gpuledger_cannot_follow_are_refused_naming_them() {
         };
         podapi::parse(&resources, &PodApiConfig::default())
     };
-    for bad in [
-        "numa",
-        "binpack,numa",
-        "topology-aware",
-        "mutex,topology-aware",
-    ] {
+    for bad in ["numa", "binpack,numa", "topology-aware,numa"] {
         let msg = parse(bad).unwrap_err().to_string();
         assert!(
             msg.contains(bad) && msg.contains("does not support"),
             "{msg}"
         );
     }
-    for bad in ["binpack,spread", "mutex,mutex", "fastest", ""] {
+    for bad in [
+        "binpack,spread",
+        "mutex,mutex",
+        "topology-aware,topology-aware",
+        "fastest",
+        "",
+    ] {
         let msg = parse(bad).unwrap_err().to_string();
         assert!(
             msg.contains(GPU_SCHEDULER_POLICY) && msg.contains(&format!("{bad:?}")),
@@ -770,4 +771,102 @@ fn gpu_policy_chains_gpuledger_cannot_follow_are_refused_naming_them() {
         );
     }
     assert!(parse("spread").is_ok() && parse(" mutex ").is_ok());
+    let chained = parse("mutex, Topology-Aware ,binpack").unwrap();
+    assert!(chained.gpu_mutex && chained.gpu_topology);
+    assert_eq!(chained.gpu_policy, Some(SchedulerPolicy::Binpack));
+    let alone = parse("topology-aware").unwrap();
+    assert!(alone.gpu_topology && !alone.gpu_mutex);
+    assert_eq!(alone.gpu_policy, Some(SchedulerPolicy::Spread));
+}
+
+/// A node of four idle GPUs (positions 0–3: a, b, c, d) on one NUMA node whose pair scores are
+/// `pairs` (both directions), others 10 (across CPUs, no NVLink).
+fn linked(pairs: &[(usize, usize, u32)]) -> NodeView {
+    let mut n = node(
+        "n",
+        ["GPU-a", "GPU-b", "GPU-c", "GPU-d"]
+            .iter()
+            .map(|u| (dev(u, 0, 40000), used(0, 0, 0)))
+            .collect(),
+    );
+    n.links = vec![10; 16];
+    for &(a, b, s) in pairs {
+        n.links[a * 4 + b] = s;
+        n.links[b * 4 + a] = s;
+    }
+    n
+}
+
+#[test]
+fn topology_aware_takes_the_best_connected_pair_as_hami_does() {
+    // a–b share four NVLinks; c is unhealthy. Spread walks d, b, a (higher index first).
+    let mut n = linked(&[(0, 1, 420)]);
+    n.devices[2].healthy = false;
+    let spread = policy(SchedulerPolicy::Spread);
+    assert_eq!(
+        picked(&only(&n, &pod(2, 1000, 10), spread).unwrap()),
+        ["GPU-d", "GPU-b"]
+    );
+    let aware = pod_with(
+        &[(GPU_SCHEDULER_POLICY, "topology-aware")],
+        &[],
+        &[(2, 1000, 10)],
+    );
+    // Combinations in walk order: (d,b)=10, (d,a)=10, (b,a)=420.
+    assert_eq!(
+        picked(&only(&n, &aware, spread).unwrap()),
+        ["GPU-b", "GPU-a"]
+    );
+    // Equal best pairs: the first combination in walk order wins (d,c before b,a).
+    let n = linked(&[(0, 1, 420), (2, 3, 420)]);
+    assert_eq!(
+        picked(&only(&n, &aware, spread).unwrap()),
+        ["GPU-d", "GPU-c"]
+    );
+}
+
+#[test]
+fn topology_aware_gives_a_single_gpu_pod_the_worst_connected_one() {
+    // a–b and a–d linked: totals a 850, b 440, c 30, d 440 → c, keeping the pairs free.
+    let n = linked(&[(0, 1, 420), (0, 3, 420)]);
+    let spread = policy(SchedulerPolicy::Spread);
+    assert_eq!(
+        picked(&only(&n, &pod(1, 1000, 10), spread).unwrap()),
+        ["GPU-d"]
+    );
+    let aware = pod_with(
+        &[(GPU_SCHEDULER_POLICY, "topology-aware")],
+        &[],
+        &[(1, 1000, 10)],
+    );
+    assert_eq!(picked(&only(&n, &aware, spread).unwrap()), ["GPU-c"]);
+    // Without link scores every total is 0: the first in walk order, like plain spread.
+    let mut bare = n.clone();
+    bare.links.clear();
+    assert_eq!(picked(&only(&bare, &aware, spread).unwrap()), ["GPU-d"]);
+}
+
+#[test]
+fn topology_aware_fails_like_hami_when_too_few_gpus_pass() {
+    let mut n = linked(&[(0, 1, 420)]);
+    for d in &mut n.devices[1..] {
+        d.healthy = false;
+    }
+    let aware = pod_with(
+        &[(GPU_SCHEDULER_POLICY, "topology-aware")],
+        &[],
+        &[(2, 1000, 10)],
+    );
+    let err = only(&n, &aware, policy(SchedulerPolicy::Spread)).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "1/4 AllocatedCardsInsufficientRequest, 3/4 CardNotHealth"
+    );
+}
+
+#[test]
+fn topology_aware_search_is_bounded() {
+    assert_eq!(device_fit::combinations(16, 8), 12_870);
+    assert_eq!(device_fit::combinations(4, 2), 6);
+    assert!(device_fit::combinations(64, 32) > 200_000);
 }

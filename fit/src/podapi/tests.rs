@@ -357,11 +357,14 @@ fn scheduler_policies_are_read_and_checked() {
     assert_eq!(r.node_policy, Some(SchedulerPolicy::Spread));
     let r = parse(&pod(&[], vec![]), &PodApiConfig::default()).unwrap();
     assert_eq!((r.gpu_policy, r.node_policy), (None, None));
-    for key in [GPU_SCHEDULER_POLICY, NODE_SCHEDULER_POLICY] {
-        let p = pod(&[(key, "topology-aware")], vec![]);
+    for (key, bad) in [
+        (GPU_SCHEDULER_POLICY, "fastest"),
+        (NODE_SCHEDULER_POLICY, "topology-aware"),
+    ] {
+        let p = pod(&[(key, bad)], vec![]);
         let msg = parse(&p, &PodApiConfig::default()).unwrap_err().to_string();
         assert!(
-            msg.contains(key) && msg.contains("\"topology-aware\""),
+            msg.contains(key) && msg.contains(&format!("{bad:?}")),
             "{msg}"
         );
     }
