@@ -52,6 +52,7 @@ fn inventory() -> impl Strategy<Value = Vec<GpuDevice>> {
                         pci_bus_id: bus,
                         mig,
                         healthy,
+                        link_scores: Default::default(),
                     },
                 )
                 .collect()

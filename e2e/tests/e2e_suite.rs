@@ -65,6 +65,9 @@ async fn gpuledger_end_to_end() {
         ("mutex takes only an unused GPU", |c| {
             Box::pin(scenarios::mutex_takes_only_an_unused_gpu(c))
         }),
+        ("topology-aware takes the NVLink pair", |c| {
+            Box::pin(scenarios::topology_aware_takes_the_nvlink_pair(c))
+        }),
         ("a namespace's GPU quota admits only what fits", |c| {
             Box::pin(quota_scenarios::quota_admits_only_what_fits(c))
         }),

@@ -49,6 +49,7 @@ fn gpunode(name: &str, gpus: u32) -> GpuNode {
                 pci_bus_id: None,
                 mig: false,
                 healthy: i != 1,
+                link_scores: Default::default(),
             })
             .collect(),
         split_count: Some(4),

@@ -15,9 +15,10 @@
 //!     cores: 100         # default 100
 //!     pciBusId: 0000:18:00.0   # optional
 //!     xids: [79]         # XID errors reported so far, oldest first (optional)
+//!     links: {1: 420}    # pair scores with other GPUs by index: PCIe 10-60 + 100 per NVLink
 //! ```
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -66,6 +67,10 @@ pub struct FileGpu {
     /// XID errors the GPU reported, oldest first.
     #[serde(default)]
     pub xids: Vec<u64>,
+    /// Pair scores with the other GPUs, by their index (HAMi's score: the PCIe path, 10 to 60,
+    /// plus 100 per NVLink), as NVML discovery measures them.
+    #[serde(default)]
+    pub links: BTreeMap<u32, u32>,
 }
 
 fn default_true() -> bool {
@@ -76,9 +81,18 @@ fn default_cores() -> u32 {
     100
 }
 
-impl From<FileGpu> for GpuDevice {
-    fn from(g: FileGpu) -> Self {
-        GpuDevice {
+impl FileGpu {
+    /// The inventory entry; `uuid_of` names the GPU at an index (for `links`).
+    fn into_device(self, uuid_of: &BTreeMap<u32, String>) -> Result<GpuDevice, String> {
+        let mut link_scores = BTreeMap::new();
+        for (peer, score) in &self.links {
+            let uuid = uuid_of.get(peer).ok_or_else(|| {
+                format!("GPU {} links to index {peer}, which no GPU has", self.uuid)
+            })?;
+            link_scores.insert(uuid.clone(), *score);
+        }
+        let g = self;
+        Ok(GpuDevice {
             uuid: g.uuid,
             index: g.index,
             model: g.model,
@@ -88,7 +102,8 @@ impl From<FileGpu> for GpuDevice {
             pci_bus_id: g.pci_bus_id,
             mig: g.mig,
             healthy: g.healthy,
-        }
+            link_scores,
+        })
     }
 }
 
@@ -102,7 +117,21 @@ fn read_file(origin: &str, text: &str) -> Result<DevicesFile, DiscoveryError> {
 /// Parses the file's text; `origin` names it in errors.
 pub fn parse(origin: &str, text: &str) -> Result<Vec<GpuDevice>, DiscoveryError> {
     let file = read_file(origin, text)?;
-    validate(origin, file.gpus.into_iter().map(GpuDevice::from).collect())
+    let uuid_of: BTreeMap<u32, String> = file
+        .gpus
+        .iter()
+        .map(|g| (g.index, g.uuid.clone()))
+        .collect();
+    let gpus = file
+        .gpus
+        .into_iter()
+        .map(|g| g.into_device(&uuid_of))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|problem| DiscoveryError::Invalid {
+            origin: origin.to_string(),
+            problem,
+        })?;
+    validate(origin, gpus)
 }
 
 /// The XID entries of `file` not reported yet, given how many of each GPU's were (`reported`,
@@ -233,6 +262,19 @@ gpus:
     }
 
     #[test]
+    fn links_by_index_become_pair_scores_by_uuid() {
+        let text = "gpus:\n  - {uuid: GPU-a, index: 0, model: m, memoryMiB: 1, links: {1: 420}}\n  \
+                    - {uuid: GPU-b, index: 1, model: m, memoryMiB: 1, links: {0: 420}}\n";
+        let gpus = parse("f", text).unwrap();
+        assert_eq!(gpus[0].link_scores.get("GPU-b"), Some(&420));
+        assert_eq!(gpus[1].link_scores.get("GPU-a"), Some(&420));
+        let dangling =
+            "gpus:\n  - {uuid: GPU-a, index: 0, model: m, memoryMiB: 1, links: {7: 10}}\n";
+        let msg = parse("f", dangling).unwrap_err().to_string();
+        assert!(msg.contains("GPU GPU-a links to index 7"), "{msg}");
+    }
+
+    #[test]
     fn each_xid_entry_is_reported_once_in_order() {
         let file = |xids_a: &str, xids_b: &str| {
             read_file(
@@ -295,5 +337,9 @@ gpus:
         assert_eq!(gpus.iter().filter(|g| g.numa_node == Some(0)).count(), 4);
         assert_eq!(gpus.iter().filter(|g| g.numa_node == Some(1)).count(), 4);
         assert!(gpus.iter().all(|g| g.healthy && !g.mig));
+        // NVLink-bridged pairs score 420 (four links on one CPU); across CPUs 10.
+        assert_eq!(gpus[0].link_scores.get(&gpus[1].uuid), Some(&420));
+        assert_eq!(gpus[0].link_scores.get(&gpus[2].uuid), Some(&20));
+        assert_eq!(gpus[0].link_scores.get(&gpus[7].uuid), Some(&10));
     }
 }

@@ -120,6 +120,7 @@ pub(crate) fn gpu(uuid: &str, index: u32, numa: Option<u32>) -> GpuDevice {
         pci_bus_id: None,
         mig: false,
         healthy: true,
+        link_scores: Default::default(),
     }
 }
 

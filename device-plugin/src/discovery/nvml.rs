@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use gpuledger_crds::GpuDevice;
 use nvml_wrapper::bitmasks::event::EventTypes;
+use nvml_wrapper::enum_wrappers::device::TopologyLevel;
 use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{EventSet, Nvml};
@@ -54,6 +55,8 @@ impl NvmlGpu {
             mig: self.mig_mode_current == Some(1),
             // A GPU whose memory NVML cannot report is not usable for memory-sliced sharing.
             healthy: self.probe_error.is_none() && self.memory_total_bytes.is_some(),
+            // Filled by discovery once every GPU is known (`link_scores`).
+            link_scores: Default::default(),
         })
     }
 }
@@ -117,6 +120,76 @@ impl NvmlDiscovery {
     }
 }
 
+/// NVML's `NVML_NVLINK_MAX_LINKS`: link numbers to ask about per GPU.
+const NVLINK_MAX_LINKS: u32 = 18;
+
+/// NVML's PCIe topology level between two GPUs as HAMi scores it (its P2P link types).
+pub fn pcie_score(level: TopologyLevel) -> u32 {
+    match level {
+        TopologyLevel::Internal => 60,
+        TopologyLevel::Single => 50,
+        TopologyLevel::Multiple => 40,
+        TopologyLevel::HostBridge => 30,
+        TopologyLevel::Node => 20,
+        TopologyLevel::System => 10,
+    }
+}
+
+/// HAMi's pair score: the PCIe path (0 when NVML cannot say) plus 100 per direct NVLink.
+pub fn pair_score(pcie: Option<TopologyLevel>, nvlinks: u32) -> u32 {
+    pcie.map_or(0, pcie_score) + 100 * nvlinks
+}
+
+impl NvmlDiscovery {
+    /// The PCI bus ids at the far end of each active NVLink of the GPU at `index`, normalized.
+    fn nvlink_peers(&self, index: u32) -> Vec<String> {
+        let Ok(device) = self.nvml.device_by_index(index) else {
+            return Vec::new();
+        };
+        (0..NVLINK_MAX_LINKS)
+            .filter_map(|link| {
+                let l = device.link_wrapper_for(link);
+                if !l.is_active().unwrap_or(false) {
+                    return None;
+                }
+                let remote = l.remote_pci_info().ok()?;
+                sysfs::normalize_bus_id(&remote.bus_id)
+            })
+            .collect()
+    }
+
+    /// Each GPU's pair score with every other (HAMi's `topology-aware` input). GPUs linked
+    /// through an NVSwitch (every pair alike) get their PCIe score only: the choice among them
+    /// does not depend on it.
+    fn fill_link_scores(&self, gpus: &mut [GpuDevice]) {
+        let peers: Vec<Vec<String>> = gpus.iter().map(|g| self.nvlink_peers(g.index)).collect();
+        let mut scores = vec![Default::default(); gpus.len()];
+        for (i, a) in gpus.iter().enumerate() {
+            let Ok(da) = self.nvml.device_by_index(a.index) else {
+                continue;
+            };
+            let mut row = std::collections::BTreeMap::new();
+            for (j, b) in gpus.iter().enumerate() {
+                if i == j {
+                    continue;
+                }
+                let Ok(db) = self.nvml.device_by_index(b.index) else {
+                    continue;
+                };
+                let level = da.topology_common_ancestor(db).ok();
+                let links = b.pci_bus_id.as_ref().map_or(0, |bus| {
+                    peers[i].iter().filter(|p| *p == bus).count() as u32
+                });
+                row.insert(b.uuid.clone(), pair_score(level, links));
+            }
+            scores[i] = row;
+        }
+        for (g, row) in gpus.iter_mut().zip(scores) {
+            g.link_scores = row;
+        }
+    }
+}
+
 impl Discovery for NvmlDiscovery {
     fn discover(&self) -> Result<Vec<GpuDevice>, DiscoveryError> {
         let count = self
@@ -137,7 +210,9 @@ impl Discovery for NvmlDiscovery {
                 None => tracing::warn!(index, error = ?raw.uuid, "skipping GPU without a UUID"),
             }
         }
-        validate("nvml", gpus)
+        let mut gpus = validate("nvml", gpus)?;
+        self.fill_link_scores(&mut gpus);
+        Ok(gpus)
     }
 
     fn describe(&self) -> String {
@@ -241,6 +316,17 @@ mod tests {
             mig_mode_current: Some(0),
             probe_error: None,
         }
+    }
+
+    #[test]
+    fn pair_scores_are_hamis() {
+        assert_eq!(pair_score(Some(TopologyLevel::System), 0), 10);
+        assert_eq!(pair_score(Some(TopologyLevel::Node), 4), 420);
+        assert_eq!(pair_score(Some(TopologyLevel::Internal), 0), 60);
+        assert_eq!(pair_score(Some(TopologyLevel::Single), 1), 150);
+        assert_eq!(pair_score(Some(TopologyLevel::Multiple), 0), 40);
+        assert_eq!(pair_score(Some(TopologyLevel::HostBridge), 0), 30);
+        assert_eq!(pair_score(None, 2), 200);
     }
 
     #[test]

@@ -117,6 +117,7 @@ pub fn devices(name: &str, shape: GpuShape) -> Vec<GpuDevice> {
             pci_bus_id: None,
             mig: false,
             healthy: true,
+            link_scores: Default::default(),
         })
         .collect()
 }

@@ -63,6 +63,7 @@ pub(crate) async fn samples_of_each_kind_round_trip(client: &Client) {
                 pci_bus_id: None,
                 mig: false,
                 healthy: true,
+                link_scores: Default::default(),
             })
             .collect(),
         split_count: Some(4),

@@ -264,3 +264,35 @@ pub async fn mutex_takes_only_an_unused_gpu(cluster: &SimCluster) {
     assert!(why.contains("ExclusiveDeviceAllocateConflict"), "{why}");
     cleanup(cluster, &["shared", "alone", "late"]).await;
 }
+
+/// `hami.io/gpu-scheduler-policy: topology-aware` on a node whose GPUs are NVLink-bridged in
+/// pairs (the sample topology's `links`): with GPU 6 already shared, plain `spread` would take
+/// GPUs 7 and 5 (the unused ones first); topology-aware takes the bridged pair 6–7.
+pub async fn topology_aware_takes_the_nvlink_pair(cluster: &SimCluster) {
+    let node = &cluster.nodes[0];
+    let numa1 = node.gpus_on_numa(1);
+    let gpu = |index: u32| {
+        node.gpus()
+            .iter()
+            .find(|g| g.index == index)
+            .map(|g| g.uuid.clone())
+            .unwrap()
+    };
+    assert!(numa1.contains(&gpu(6)) && numa1.contains(&gpu(7)));
+    let sharer = GpuPod::new(NS, "sharer")
+        .gpu_container("main", 1, 1024, 10)
+        .use_gpus(&[gpu(6)])
+        .cpu_numa(1);
+    run_pod(cluster, sharer).await;
+    let pair = GpuPod::new(NS, "pair")
+        .gpu_container("main", 2, 1024, 10)
+        .annotate("hami.io/gpu-scheduler-policy", "topology-aware")
+        .use_gpus(&numa1)
+        .cpu_numa(1);
+    run_pod(cluster, pair).await;
+    let r = allocated(cluster, "pair").await;
+    let mut got = reserved_uuids(&r);
+    got.sort();
+    assert_eq!(got, [gpu(6), gpu(7)], "the NVLink pair");
+    cleanup(cluster, &["sharer", "pair"]).await;
+}

@@ -98,6 +98,7 @@ pub async fn gpu_node(client: &Client, name: &str, gpus: &[Gpu], split: u32) -> 
             pci_bus_id: None,
             mig: false,
             healthy: true,
+            link_scores: Default::default(),
         })
         .collect();
     let status = json!({

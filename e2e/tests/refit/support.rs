@@ -150,6 +150,7 @@ pub fn gpus(node: &str, mig: &[u32]) -> Vec<GpuDevice> {
             pci_bus_id: None,
             mig: mig.contains(&i),
             healthy: true,
+            link_scores: Default::default(),
         })
         .collect()
 }

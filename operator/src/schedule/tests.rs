@@ -21,6 +21,7 @@ fn node(name: &str, gpus: u32) -> GpuNode {
                 pci_bus_id: None,
                 mig: false,
                 healthy: true,
+                link_scores: Default::default(),
             })
             .collect(),
         split_count: Some(4),

@@ -80,6 +80,7 @@ mod tests {
             pci_bus_id: None,
             mig: false,
             healthy: true,
+            link_scores: Default::default(),
         }
     }
 
