@@ -61,12 +61,16 @@ pub async fn run(ctx: Arc<Context>, interval: Duration) {
         }
         let mut by_namespace: HashMap<String, QuotaUse> = HashMap::new();
         for q in ctx.caches.quotas.state() {
+            // Most quotas limit CPU and memory only: skip them before summing any reservation.
+            if desired_used(&q, QuotaUse::default()).is_empty() {
+                continue;
+            }
             let ns = q.namespace().unwrap_or_default();
             let used = *by_namespace
                 .entry(ns.clone())
                 .or_insert_with(|| quota::used(&ctx.ledger.index, &ns, None));
             let desired = desired_used(&q, used);
-            if desired.is_empty() || up_to_date(&q, &desired) {
+            if up_to_date(&q, &desired) {
                 continue;
             }
             let values: BTreeMap<&str, String> =

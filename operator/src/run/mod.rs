@@ -344,6 +344,9 @@ fn set_quota_gauges(ctx: &Context) {
     ctx.metrics.quota_used.clear();
     for ns in namespaces {
         let limits = quota::limits(&ctx.caches.quotas, &ns);
+        if limits.is_unlimited() {
+            continue;
+        }
         let used = quota::used(&ctx.ledger.index, &ns, None);
         for (resource, limit, used) in [
             (quota_keys::GPU_MEM, limits.memory_mib, used.memory_mib),
