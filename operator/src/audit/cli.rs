@@ -5,7 +5,7 @@ use std::io::Write;
 use std::path::Path;
 
 use gpuledger_crds::{GpuNode, GpuReservation, RefitRequest};
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, ResourceQuota};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, ListParams, VersionMatch};
 
@@ -76,6 +76,13 @@ pub async fn snapshot(client: &kube::Client) -> Result<Snapshot, AuditError> {
         refits: list_at(
             Api::<RefitRequest>::all(client.clone()),
             "refitrequests",
+            at,
+        )
+        .await?
+        .0,
+        quotas: list_at(
+            Api::<ResourceQuota>::all(client.clone()),
+            "resourcequotas",
             at,
         )
         .await?

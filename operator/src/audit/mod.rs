@@ -14,7 +14,8 @@ use gpuledger_crds::names::OPERATOR_MANAGER;
 use gpuledger_crds::podapi::PodApiConfig;
 use gpuledger_crds::protocol::pod::{pod_finished, pod_wants_gpus};
 use gpuledger_crds::{GpuNode, GpuReservation, RefitPhase, RefitRequest, ReservationPhase};
-use k8s_openapi::api::core::v1::Pod;
+use gpuledger_fit::quota::{QuotaLimits, QuotaResource, QuotaUse};
+use k8s_openapi::api::core::v1::{Pod, ResourceQuota};
 use k8s_openapi::jiff::Timestamp;
 use serde::Serialize;
 
@@ -31,6 +32,8 @@ pub struct Snapshot {
     pub pods: Vec<Pod>,
     /// Every RefitRequest, all namespaces.
     pub refits: Vec<RefitRequest>,
+    /// Every ResourceQuota, all namespaces (their GPU keys).
+    pub quotas: Vec<ResourceQuota>,
 }
 
 /// One broken invariant.
@@ -141,6 +144,19 @@ pub enum Finding {
         /// The node's split count.
         split: u32,
     },
+    /// A namespace's reservations hold more of a GPU quota key than its ResourceQuotas allow
+    /// (an admin lowered the limit below what runs, or something got past the extender).
+    #[serde(rename_all = "camelCase")]
+    OverQuota {
+        /// The namespace.
+        namespace: String,
+        /// The ResourceQuota key (`limits.nvidia.com/gpumem`, …).
+        resource: String,
+        /// What its capacity-holding reservations book.
+        used: u64,
+        /// The tightest limit of its quotas.
+        limit: u64,
+    },
     /// A RefitRequest is still pending past its deadline.
     #[serde(rename_all = "camelCase")]
     RefitNotTerminal {
@@ -237,6 +253,15 @@ impl fmt::Display for Finding {
                 f,
                 "kubelet over-subscribed: {node}/{uuid} has {replicas} live replicas, the node advertises {split}"
             ),
+            Finding::OverQuota {
+                namespace,
+                resource,
+                used,
+                limit,
+            } => write!(
+                f,
+                "namespace {namespace} holds {used} of {resource}, over its quota of {limit}"
+            ),
             Finding::RefitNotTerminal {
                 refit,
                 overdue_seconds,
@@ -272,6 +297,39 @@ fn key(ns: Option<&String>, name: Option<&String>) -> String {
     )
 }
 
+/// Every GPU quota key a namespace's reservations book past its limit.
+fn check_quotas(snap: &Snapshot, out: &mut Vec<Finding>) {
+    let mut limits: BTreeMap<&str, QuotaLimits> = BTreeMap::new();
+    for q in &snap.quotas {
+        let ns = q.metadata.namespace.as_deref().unwrap_or_default();
+        crate::quota::add_quota(limits.entry(ns).or_default(), q);
+    }
+    for (ns, limits) in limits {
+        let mut used = QuotaUse::default();
+        for r in &snap.reservations {
+            if r.metadata.namespace.as_deref() == Some(ns) && holds_capacity(r) {
+                used.add(QuotaUse::of_shares(&reservation_usage(r.spec.shares())));
+            }
+        }
+        for (resource, limit, used) in [
+            (QuotaResource::Memory, limits.memory_mib, used.memory_mib),
+            (QuotaResource::Cores, limits.cores, used.cores),
+            (QuotaResource::Gpus, limits.gpus, used.gpus),
+        ] {
+            if let Some(limit) = limit
+                && used > limit
+            {
+                out.push(Finding::OverQuota {
+                    namespace: ns.to_string(),
+                    resource: resource.key().to_string(),
+                    used,
+                    limit,
+                });
+            }
+        }
+    }
+}
+
 fn holds_capacity(r: &GpuReservation) -> bool {
     // A reservation without a status yet was just created by bind: it already holds capacity.
     r.status
@@ -303,6 +361,7 @@ pub fn audit(snap: &Snapshot, now: Timestamp, opts: Options) -> Vec<Finding> {
     runtime::check_runtime(snap, &mut out);
     check_spec_writers(snap, &mut out);
     check_refits(snap, now, opts, &mut out);
+    check_quotas(snap, &mut out);
     out.sort();
     out
 }

@@ -129,6 +129,7 @@ fn clean_snapshot() -> Snapshot {
             pod("cpu-only", "u4", Some("n1"), "Running", "0"),
         ],
         refits: vec![],
+        quotas: vec![],
     }
 }
 
@@ -396,4 +397,56 @@ fn findings_render_for_humans() {
     assert!(f.to_string().contains("ns/p on n1"));
     let json = serde_json::to_value(&f).unwrap();
     assert_eq!(json["kind"], "podWithoutReservation");
+}
+
+fn gpu_quota(name: &str, hard: &[(&str, &str)]) -> k8s_openapi::api::core::v1::ResourceQuota {
+    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+    let mut q = k8s_openapi::api::core::v1::ResourceQuota {
+        spec: Some(k8s_openapi::api::core::v1::ResourceQuotaSpec {
+            hard: Some(
+                hard.iter()
+                    .map(|(k, v)| (k.to_string(), Quantity(v.to_string())))
+                    .collect(),
+            ),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    q.metadata.namespace = Some("ns".into());
+    q.metadata.name = Some(name.into());
+    q
+}
+
+#[test]
+fn a_namespace_over_its_gpu_quota_is_reported() {
+    // The clean snapshot books 40000 MiB and 100 cores in "ns" (two 20000 MiB / 50-core pods).
+    let mut snap = clean_snapshot();
+    snap.quotas.push(gpu_quota(
+        "gpu",
+        &[
+            ("limits.nvidia.com/gpumem", "40000"),
+            ("limits.nvidia.com/gpucores", "100"),
+            ("limits.cpu", "1"),
+        ],
+    ));
+    assert_eq!(audit(&snap, ts(1000), Options::default()), vec![]);
+    // An admin lowers the memory limit below what runs.
+    snap.quotas.push(gpu_quota(
+        "tighter",
+        &[("limits.nvidia.com/gpumem", "30000")],
+    ));
+    let findings = audit(&snap, ts(1000), Options::default());
+    assert_eq!(
+        findings,
+        vec![Finding::OverQuota {
+            namespace: "ns".into(),
+            resource: "limits.nvidia.com/gpumem".into(),
+            used: 40000,
+            limit: 30000,
+        }]
+    );
+    assert_eq!(
+        findings[0].to_string(),
+        "namespace ns holds 40000 of limits.nvidia.com/gpumem, over its quota of 30000"
+    );
 }
