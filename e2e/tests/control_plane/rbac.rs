@@ -486,6 +486,38 @@ pub(crate) async fn namespace_users_read_the_ledger_and_write_numapolicies(cp: &
         "forbidden",
         "namespace user creating a reservation",
     );
+    // Nor is the namespace's GPU quota hers: neither its limit nor the use gpuledger records.
+    use k8s_openapi::api::core::v1::ResourceQuota;
+    let quota: ResourceQuota = serde_json::from_value(json!({
+        "metadata": { "name": "gpu", "namespace": NS },
+        "spec": { "hard": { "limits.nvidia.com/gpumem": "1000" } },
+    }))
+    .unwrap();
+    let admin_quotas: Api<ResourceQuota> = Api::namespaced(admin.clone(), NS);
+    admin_quotas.create(&pp, &quota).await.unwrap();
+    let quotas: Api<ResourceQuota> = Api::namespaced(alice.clone(), NS);
+    let raise = json!({ "spec": { "hard": { "limits.nvidia.com/gpumem": "99999" } } });
+    assert_refused(
+        quotas
+            .patch("gpu", &PatchParams::default(), &Patch::Merge(raise))
+            .await,
+        403,
+        "forbidden",
+        "namespace user raising the GPU quota",
+    );
+    let zero = json!({ "status": { "used": { "limits.nvidia.com/gpumem": "0" } } });
+    assert_refused(
+        quotas
+            .patch_status("gpu", &PatchParams::default(), &Patch::Merge(zero))
+            .await,
+        403,
+        "forbidden",
+        "namespace user zeroing the GPU quota's recorded use",
+    );
+    admin_quotas
+        .delete("gpu", &DeleteParams::default())
+        .await
+        .unwrap();
     assert_refused(
         Api::<GpuReservation>::namespaced(alice, SYSTEM_NS)
             .list(&Default::default())

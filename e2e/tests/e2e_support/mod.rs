@@ -197,9 +197,8 @@ pub fn gpus_of_replicas(ids: &[String]) -> Vec<String> {
     gpus
 }
 
-/// `gpuledger-operator audit` over the whole cluster must find nothing: no over-committed GPU,
-/// no orphan, no silent misalignment, no overdue refit.
-pub fn assert_audit_clean(cluster: &SimCluster) {
+/// `gpuledger-operator audit` over the whole cluster: whether it passed, and what it printed.
+pub fn audit_report(cluster: &SimCluster) -> (bool, String) {
     let binary = locate(OPERATOR).unwrap();
     let out = std::process::Command::new(&binary)
         .arg("audit")
@@ -207,13 +206,20 @@ pub fn assert_audit_clean(cluster: &SimCluster) {
         .arg(cluster.cp.kubeconfig())
         .output()
         .unwrap();
-    let report = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && report.contains("clean"),
-        "audit: {}\n{report}{}",
+    let report = format!(
+        "audit: {}\n{}{}",
         out.status,
+        String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+    (out.status.success(), report)
+}
+
+/// `gpuledger-operator audit` over the whole cluster must find nothing: no over-committed GPU,
+/// no orphan, no silent misalignment, no overdue refit, no namespace over its GPU quota.
+pub fn assert_audit_clean(cluster: &SimCluster) {
+    let (ok, report) = audit_report(cluster);
+    assert!(ok && report.contains("clean"), "{report}");
 }
 
 /// Audits the ledger with the scenario's pods still there, then deletes them (at once, as a

@@ -6,7 +6,7 @@ use gpuledger_e2e::cluster::{delete_bound_pod, wait_for};
 use gpuledger_e2e::sim::pods::GpuPod;
 use k8s_openapi::api::core::v1::{Pod, ResourceQuota, ResourceQuotaSpec};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use kube::api::{Api, DeleteParams, ObjectMeta, PostParams};
+use kube::api::{Api, DeleteParams, ObjectMeta, Patch, PatchParams, PostParams};
 
 use super::*;
 
@@ -127,6 +127,21 @@ pub async fn quota_admits_only_what_fits(cluster: &SimCluster) {
         allocated(cluster, name).await;
     }
     wait_used_memory(&quotas, 6000).await;
+
+    // A careless admin lowers the limit below what runs: nothing is evicted (as with
+    // Kubernetes' own quotas), and the audit says so.
+    let lower = serde_json::json!({"spec": {"hard": {"limits.nvidia.com/gpumem": "3000"}}});
+    quotas
+        .patch(QUOTA, &PatchParams::default(), &Patch::Merge(&lower))
+        .await
+        .unwrap();
+    let (ok, report) = audit_report(cluster);
+    assert!(
+        !ok && report.contains(&format!(
+            "namespace {NS} holds 6000 of limits.nvidia.com/gpumem, over its quota of 3000"
+        )),
+        "{report}"
+    );
 
     quotas
         .delete(QUOTA, &DeleteParams::default())
