@@ -1,5 +1,5 @@
 //! The ledger audit: reads what the cluster holds (GpuNodes, GpuReservations, Pods,
-//! RefitRequests) and reports every broken invariant of docs/ARCHITECTURE.md §4. Pure: the
+//! RefitRequests, ResourceQuotas) and reports every broken invariant of docs/ARCHITECTURE.md §4. Pure: the
 //! caller lists the objects (see [`cli`]) and passes `now`, so the checks are unit-tested on
 //! hand-made objects and run unchanged against a live cluster by the e2e fault tests.
 
