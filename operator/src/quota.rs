@@ -93,7 +93,7 @@ pub fn check(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use gpuledger_crds::{
         ContainerReservation, GpuReservationSpec, GpuReservationStatus, ReservationPhase,
@@ -133,7 +133,8 @@ mod tests {
         r
     }
 
-    fn quota(ns: &str, name: &str, hard: &[(&str, &str)]) -> ResourceQuota {
+    /// A ResourceQuota `ns/name` with `hard` (also the audit's tests' fixture).
+    pub(crate) fn quota(ns: &str, name: &str, hard: &[(&str, &str)]) -> ResourceQuota {
         let mut q = ResourceQuota {
             spec: Some(ResourceQuotaSpec {
                 hard: Some(

@@ -399,29 +399,13 @@ fn findings_render_for_humans() {
     assert_eq!(json["kind"], "podWithoutReservation");
 }
 
-fn gpu_quota(name: &str, hard: &[(&str, &str)]) -> k8s_openapi::api::core::v1::ResourceQuota {
-    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-    let mut q = k8s_openapi::api::core::v1::ResourceQuota {
-        spec: Some(k8s_openapi::api::core::v1::ResourceQuotaSpec {
-            hard: Some(
-                hard.iter()
-                    .map(|(k, v)| (k.to_string(), Quantity(v.to_string())))
-                    .collect(),
-            ),
-            ..Default::default()
-        }),
-        ..Default::default()
-    };
-    q.metadata.namespace = Some("ns".into());
-    q.metadata.name = Some(name.into());
-    q
-}
-
 #[test]
 fn a_namespace_over_its_gpu_quota_is_reported() {
+    use crate::quota::tests::quota;
     // The clean snapshot books 40000 MiB and 100 cores in "ns" (two 20000 MiB / 50-core pods).
     let mut snap = clean_snapshot();
-    snap.quotas.push(gpu_quota(
+    snap.quotas.push(quota(
+        "ns",
         "gpu",
         &[
             ("limits.nvidia.com/gpumem", "40000"),
@@ -431,7 +415,8 @@ fn a_namespace_over_its_gpu_quota_is_reported() {
     ));
     assert_eq!(audit(&snap, ts(1000), Options::default()), vec![]);
     // An admin lowers the memory limit below what runs.
-    snap.quotas.push(gpu_quota(
+    snap.quotas.push(quota(
+        "ns",
         "tighter",
         &[("limits.nvidia.com/gpumem", "30000")],
     ));
