@@ -245,7 +245,10 @@ const MAX_COMBINATIONS: u64 = 200_000;
 
 /// C(n, k), saturating.
 pub(crate) fn combinations(n: usize, k: usize) -> u64 {
-    let k = k.min(n - k.min(n));
+    if k > n {
+        return 0;
+    }
+    let k = k.min(n - k);
     (0..k).fold(1u64, |acc, i| {
         acc.saturating_mul((n - i) as u64) / (i as u64 + 1)
     })

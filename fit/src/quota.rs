@@ -69,6 +69,16 @@ impl QuotaLimits {
         }
     }
 
+    /// Each key with its limit (if set) and `used`'s amount of it, in the order they are
+    /// checked: memory, cores, GPUs.
+    pub fn rows(&self, used: QuotaUse) -> [(QuotaResource, Option<u64>, u64); 3] {
+        [
+            (QuotaResource::Memory, self.memory_mib, used.memory_mib),
+            (QuotaResource::Cores, self.cores, used.cores),
+            (QuotaResource::Gpus, self.gpus, used.gpus),
+        ]
+    }
+
     fn note_invalid(&mut self, quota: &str, key: &str, value: &str, why: &str) {
         if self.invalid.is_none() {
             self.invalid = Some(format!(
@@ -167,17 +177,8 @@ pub fn check(limits: &QuotaLimits, used: QuotaUse, asked: QuotaUse) -> Result<()
     if let Some(why) = &limits.invalid {
         return Err(QuotaError::Unreadable(why.clone()));
     }
-    let rows = [
-        (
-            QuotaResource::Memory,
-            limits.memory_mib,
-            used.memory_mib,
-            asked.memory_mib,
-        ),
-        (QuotaResource::Cores, limits.cores, used.cores, asked.cores),
-        (QuotaResource::Gpus, limits.gpus, used.gpus, asked.gpus),
-    ];
-    for (resource, limit, used, asked) in rows {
+    let asked = limits.rows(asked);
+    for ((resource, limit, used), (_, _, asked)) in limits.rows(used).into_iter().zip(asked) {
         if let Some(limit) = limit
             && used.saturating_add(asked) > limit
         {

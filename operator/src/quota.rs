@@ -7,7 +7,7 @@
 //! namespace's lock, taken before the node's lock, so two binds of one namespace on different
 //! nodes cannot both pass on the same room. Namespaces without GPU limits take no lock.
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
 
 use gpuledger_crds::GpuReservation;
 use gpuledger_fit::quota::{QuotaLimits, QuotaUse};
@@ -29,6 +29,18 @@ pub fn limits(quotas: &Store<ResourceQuota>, namespace: &str) -> QuotaLimits {
         }
     }
     limits
+}
+
+/// The GPU limits of every namespace that has a ResourceQuota, in one pass (the gauges and the
+/// audit read all namespaces; filter and bind read one with [`limits`]).
+pub fn limits_by_namespace<'a>(
+    quotas: impl IntoIterator<Item = &'a ResourceQuota>,
+) -> BTreeMap<String, QuotaLimits> {
+    let mut out: BTreeMap<String, QuotaLimits> = BTreeMap::new();
+    for q in quotas {
+        add_quota(out.entry(q.namespace().unwrap_or_default()).or_default(), q);
+    }
+    out
 }
 
 /// Adds one ResourceQuota's `spec.hard` to `limits`.
@@ -77,19 +89,19 @@ pub fn used(index: &LedgerIndex, namespace: &str, except: Option<&str>) -> Quota
     total
 }
 
-/// The quota check with the namespace named, as filter and bind report it.
+/// Checks `asked` against `namespace`'s `limits` (read once by the caller, [`limits`]) and what
+/// the ledger says the namespace holds without the pod `pod_uid`.
 pub fn check(
-    quotas: &Store<ResourceQuota>,
-    index: &Arc<LedgerIndex>,
+    limits: &QuotaLimits,
+    index: &LedgerIndex,
     namespace: &str,
     pod_uid: Option<&str>,
     asked: QuotaUse,
 ) -> Result<(), QuotaError> {
-    let limits = limits(quotas, namespace);
     if limits.is_unlimited() {
         return Ok(());
     }
-    gpuledger_fit::quota::check(&limits, used(index, namespace, pod_uid), asked)
+    gpuledger_fit::quota::check(limits, used(index, namespace, pod_uid), asked)
 }
 
 #[cfg(test)]
@@ -102,6 +114,7 @@ pub(crate) mod tests {
     use k8s_openapi::api::core::v1::ResourceQuotaSpec;
     use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
     use kube::runtime::watcher::Event;
+    use std::sync::Arc;
 
     fn reservation(ns: &str, name: &str, phase: ReservationPhase, mem: u64) -> GpuReservation {
         let mut r = GpuReservation::new(
@@ -196,14 +209,19 @@ pub(crate) mod tests {
             cores: 10,
             gpus: 1,
         };
-        assert!(check(&quotas, &index, "team-a", None, asked(2000)).is_ok());
-        let err = check(&quotas, &index, "team-a", None, asked(2001)).unwrap_err();
+        let of = |ns| limits(&quotas, ns);
+        assert!(check(&of("team-a"), &index, "team-a", None, asked(2000)).is_ok());
+        let err = check(&of("team-a"), &index, "team-a", None, asked(2001)).unwrap_err();
         assert!(
             err.to_string()
                 .contains("6000 in this namespace, 4000 in use"),
             "{err}"
         );
-        assert!(check(&quotas, &index, "team-b", None, asked(1)).is_err());
-        assert!(check(&quotas, &index, "team-c", None, asked(1 << 30)).is_ok());
+        assert!(check(&of("team-b"), &index, "team-b", None, asked(1)).is_err());
+        assert!(check(&of("team-c"), &index, "team-c", None, asked(1 << 30)).is_ok());
+        // The one-pass grouping the gauges and the audit use says the same per namespace.
+        let all = limits_by_namespace(quotas.state().iter().map(|q| q.as_ref()));
+        assert_eq!(all.keys().collect::<Vec<_>>(), ["team-a", "team-b"]);
+        assert_eq!(all["team-a"], of("team-a"));
     }
 }

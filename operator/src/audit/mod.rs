@@ -14,7 +14,7 @@ use gpuledger_crds::names::OPERATOR_MANAGER;
 use gpuledger_crds::podapi::PodApiConfig;
 use gpuledger_crds::protocol::pod::{pod_finished, pod_wants_gpus};
 use gpuledger_crds::{GpuNode, GpuReservation, RefitPhase, RefitRequest, ReservationPhase};
-use gpuledger_fit::quota::{QuotaLimits, QuotaResource, QuotaUse};
+use gpuledger_fit::quota::QuotaUse;
 use k8s_openapi::api::core::v1::{Pod, ResourceQuota};
 use k8s_openapi::jiff::Timestamp;
 use serde::Serialize;
@@ -299,28 +299,23 @@ fn key(ns: Option<&String>, name: Option<&String>) -> String {
 
 /// Every GPU quota key a namespace's reservations book past its limit.
 fn check_quotas(snap: &Snapshot, out: &mut Vec<Finding>) {
-    let mut limits: BTreeMap<&str, QuotaLimits> = BTreeMap::new();
-    for q in &snap.quotas {
-        let ns = q.metadata.namespace.as_deref().unwrap_or_default();
-        crate::quota::add_quota(limits.entry(ns).or_default(), q);
-    }
-    for (ns, limits) in limits {
-        let mut used = QuotaUse::default();
-        for r in &snap.reservations {
-            if r.metadata.namespace.as_deref() == Some(ns) && holds_capacity(r) {
-                used.add(QuotaUse::of_shares(&reservation_usage(r.spec.shares())));
-            }
+    let limits = crate::quota::limits_by_namespace(&snap.quotas);
+    let mut used: BTreeMap<&str, QuotaUse> = BTreeMap::new();
+    for r in &snap.reservations {
+        if let Some(ns) = r.metadata.namespace.as_deref()
+            && limits.contains_key(ns)
+        {
+            used.entry(ns).or_default().add(crate::quota::use_of(r));
         }
-        for (resource, limit, used) in [
-            (QuotaResource::Memory, limits.memory_mib, used.memory_mib),
-            (QuotaResource::Cores, limits.cores, used.cores),
-            (QuotaResource::Gpus, limits.gpus, used.gpus),
-        ] {
+    }
+    for (ns, limits) in &limits {
+        let used = used.get(ns.as_str()).copied().unwrap_or_default();
+        for (resource, limit, used) in limits.rows(used) {
             if let Some(limit) = limit
                 && used > limit
             {
                 out.push(Finding::OverQuota {
-                    namespace: ns.to_string(),
+                    namespace: ns.clone(),
                     resource: resource.key().to_string(),
                     used,
                     limit,

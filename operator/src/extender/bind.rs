@@ -272,7 +272,8 @@ async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Bound, Bi
         // The namespace's lock before the node's, always in this order (nothing that holds a
         // node lock waits for a namespace's), and only where a GPU quota applies.
         let ns = &args.pod_namespace;
-        let limited = !quota::limits(&ctx.caches.quotas, ns).is_unlimited();
+        let limits = quota::limits(&ctx.caches.quotas, ns);
+        let limited = !limits.is_unlimited();
         let _namespace = match limited {
             true => {
                 let ns_lock = async { Ok(ctx.ledger.quota_locks.lock(ns).await) };
@@ -302,12 +303,12 @@ async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Bound, Bi
         if limited {
             let asked = quota::use_of_load(&reservation_load(&desired));
             let uid = Some(args.pod_uid.as_str());
-            quota::check(&ctx.caches.quotas, &ctx.ledger.index, ns, uid, asked).map_err(
-                |reason| BindError::Quota {
+            quota::check(&limits, &ctx.ledger.index, ns, uid, asked).map_err(|reason| {
+                BindError::Quota {
                     pod: pod_id.clone(),
                     reason,
-                },
-            )?;
+                }
+            })?;
         }
         let written = match write_fresh(ctx, args, &desired).await? {
             Fresh::Written(r) => *r,

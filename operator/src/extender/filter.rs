@@ -149,9 +149,10 @@ pub async fn filter(ctx: &Context, args: ExtenderArgs) -> ExtenderFilterResult {
     let policies = ctx.defaults.policies.for_pod(&req);
     let namespace = args.pod.metadata.namespace.clone().unwrap_or_default();
     let choice = choose_among_free(ctx, &req, &views, &held, policies);
+    let limits = quota::limits(&ctx.caches.quotas, &namespace);
     if choice.chosen.is_some()
         && let Err(e) = quota::check(
-            &ctx.caches.quotas,
+            &limits,
             &ctx.ledger.index,
             &namespace,
             uid,

@@ -36,7 +36,6 @@ use crate::telemetry::{Health, Metrics, QuotaLabels};
 use crate::watches::{drive, strip_managed_fields, tracked};
 use crate::{certs, controllers, extender, ledger, quota, webhook};
 use config::RunConfig;
-use gpuledger_fit::keys::quota as quota_keys;
 
 /// Why the operator could not start or stopped.
 #[derive(Debug, thiserror::Error)]
@@ -333,30 +332,19 @@ async fn metrics_handler(State(ctx): State<Arc<Context>>) -> (StatusCode, String
 
 /// The GPU quota gauges of every namespace that has a GPU limit, from the caches as they stand.
 fn set_quota_gauges(ctx: &Context) {
-    let namespaces: std::collections::BTreeSet<String> = ctx
-        .caches
-        .quotas
-        .state()
-        .iter()
-        .filter_map(|q| q.metadata.namespace.clone())
-        .collect();
+    let quotas = ctx.caches.quotas.state();
     ctx.metrics.quota_limit.clear();
     ctx.metrics.quota_used.clear();
-    for ns in namespaces {
-        let limits = quota::limits(&ctx.caches.quotas, &ns);
+    for (ns, limits) in quota::limits_by_namespace(quotas.iter().map(|q| q.as_ref())) {
         if limits.is_unlimited() {
             continue;
         }
         let used = quota::used(&ctx.ledger.index, &ns, None);
-        for (resource, limit, used) in [
-            (quota_keys::GPU_MEM, limits.memory_mib, used.memory_mib),
-            (quota_keys::GPU_CORES, limits.cores, used.cores),
-            (quota_keys::GPU, limits.gpus, used.gpus),
-        ] {
+        for (resource, limit, used) in limits.rows(used) {
             let Some(limit) = limit else { continue };
             let labels = QuotaLabels {
                 namespace: ns.clone(),
-                resource: resource.to_string(),
+                resource: resource.key().to_string(),
             };
             let clamp = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
             ctx.metrics
