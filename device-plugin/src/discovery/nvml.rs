@@ -5,8 +5,9 @@
 //! thin: they fill an [`NvmlGpu`], and [`NvmlGpu::into_device`] — pure, unit-tested — turns it
 //! into the inventory entry.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use gpuledger_crds::GpuDevice;
 use nvml_wrapper::bitmasks::event::EventTypes;
@@ -66,7 +67,14 @@ pub struct NvmlDiscovery {
     /// Shared with the XID event thread.
     nvml: Arc<Nvml>,
     sysfs_root: PathBuf,
+    /// Link scores measured for this list of GPU UUIDs: the wiring does not change while the
+    /// node runs, so they are measured again only when the GPUs do (n² NVML calls otherwise on
+    /// every refresh).
+    links: Mutex<Option<LinkScores>>,
 }
+
+/// The UUIDs measured, in order, and each one's pair scores.
+type LinkScores = (Vec<String>, Vec<BTreeMap<String, u32>>);
 
 impl NvmlDiscovery {
     /// Loads NVML; fails on machines without the NVIDIA driver.
@@ -78,6 +86,7 @@ impl NvmlDiscovery {
         Ok(NvmlDiscovery {
             nvml: Arc::new(nvml),
             sysfs_root,
+            links: Mutex::new(None),
         })
     }
 
@@ -162,13 +171,23 @@ impl NvmlDiscovery {
     /// through an NVSwitch (every pair alike) get their PCIe score only: the choice among them
     /// does not depend on it.
     fn fill_link_scores(&self, gpus: &mut [GpuDevice]) {
+        let uuids: Vec<String> = gpus.iter().map(|g| g.uuid.clone()).collect();
+        let mut cache = self.links.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((known, rows)) = cache.as_ref()
+            && *known == uuids
+        {
+            for (g, row) in gpus.iter_mut().zip(rows) {
+                g.link_scores = row.clone();
+            }
+            return;
+        }
         let peers: Vec<Vec<String>> = gpus.iter().map(|g| self.nvlink_peers(g.index)).collect();
         let mut scores = vec![Default::default(); gpus.len()];
         for (i, a) in gpus.iter().enumerate() {
             let Ok(da) = self.nvml.device_by_index(a.index) else {
                 continue;
             };
-            let mut row = std::collections::BTreeMap::new();
+            let mut row = BTreeMap::new();
             for (j, b) in gpus.iter().enumerate() {
                 if i == j {
                     continue;
@@ -184,9 +203,10 @@ impl NvmlDiscovery {
             }
             scores[i] = row;
         }
-        for (g, row) in gpus.iter_mut().zip(scores) {
-            g.link_scores = row;
+        for (g, row) in gpus.iter_mut().zip(&scores) {
+            g.link_scores = row.clone();
         }
+        *cache = Some((uuids, scores));
     }
 }
 
