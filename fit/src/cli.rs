@@ -11,8 +11,13 @@
 //!          "initContainers": [], "containers": [{"name": "main", "limits": {"nvidia.com/gpu": "1"}}]},
 //!  "policy": {"node": "binpack", "gpu": "spread"},
 //!  "allowed": ["GPU-a"], "node": "n1",
-//!  "current": [{"uuid": "GPU-b", "memoryMiB": 1000, "cores": 10}], "container": 0}
+//!  "current": [{"uuid": "GPU-b", "memoryMiB": 1000, "cores": 10}], "container": 0,
+//!  "config": {"defaultMemory": 0, "defaultCores": 0, "defaultGPUNum": 1, "memoryFactor": 1,
+//!             "deviceMemoryScaling": 1, "deviceCoreScaling": 1}}
 //! ```
+//! `config` (optional, HAMi's device-config names, as in a GpuConfig) sets the pod-API defaults
+//! and scales every non-MIG device's memory and cores the way the device plugin publishes them
+//! (the `memoryMiB` given is then the physical size).
 //! Device fields other than `uuid` and `memoryMiB` default to index = position, model "",
 //! cores 100, no NUMA node, split count 10, healthy, not MIG, not cordoned. `allowed` turns the
 //! question into a restricted fit on `node`; with `current` (the container's reserved shares) it
@@ -158,13 +163,14 @@ pub fn evaluate(text: &str) -> Result<Answer, CliError> {
     let root: Value = serde_json::from_str(text)?;
     let root = as_object(&root, "input")?;
     let mut nodes = read_nodes(root)?;
+    let pod_api = read_config(root, &mut nodes)?;
     read_usage(root, &mut nodes)?;
     let policy = read_policy(root)?;
     let pod_value = root.get("pod").ok_or_else(|| field("pod", "missing"))?;
     as_object(pod_value, "pod")?;
     let pod_resources: PodResources =
         serde_json::from_value(pod_value.clone()).map_err(|e| field("pod", e.to_string()))?;
-    let pod = podapi::parse(&pod_resources, &PodApiConfig::default())?;
+    let pod = podapi::parse(&pod_resources, &pod_api)?;
 
     let Some(allowed) = root.get("allowed") else {
         let decision = fit_pod(&nodes, &pod, &policy);
@@ -449,6 +455,78 @@ fn read_usage(root: &Map<String, Value>, nodes: &mut [NodeView]) -> Result<(), C
     }
     Ok(())
 }
+
+/// The scenario's device configuration: the pod-API defaults it sets, and the nodes' devices
+/// scaled as published.
+fn read_config(
+    root: &Map<String, Value>,
+    nodes: &mut [NodeView],
+) -> Result<PodApiConfig, CliError> {
+    let mut pod_api = PodApiConfig::default();
+    let Some(v) = root.get("config") else {
+        return Ok(pod_api);
+    };
+    let o = as_object(v, "config")?;
+    let whole = |key: &str, max: u64| -> Result<Option<u64>, CliError> {
+        let path = format!("config.{key}");
+        match o.get(key) {
+            None => Ok(None),
+            Some(v) => match v.as_u64() {
+                Some(n) if n <= max => Ok(Some(n)),
+                _ => Err(field(path, format!("expected a whole number up to {max}"))),
+            },
+        }
+    };
+    let factor = |key: &str| -> Result<f64, CliError> {
+        let path = format!("config.{key}");
+        match o.get(key) {
+            None => Ok(1.0),
+            Some(v) => match v.as_f64() {
+                Some(f) if f > 0.0 && f <= 100.0 => Ok(f),
+                _ => Err(field(path, "expected a factor above 0, at most 100")),
+            },
+        }
+    };
+    for key in o.keys() {
+        if !CONFIG_KEYS.contains(&key.as_str()) {
+            return Err(field(
+                format!("config.{key}"),
+                format!("unknown; expected one of {CONFIG_KEYS:?}"),
+            ));
+        }
+    }
+    if let Some(m) = whole("defaultMemory", i32::MAX as u64)? {
+        pod_api.default_memory_mib = m;
+    }
+    if let Some(c) = whole("defaultCores", 100)? {
+        pod_api.default_cores = c as u32;
+    }
+    if let Some(n) = whole("defaultGPUNum", 64)? {
+        pod_api.default_gpu_num = n as u32;
+    }
+    if let Some(f) = whole("memoryFactor", 1 << 20)? {
+        if f == 0 {
+            return Err(field("config.memoryFactor", "must be at least 1"));
+        }
+        pod_api.memory_factor = f as u32;
+    }
+    let (memory, cores) = (factor("deviceMemoryScaling")?, factor("deviceCoreScaling")?);
+    for d in nodes.iter_mut().flat_map(|n| n.devices.iter_mut()) {
+        d.memory_mib = crate::scaling::memory(d.memory_mib, memory, d.mig);
+        d.cores = crate::scaling::cores(cores, d.mig);
+    }
+    Ok(pod_api)
+}
+
+/// The keys `config` may have.
+const CONFIG_KEYS: [&str; 6] = [
+    "defaultMemory",
+    "defaultCores",
+    "defaultGPUNum",
+    "memoryFactor",
+    "deviceMemoryScaling",
+    "deviceCoreScaling",
+];
 
 fn read_policy(root: &Map<String, Value>) -> Result<Policy, CliError> {
     let mut policy = Policy::default();

@@ -49,6 +49,53 @@ fn places_the_pod_and_explains_the_other_nodes() {
     );
 }
 
+/// HAMi's device config: `nvidia.com/gpumem: 50` in GiB (memoryFactor 1024) is 51200 MiB; with
+/// memory scaled 1.5× each 40000 MiB GPU is published as 60000. Binpack would take the used
+/// GPU-a, but its 50000 MiB left are too few: GPU-b (as HAMi's fit decides on the registered,
+/// scaled sizes). n2's 16000 MiB become 24000, still too few.
+#[test]
+fn config_scales_devices_and_sets_the_memory_unit() {
+    let mut s = scenario();
+    s["pod"]["containers"][1]["limits"]["nvidia.com/gpumem"] = json!("50");
+    s["config"] = json!({"memoryFactor": 1024, "deviceMemoryScaling": 1.5});
+    let out = run(&s).unwrap();
+    assert_eq!(
+        out["containers"][1]["devices"],
+        json!([{"uuid": "GPU-b", "memoryMiB": 51200, "cores": 30}])
+    );
+    assert_eq!(out["reasons"]["n2"], "1/1 CardInsufficientMemory");
+    // Without the config the same pod asks 50 MiB and binpacks onto GPU-a.
+    s.as_object_mut().unwrap().remove("config");
+    let out = run(&s).unwrap();
+    assert_eq!(
+        out["containers"][1]["devices"],
+        json!([{"uuid": "GPU-a", "memoryMiB": 50, "cores": 30}])
+    );
+    // defaultMemory applies to a container that gives no memory.
+    let mut d = scenario();
+    d["pod"]["containers"][1]["limits"] =
+        json!({"nvidia.com/gpu": "1", "nvidia.com/gpucores": "30"});
+    d["config"] = json!({"defaultMemory": 3000});
+    assert_eq!(
+        run(&d).unwrap()["containers"][1]["devices"],
+        json!([{"uuid": "GPU-a", "memoryMiB": 3000, "cores": 30}])
+    );
+    // Cores scaled 2×: GPU-a's 200 less the 20 in use leave room for 100, so binpack keeps it;
+    // unscaled, its 80 left are too few and GPU-b is taken.
+    d["pod"]["containers"][1]["limits"] = json!({"nvidia.com/gpu": "1",
+        "nvidia.com/gpumem": "1000", "nvidia.com/gpucores": "100"});
+    d["config"] = json!({"deviceCoreScaling": 2});
+    assert_eq!(
+        run(&d).unwrap()["containers"][1]["devices"][0]["uuid"],
+        "GPU-a"
+    );
+    d.as_object_mut().unwrap().remove("config");
+    assert_eq!(
+        run(&d).unwrap()["containers"][1]["devices"][0]["uuid"],
+        "GPU-b"
+    );
+}
+
 #[test]
 fn spread_policy_from_the_input_changes_the_gpu() {
     let mut s = scenario();
@@ -193,6 +240,14 @@ fn bad_input_names_the_field() {
         (
             Box::new(|s| s["policy"]["gpu"] = json!("mutex")),
             "policy.gpu",
+        ),
+        (
+            Box::new(|s| s["config"] = json!({"deviceMemoryScaling": 0})),
+            "config.deviceMemoryScaling",
+        ),
+        (
+            Box::new(|s| s["config"] = json!({"deviceSplitCount": 4})),
+            "config.deviceSplitCount: unknown",
         ),
         (
             Box::new(|s| {

@@ -33,6 +33,7 @@ pub mod alignment;
 pub mod keys;
 pub mod podapi;
 pub mod quota;
+pub mod scaling;
 pub mod shares;
 
 pub mod cli;

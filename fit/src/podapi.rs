@@ -43,15 +43,20 @@ pub struct PodApiConfig {
     pub default_cores: u32,
     /// GPU count added when a container gives memory or cores but no count; 0 disables it.
     pub default_gpu_num: u32,
+    /// The unit of `nvidia.com/gpumem` in MiB (HAMi's `memoryFactor`): a container asking for
+    /// `gpumem: 4` with a factor of 1024 asks for 4096 MiB. At least 1.
+    pub memory_factor: u32,
 }
 
 impl Default for PodApiConfig {
-    /// HAMi's chart defaults: `defaultMemory 0`, `defaultCores 0`, `defaultGPUNum 1`.
+    /// HAMi's chart defaults: `defaultMemory 0`, `defaultCores 0`, `defaultGPUNum 1`,
+    /// `memoryFactor 1`.
     fn default() -> Self {
         PodApiConfig {
             default_memory_mib: 0,
             default_cores: 0,
             default_gpu_num: 1,
+            memory_factor: 1,
         }
     }
 }
@@ -554,17 +559,19 @@ fn container_request(
             });
         }
     }
-    // HAMi keeps memory in an int32 of MiB.
+    // The request is in units of `memoryFactor` MiB; HAMi keeps the product in an int32 of MiB.
+    let factor = i64::from(config.memory_factor.max(1));
     if let (Some(m), Some(raw)) = (mem, lookup(GPU_MEM))
-        && m > i64::from(i32::MAX)
+        && m > i64::from(i32::MAX) / factor
     {
         return Err(PodApiError::InvalidQuantity {
             container: c.name.clone(),
             key: GPU_MEM.to_string(),
             value: raw.clone(),
-            reason: "more than 2147483647 MiB",
+            reason: "more than 2147483647 MiB (after the memory factor)",
         });
     }
+    let mem = mem.map(|m| m * factor);
 
     // Webhook step 1: memory or cores without a count get the default count. HAMi's webhook
     // looks at limits only, so requests alone never trigger it.

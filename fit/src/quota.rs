@@ -69,6 +69,14 @@ impl QuotaLimits {
         }
     }
 
+    /// Turns the memory limit from the quota's unit into MiB: HAMi reads
+    /// `limits.nvidia.com/gpumem` in units of its `memoryFactor`, like the pods' `gpumem`.
+    pub fn with_memory_factor(mut self, memory_factor: u32) -> Self {
+        let f = u64::from(memory_factor.max(1));
+        self.memory_mib = self.memory_mib.map(|m| m.saturating_mul(f));
+        self
+    }
+
     /// Each key with its limit (if set) and `used`'s amount of it, in the order they are
     /// checked: memory, cores, GPUs.
     pub fn rows(&self, used: QuotaUse) -> [(QuotaResource, Option<u64>, u64); 3] {
@@ -244,6 +252,19 @@ mod tests {
         l.add_quota("ns/other", [("limits.nvidia.com/gpumem", "4096")]);
         l.add_quota("ns/third", [("limits.nvidia.com/gpumem", "6000")]);
         assert_eq!(l.memory_mib, Some(4096));
+    }
+
+    #[test]
+    fn the_memory_limit_is_in_units_of_the_memory_factor() {
+        // HAMi's FitQuota: limit × memoryFactor against MiB booked.
+        let l = limits(&[
+            ("limits.nvidia.com/gpumem", "8"),
+            ("limits.nvidia.com/gpucores", "50"),
+        ])
+        .with_memory_factor(1024);
+        assert_eq!((l.memory_mib, l.cores), (Some(8192), Some(50)));
+        assert_eq!(check(&l, ask(4096, 0, 1), ask(4096, 50, 1)), Ok(()));
+        assert!(check(&l, ask(4096, 0, 1), ask(4097, 0, 1)).is_err());
     }
 
     #[test]

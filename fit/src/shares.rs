@@ -21,10 +21,12 @@ pub struct GpuDevice {
     pub index: u32,
     /// Model name, e.g. `NVIDIA A100-SXM4-80GB`.
     pub model: String,
-    /// Total memory in MiB, as the driver reports it (gpuledger does not scale memory).
+    /// Memory in MiB to share out: the driver's total × the node's `deviceMemoryScaling`
+    /// (GpuConfig; 1 unless set, never applied to MIG GPUs).
     #[serde(rename = "memoryMiB")]
     pub memory_mib: u64,
-    /// Compute capacity in percent of the SMs (100: gpuledger does not scale cores).
+    /// Compute capacity in percent of the SMs: 100 × the node's `deviceCoreScaling`
+    /// (GpuConfig; 100 unless set).
     pub cores: u32,
     /// NUMA node of the GPU's PCI device; absent when the platform does not report one.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -104,6 +104,7 @@ fn config() -> impl Strategy<Value = PodApiConfig> {
         default_memory_mib: m,
         default_cores: c,
         default_gpu_num: n,
+        memory_factor: 1,
     })
 }
 

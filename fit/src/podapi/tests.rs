@@ -101,6 +101,7 @@ fn configured_defaults_apply() {
         default_memory_mib: 3000,
         default_cores: 15,
         default_gpu_num: 2,
+        memory_factor: 1,
     };
     let p = pod(
         &[],
@@ -119,6 +120,34 @@ fn configured_defaults_apply() {
     };
     let p = pod(&[], vec![ctr("a", &[(GPU_MEM, "10")])]);
     assert_eq!(parse(&p, &off).unwrap().containers[0].gpu, None);
+}
+
+#[test]
+fn memory_factor_scales_gpumem_and_bounds_the_product() {
+    let cfg = PodApiConfig {
+        memory_factor: 1024,
+        default_memory_mib: 500,
+        ..PodApiConfig::default()
+    };
+    let p = pod(
+        &[],
+        vec![
+            ctr("a", &[(GPU, "1"), (GPU_MEM, "4")]),
+            ctr("b", &[(GPU, "1"), (GPU_MEM_PERCENTAGE, "20")]),
+            ctr("c", &[(GPU, "1"), (GPU_CORES, "30")]),
+        ],
+    );
+    let r = parse(&p, &cfg).unwrap();
+    assert_eq!(r.containers[0].gpu, gpu(1, MemoryRequest::Mib(4096), 0));
+    // Percentages and the default memory are not in the factor's unit (HAMi scales only gpumem).
+    assert_eq!(r.containers[1].gpu, gpu(1, MemoryRequest::Percent(20), 0));
+    assert_eq!(r.containers[2].gpu, gpu(1, MemoryRequest::Mib(500), 30));
+    // 2097152 × 1024 is one past i32::MAX MiB; 2097151 × 1024 fits.
+    let big = pod(&[], vec![ctr("a", &[(GPU, "1"), (GPU_MEM, "2097152")])]);
+    let err = parse(&big, &cfg).unwrap_err();
+    assert!(err.to_string().contains("2097152"), "{err}");
+    let fits = pod(&[], vec![ctr("a", &[(GPU, "1"), (GPU_MEM, "2097151")])]);
+    assert!(parse(&fits, &cfg).is_ok());
 }
 
 #[test]
