@@ -22,6 +22,7 @@ pub use gpuledger_fit::shares::GpuDevice;
     printcolumn = r#"{"name":"NUMA","type":"string","jsonPath":".status.numaNodes","description":"NUMA nodes the GPUs sit on"}"#,
     printcolumn = r#"{"name":"Healthy","type":"integer","jsonPath":".status.healthyCount","description":"Healthy GPUs"}"#,
     printcolumn = r#"{"name":"Reserved","type":"string","jsonPath":".status.usage.summary","description":"Share of memory and cores held by reservations"}"#,
+    printcolumn = r#"{"name":"Config","type":"string","jsonPath":".status.config","description":"GpuConfigs the device plugin applies, first wins"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
@@ -66,6 +67,10 @@ pub struct GpuNodeStatus {
     /// Sharers per GPU: the number of replicas advertised to the kubelet for each GPU.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub split_count: Option<u32>,
+    /// The GpuConfigs the device plugin applies to this node, highest precedence first
+    /// (`flags`: none, the plugin's flags alone).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config: Option<String>,
     /// Number of GPUs (for `kubectl get`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpu_count: Option<u32>,

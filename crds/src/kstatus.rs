@@ -164,6 +164,18 @@ pub fn numa_policy(selector: Result<(), String>) -> Summary {
     }
 }
 
+/// A GpuConfig's verdict: every value applies, or some were refused (named with why).
+pub fn gpu_config(refused: &[crate::gpuconfig::RefusedValue]) -> Summary {
+    if refused.is_empty() {
+        return Summary::new(Health::Ready, "Accepted", "every value applies");
+    }
+    let list: Vec<String> = refused
+        .iter()
+        .map(|r| format!("{}: {}", r.field, r.reason))
+        .collect();
+    Summary::new(Health::Stalled, "ValuesRefused", list.join("; "))
+}
+
 /// A GpuNode's verdict from its inventory: every GPU healthy, some failed, or none found.
 pub fn gpu_node(gpus: usize, unhealthy: &[&str]) -> Summary {
     if gpus == 0 {

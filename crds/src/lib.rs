@@ -9,10 +9,12 @@
 //! | [`GpuReservation`] | operator only | operator (`phase`, conditions), device plugin (`allocation`) |
 //! | [`RefitRequest`] | device plugin (immutable) | operator |
 //! | [`NumaPolicy`] | users / GitOps | operator |
+//! | [`GpuConfig`] | admins / GitOps | operator |
 
 pub use gpuledger_fit::alignment;
 pub mod conditions;
 pub mod duration;
+pub mod gpuconfig;
 pub mod gpunode;
 pub mod kstatus;
 pub mod kubeclient;
@@ -26,6 +28,7 @@ pub mod reservation;
 pub mod scripted_api;
 
 pub use alignment::{Alignment, AlignmentError, AlignmentSource, ResolvedAlignment};
+pub use gpuconfig::{GpuConfig, GpuConfigSpec, GpuConfigStatus};
 pub use gpunode::{GpuDevice, GpuNode, GpuNodeSpec, GpuNodeStatus, GpuNodeUsage};
 pub use numapolicy::{NumaPolicy, NumaPolicySpec, NumaPolicyStatus};
 pub use refit::{RefitPhase, RefitRequest, RefitRequestSpec, RefitRequestStatus};
@@ -41,7 +44,7 @@ use kube::CustomResourceExt;
 pub const GROUP: &str = "gpuledger.io";
 /// API version of every gpuledger custom resource.
 pub const VERSION: &str = "v1alpha1";
-/// The `kubectl get gpuledger` category shared by all four kinds.
+/// The `kubectl get gpuledger` category shared by every kind.
 pub const CATEGORY: &str = "gpuledger";
 
 pub use gpuledger_fit::keys::{annotations, resources};
@@ -78,6 +81,7 @@ pub fn crds() -> Vec<CustomResourceDefinition> {
         GpuReservation::crd(),
         RefitRequest::crd(),
         NumaPolicy::crd(),
+        GpuConfig::crd(),
     ]
 }
 
