@@ -1,13 +1,13 @@
 //! What every part of the running operator shares: the client, the ledger, the caches of
 //! GpuNodes and NumaPolicies, the fit views, metrics and health.
 
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use gpuledger_crds::alignment::{self, ResolvedAlignment};
 use gpuledger_crds::numapolicy::matching_policies;
 use gpuledger_crds::podapi::{self, PodApiConfig, PodApiError, PodRequest};
-use gpuledger_crds::{Alignment, AlignmentError, GpuNode, NumaPolicy};
+use gpuledger_crds::{Alignment, AlignmentError, GpuConfig, GpuNode, NumaPolicy};
 use k8s_openapi::api::core::v1::{ObjectReference, Pod, ResourceQuota};
 use kube::runtime::events::Recorder;
 use kube::runtime::reflector::{ObjectRef, Store};
@@ -74,13 +74,41 @@ pub struct Caches {
     pub pods: Arc<PodFactsCache>,
     /// ResourceQuotas (their GPU limits, [`crate::quota`]).
     pub quotas: Store<ResourceQuota>,
+    /// GpuConfigs (the cluster-wide one sets [`Defaults::pod_api`]).
+    pub configs: Store<GpuConfig>,
+}
+
+/// The pod-API defaults in effect: HAMi's chart values, overridden by the cluster-wide
+/// GpuConfig. The GpuConfig watch sets it after every change; every reader takes a copy, so a
+/// decision reads one consistent set of defaults.
+#[derive(Clone, Debug, Default)]
+pub struct PodApiSetting(Arc<RwLock<PodApiConfig>>);
+
+impl PodApiSetting {
+    /// The defaults now.
+    pub fn get(&self) -> PodApiConfig {
+        // A copy under the lock; a panic elsewhere cannot leave it half-written.
+        *self.0.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Recomputes the defaults from every GpuConfig; returns whether they changed.
+    pub fn refresh(&self, configs: &[GpuConfig]) -> bool {
+        let (next, from) = gpuledger_crds::gpuconfig::pod_api(configs, PodApiConfig::default());
+        let mut cur = self.0.write().unwrap_or_else(|e| e.into_inner());
+        let changed = *cur != next;
+        if changed {
+            tracing::info!(config = ?from, defaults = ?next, "pod-API defaults changed");
+            *cur = next;
+        }
+        changed
+    }
 }
 
 /// Cluster-wide defaults.
 #[derive(Clone, Debug)]
 pub struct Defaults {
-    /// Pod API defaults (HAMi's device config).
-    pub pod_api: PodApiConfig,
+    /// Pod API defaults (HAMi's device config), from the cluster-wide GpuConfig.
+    pub pod_api: PodApiSetting,
     /// Scheduling policies a pod's annotations may override.
     pub policies: Policy,
     /// Alignment when neither annotation nor NumaPolicy decides.
@@ -113,6 +141,7 @@ impl Context {
     ) -> Context {
         let (policies, _) = kube::runtime::reflector::store();
         let (quotas, _) = kube::runtime::reflector::store();
+        let (configs, _) = kube::runtime::reflector::store();
         let health = Arc::new(Health::default());
         health.set_leader(leader);
         let metrics = Arc::new(Metrics::new());
@@ -131,11 +160,12 @@ impl Context {
                 gpunodes,
                 policies,
                 views: NodeViewCache::default(),
-                pods: Arc::new(PodFactsCache::new(PodApiConfig::default())),
+                pods: Arc::new(PodFactsCache::new(PodApiSetting::default())),
                 quotas,
+                configs,
             },
             defaults: Defaults {
-                pod_api: PodApiConfig::default(),
+                pod_api: PodApiSetting::default(),
                 policies: Policy {
                     node: gpuledger_crds::podapi::SchedulerPolicy::Binpack,
                     gpu: gpuledger_crds::podapi::SchedulerPolicy::Spread,
@@ -168,7 +198,7 @@ impl Context {
     /// The pod's GPU request, `None` for pods without GPUs. A request the kubelet would never
     /// allocate (GPU memory or cores without `nvidia.com/gpu`) is an error naming what to add.
     pub fn gpu_request(&self, pod: &Pod) -> Result<Option<PodRequest>, PodApiError> {
-        let req = podapi::parse_pod(pod, &self.defaults.pod_api)?;
+        let req = podapi::parse_pod(pod, &self.defaults.pod_api.get())?;
         if let Some(e) = podapi::unallocatable_request(pod, &req) {
             return Err(e);
         }

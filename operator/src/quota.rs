@@ -20,27 +20,31 @@ use crate::ledger::usage::{DeviceUsage, holds_capacity, reservation_load};
 
 pub use gpuledger_fit::quota::QuotaError;
 
-/// The GPU limits of `namespace`, from every ResourceQuota in it.
-pub fn limits(quotas: &Store<ResourceQuota>, namespace: &str) -> QuotaLimits {
+/// The GPU limits of `namespace`, from every ResourceQuota in it, memory in MiB
+/// (`memory_factor`: the pod-API's unit of GPU memory, which quotas are written in too).
+pub fn limits(quotas: &Store<ResourceQuota>, namespace: &str, memory_factor: u32) -> QuotaLimits {
     let mut limits = QuotaLimits::default();
     for q in quotas.state() {
         if q.namespace().as_deref() == Some(namespace) {
             add_quota(&mut limits, &q);
         }
     }
-    limits
+    limits.with_memory_factor(memory_factor)
 }
 
 /// The GPU limits of every namespace that has a ResourceQuota, in one pass (the gauges and the
 /// audit read all namespaces; filter and bind read one with [`limits`]).
 pub fn limits_by_namespace<'a>(
     quotas: impl IntoIterator<Item = &'a ResourceQuota>,
+    memory_factor: u32,
 ) -> BTreeMap<String, QuotaLimits> {
     let mut out: BTreeMap<String, QuotaLimits> = BTreeMap::new();
     for q in quotas {
         add_quota(out.entry(q.namespace().unwrap_or_default()).or_default(), q);
     }
-    out
+    out.into_iter()
+        .map(|(ns, l)| (ns, l.with_memory_factor(memory_factor)))
+        .collect()
 }
 
 /// Adds one ResourceQuota's `spec.hard` to `limits`.
@@ -209,7 +213,7 @@ pub(crate) mod tests {
             cores: 10,
             gpus: 1,
         };
-        let of = |ns| limits(&quotas, ns);
+        let of = |ns| limits(&quotas, ns, 1);
         assert!(check(&of("team-a"), &index, "team-a", None, asked(2000)).is_ok());
         let err = check(&of("team-a"), &index, "team-a", None, asked(2001)).unwrap_err();
         assert!(
@@ -220,7 +224,7 @@ pub(crate) mod tests {
         assert!(check(&of("team-b"), &index, "team-b", None, asked(1)).is_err());
         assert!(check(&of("team-c"), &index, "team-c", None, asked(1 << 30)).is_ok());
         // The one-pass grouping the gauges and the audit use says the same per namespace.
-        let all = limits_by_namespace(quotas.state().iter().map(|q| q.as_ref()));
+        let all = limits_by_namespace(quotas.state().iter().map(|q| q.as_ref()), 1);
         assert_eq!(all.keys().collect::<Vec<_>>(), ["team-a", "team-b"]);
         assert_eq!(all["team-a"], of("team-a"));
     }

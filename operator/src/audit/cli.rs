@@ -4,7 +4,7 @@
 use std::io::Write;
 use std::path::Path;
 
-use gpuledger_crds::{GpuNode, GpuReservation, RefitRequest};
+use gpuledger_crds::{GpuConfig, GpuNode, GpuReservation, RefitRequest};
 use k8s_openapi::api::core::v1::{Pod, ResourceQuota};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, ListParams, VersionMatch};
@@ -87,6 +87,9 @@ pub async fn snapshot(client: &kube::Client) -> Result<Snapshot, AuditError> {
         )
         .await?
         .0,
+        configs: list_at(Api::<GpuConfig>::all(client.clone()), "gpuconfigs", at)
+            .await?
+            .0,
     })
 }
 

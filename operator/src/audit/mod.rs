@@ -13,7 +13,9 @@ use gpuledger_crds::conditions::{self, types};
 use gpuledger_crds::names::OPERATOR_MANAGER;
 use gpuledger_crds::podapi::PodApiConfig;
 use gpuledger_crds::protocol::pod::{pod_finished, pod_wants_gpus};
-use gpuledger_crds::{GpuNode, GpuReservation, RefitPhase, RefitRequest, ReservationPhase};
+use gpuledger_crds::{
+    GpuConfig, GpuNode, GpuReservation, RefitPhase, RefitRequest, ReservationPhase,
+};
 use gpuledger_fit::quota::QuotaUse;
 use k8s_openapi::api::core::v1::{Pod, ResourceQuota};
 use k8s_openapi::jiff::Timestamp;
@@ -34,6 +36,15 @@ pub struct Snapshot {
     pub refits: Vec<RefitRequest>,
     /// Every ResourceQuota, all namespaces (their GPU keys).
     pub quotas: Vec<ResourceQuota>,
+    /// Every GpuConfig (the cluster-wide one sets how pods and quotas are read).
+    pub configs: Vec<GpuConfig>,
+}
+
+impl Snapshot {
+    /// The pod-API defaults the operator reads pods with, from the snapshot's GpuConfigs.
+    pub fn pod_api(&self) -> PodApiConfig {
+        gpuledger_crds::gpuconfig::pod_api(&self.configs, PodApiConfig::default()).0
+    }
 }
 
 /// One broken invariant.
@@ -299,7 +310,7 @@ fn key(ns: Option<&String>, name: Option<&String>) -> String {
 
 /// Every GPU quota key a namespace's reservations book past its limit.
 fn check_quotas(snap: &Snapshot, out: &mut Vec<Finding>) {
-    let limits = crate::quota::limits_by_namespace(&snap.quotas);
+    let limits = crate::quota::limits_by_namespace(&snap.quotas, snap.pod_api().memory_factor);
     let mut used: BTreeMap<&str, QuotaUse> = BTreeMap::new();
     for r in &snap.reservations {
         if let Some(ns) = r.metadata.namespace.as_deref()
@@ -339,12 +350,6 @@ fn pod_ended(p: &Pod) -> bool {
         p.status.as_ref().and_then(|s| s.phase.as_deref()),
         Some("Succeeded" | "Failed")
     )
-}
-
-/// The same predicate the extender and the lifecycle controller use, with the pod API's default
-/// configuration (the audit runs outside the operator).
-fn pod_requests_gpus(p: &Pod) -> bool {
-    pod_wants_gpus(p, &PodApiConfig::default())
 }
 
 /// Runs every check; findings come back sorted, so two audits of the same state print the same.
@@ -468,10 +473,13 @@ fn check_pods(snap: &Snapshot, out: &mut Vec<Finding>) {
             }
         }
     }
+    // The same predicate the extender and the lifecycle controller use, with the defaults of
+    // the cluster-wide GpuConfig.
+    let pod_api = snap.pod_api();
     for p in &snap.pods {
         let node = p.spec.as_ref().and_then(|s| s.node_name.as_deref());
         let Some(node) = node else { continue };
-        if pod_finished(p) || !pod_requests_gpus(p) {
+        if pod_finished(p) || !pod_wants_gpus(p, &pod_api) {
             continue;
         }
         let uid = p.metadata.uid.as_deref().unwrap_or("");

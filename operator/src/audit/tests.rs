@@ -130,6 +130,7 @@ fn clean_snapshot() -> Snapshot {
         ],
         refits: vec![],
         quotas: vec![],
+        configs: vec![],
     }
 }
 

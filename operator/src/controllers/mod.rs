@@ -1,6 +1,7 @@
-//! The operator's controllers: reservation lifecycle, NumaPolicy status, GpuNode usage, GPU quota
-//! usage, NUMA refits.
+//! The operator's controllers: reservation lifecycle, NumaPolicy and GpuConfig status, GpuNode
+//! usage, GPU quota usage, NUMA refits.
 
+pub mod gpuconfig;
 pub mod gpunode_usage;
 pub mod lifecycle;
 pub mod numapolicy;

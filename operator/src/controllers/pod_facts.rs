@@ -15,6 +15,8 @@ use std::collections::HashMap;
 use std::sync::RwLock;
 
 use gpuledger_crds::podapi::PodApiConfig;
+
+use crate::context::PodApiSetting;
 use gpuledger_crds::protocol::pod::{pod_finished, pod_terminating, pod_wants_gpus};
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
@@ -111,7 +113,7 @@ impl Inner {
 #[derive(Default)]
 pub struct PodFactsCache {
     inner: RwLock<Inner>,
-    config: PodApiConfig,
+    config: PodApiSetting,
 }
 
 fn key_of(pod: &Pod) -> ReservationKey {
@@ -119,8 +121,8 @@ fn key_of(pod: &Pod) -> ReservationKey {
 }
 
 impl PodFactsCache {
-    /// An empty cache that reads pods with `config`.
-    pub fn new(config: PodApiConfig) -> Self {
+    /// An empty cache that reads pods with the defaults `config` holds when each event comes.
+    pub fn new(config: PodApiSetting) -> Self {
         Self {
             inner: RwLock::default(),
             config,
@@ -138,7 +140,7 @@ impl PodFactsCache {
 
     /// Feeds one event of the pod watch.
     pub fn apply(&self, event: &Event<Pod>) {
-        let config = &self.config;
+        let config = &self.config.get();
         let mut inner = self.write();
         match event {
             Event::Apply(pod) => inner.insert(key_of(pod), PodFacts::of(pod, config)),
@@ -292,7 +294,7 @@ pub(crate) mod tests {
             }
             p
         };
-        let cache = PodFactsCache::new(PodApiConfig::default());
+        let cache = PodFactsCache::new(PodApiSetting::default());
         let mut plain = pod("plain", "plain", Some("n1"), "Running");
         plain.metadata.deletion_timestamp = Some(Time(Timestamp::UNIX_EPOCH));
         for p in [

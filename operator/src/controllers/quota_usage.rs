@@ -24,12 +24,18 @@ use serde_json::json;
 use crate::context::Context;
 use crate::quota;
 
-/// The GPU keys `quota` limits, with what the namespace uses of each.
-pub fn desired_used(quota: &ResourceQuota, used: QuotaUse) -> BTreeMap<&'static str, u64> {
+/// The GPU keys `quota` limits, with what the namespace uses of each; memory in the quota's
+/// unit, `memory_factor` MiB (rounded up: a namespace holding any part of a unit uses it).
+pub fn desired_used(
+    quota: &ResourceQuota,
+    used: QuotaUse,
+    memory_factor: u32,
+) -> BTreeMap<&'static str, u64> {
     let hard = quota.spec.as_ref().and_then(|s| s.hard.as_ref());
     let mut out = BTreeMap::new();
+    let memory = used.memory_mib.div_ceil(u64::from(memory_factor.max(1)));
     for (key, value) in [
-        (keys::GPU_MEM, used.memory_mib),
+        (keys::GPU_MEM, memory),
         (keys::GPU_CORES, used.cores),
         (keys::GPU, used.gpus),
     ] {
@@ -60,16 +66,17 @@ pub async fn run(ctx: Arc<Context>, interval: Duration) {
             continue;
         }
         let mut by_namespace: HashMap<String, QuotaUse> = HashMap::new();
+        let factor = ctx.defaults.pod_api.get().memory_factor;
         for q in ctx.caches.quotas.state() {
             // Most quotas limit CPU and memory only: skip them before summing any reservation.
-            if desired_used(&q, QuotaUse::default()).is_empty() {
+            if desired_used(&q, QuotaUse::default(), factor).is_empty() {
                 continue;
             }
             let ns = q.namespace().unwrap_or_default();
             let used = *by_namespace
                 .entry(ns.clone())
                 .or_insert_with(|| quota::used(&ctx.ledger.index, &ns, None));
-            let desired = desired_used(&q, used);
+            let desired = desired_used(&q, used, factor);
             if up_to_date(&q, &desired) {
                 continue;
             }
@@ -127,10 +134,20 @@ mod tests {
             &[("limits.nvidia.com/gpumem", "8000"), ("pods", "10")],
             &[("pods", "3")],
         );
-        let want = desired_used(&q, USED);
+        let want = desired_used(&q, USED, 1);
         assert_eq!(want, BTreeMap::from([("limits.nvidia.com/gpumem", 4000)]));
         assert!(!up_to_date(&q, &want));
-        assert!(desired_used(&quota(&[("pods", "1")], &[]), USED).is_empty());
+        assert!(desired_used(&quota(&[("pods", "1")], &[]), USED, 1).is_empty());
+    }
+
+    #[test]
+    fn memory_is_written_in_the_quota_unit_rounded_up() {
+        let q = quota(&[("limits.nvidia.com/gpumem", "8")], &[]);
+        // 4000 MiB in GiB units (memoryFactor 1024) is 3.9: the namespace uses 4 of its 8.
+        assert_eq!(
+            desired_used(&q, USED, 1024),
+            BTreeMap::from([("limits.nvidia.com/gpumem", 4)])
+        );
     }
 
     #[test]
@@ -145,8 +162,8 @@ mod tests {
                 ("limits.nvidia.com/gpucores", "30"),
             ],
         );
-        assert!(up_to_date(&q, &desired_used(&q, USED)));
+        assert!(up_to_date(&q, &desired_used(&q, USED, 1)));
         let more = QuotaUse { cores: 31, ..USED };
-        assert!(!up_to_date(&q, &desired_used(&q, more)));
+        assert!(!up_to_date(&q, &desired_used(&q, more, 1)));
     }
 }

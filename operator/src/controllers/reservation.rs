@@ -164,7 +164,9 @@ async fn decide(
             pod: key.to_string(),
             source,
         })?;
-    let fresh = pod.as_ref().map(|p| PodFacts::of(p, &ctx.defaults.pod_api));
+    let fresh = pod
+        .as_ref()
+        .map(|p| PodFacts::of(p, &ctx.defaults.pod_api.get()));
     Ok(next_step(
         r,
         fresh.as_ref(),

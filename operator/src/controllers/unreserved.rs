@@ -154,7 +154,7 @@ async fn repair(
             pod: key.to_string(),
             source,
         })?;
-    let Some(pod) = pod.filter(|p| PodFacts::of(p, &ctx.defaults.pod_api) == *facts) else {
+    let Some(pod) = pod.filter(|p| PodFacts::of(p, &ctx.defaults.pod_api.get()) == *facts) else {
         // Gone, recreated, finished or changed since the cache saw it: decide next sweep.
         return Ok(Repair::NotNeeded);
     };

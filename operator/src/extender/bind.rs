@@ -272,7 +272,11 @@ async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Bound, Bi
         // The namespace's lock before the node's, always in this order (nothing that holds a
         // node lock waits for a namespace's), and only where a GPU quota applies.
         let ns = &args.pod_namespace;
-        let limits = quota::limits(&ctx.caches.quotas, ns);
+        let limits = quota::limits(
+            &ctx.caches.quotas,
+            ns,
+            ctx.defaults.pod_api.get().memory_factor,
+        );
         let limited = !limits.is_unlimited();
         let _namespace = match limited {
             true => {

@@ -149,7 +149,11 @@ pub async fn filter(ctx: &Context, args: ExtenderArgs) -> ExtenderFilterResult {
     let policies = ctx.defaults.policies.for_pod(&req);
     let namespace = args.pod.metadata.namespace.clone().unwrap_or_default();
     let choice = choose_among_free(ctx, &req, &views, &held, policies);
-    let limits = quota::limits(&ctx.caches.quotas, &namespace);
+    let limits = quota::limits(
+        &ctx.caches.quotas,
+        &namespace,
+        ctx.defaults.pod_api.get().memory_factor,
+    );
     if choice.chosen.is_some()
         && let Err(e) = quota::check(
             &limits,

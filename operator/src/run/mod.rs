@@ -13,10 +13,10 @@ use axum::http::StatusCode;
 use axum::routing::get;
 use axum::serve::ListenerExt;
 use gpuledger_crds::kubeclient::{self, ClientError};
-use gpuledger_crds::podapi::PodApiConfig;
 
 use crate::controllers::pod_facts::PodFactsCache;
-use gpuledger_crds::{GpuNode, GpuReservation, NumaPolicy};
+use futures::StreamExt;
+use gpuledger_crds::{GpuConfig, GpuNode, GpuReservation, NumaPolicy};
 use k8s_openapi::api::core::v1::{Namespace, ResourceQuota};
 use kube::Client;
 use kube::api::{Api, ObjectMeta, PostParams};
@@ -24,7 +24,7 @@ use kube::runtime::events::Recorder;
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 use tokio::net::TcpListener;
 
-use crate::context::{Caches, Context, Defaults, Ledger, Timing};
+use crate::context::{Caches, Context, Defaults, Ledger, PodApiSetting, Timing};
 use crate::events::EventQueue;
 use crate::events::reporter;
 use crate::lease::leader;
@@ -166,6 +166,26 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
     .modify(strip_managed_fields)
     .reflect(writer);
     tasks.spawn(drive("resourcequotas", stream, health.clone()));
+    // GpuConfigs: the cluster-wide one sets the pod-API defaults, recomputed after every event
+    // (the store is updated before the event passes on).
+    let pod_api = PodApiSetting::default();
+    let (configs, writer) = reflector::store::<GpuConfig>();
+    let stream = watcher(
+        Api::<GpuConfig>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .modify(strip_managed_fields)
+    .reflect(writer)
+    .inspect({
+        let store = configs.clone();
+        let pod_api = pod_api.clone();
+        move |_| {
+            let all: Vec<GpuConfig> = store.state().iter().map(|c| (**c).clone()).collect();
+            pod_api.refresh(&all);
+        }
+    });
+    tasks.spawn(drive("gpuconfigs", stream, health.clone()));
 
     if config.leader_elect {
         tasks.spawn(leader::run(
@@ -195,11 +215,12 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
             gpunodes: gpunodes.clone(),
             policies,
             views: Default::default(),
-            pods: Arc::new(PodFactsCache::new(PodApiConfig::default())),
+            pods: Arc::new(PodFactsCache::new(pod_api.clone())),
             quotas: quotas.clone(),
+            configs: configs.clone(),
         },
         defaults: Defaults {
-            pod_api: PodApiConfig::default(),
+            pod_api,
             policies: Policy {
                 node: config.node_policy,
                 gpu: config.gpu_policy,
@@ -229,6 +250,10 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
     index.wait_synced().await;
     if gpunodes.wait_until_ready().await.is_err() {
         return Err(RunError::TaskEnded("GpuNode watch"));
+    }
+    // Pods read before the GpuConfigs would be read with the wrong defaults.
+    if configs.wait_until_ready().await.is_err() {
+        return Err(RunError::TaskEnded("GpuConfig watch"));
     }
     // A quota not yet read would let a namespace's first pods past its limit.
     if quotas.wait_until_ready().await.is_err() {
@@ -285,6 +310,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         }
     });
     tasks.spawn(controllers::numapolicy::run(ctx.clone()));
+    tasks.spawn(controllers::gpuconfig::run(ctx.clone()));
     tasks.spawn(controllers::refit::run(ctx.clone(), config.refit_ttl));
     tasks.spawn(controllers::gpunode_usage::run(
         ctx.clone(),
@@ -335,7 +361,10 @@ fn set_quota_gauges(ctx: &Context) {
     let quotas = ctx.caches.quotas.state();
     ctx.metrics.quota_limit.clear();
     ctx.metrics.quota_used.clear();
-    for (ns, limits) in quota::limits_by_namespace(quotas.iter().map(|q| q.as_ref())) {
+    for (ns, limits) in quota::limits_by_namespace(
+        quotas.iter().map(|q| q.as_ref()),
+        ctx.defaults.pod_api.get().memory_factor,
+    ) {
         if limits.is_unlimited() {
             continue;
         }

@@ -103,7 +103,7 @@ async fn validate_handler(
         Ok(x) => x,
         Err(refused) => return Json(refused),
     };
-    match pod::refusal(&pod, &ctx.defaults.pod_api) {
+    match pod::refusal(&pod, &ctx.defaults.pod_api.get()) {
         None => Json(answer(&uid, Ok(None))),
         Some(why) => {
             tracing::info!(pod = ?pod.metadata.name, %why, "webhook refused a GPU pod");

@@ -90,7 +90,7 @@ pub async fn commit(
     pod: &Pod,
 ) -> Result<(Answer, Option<Moved>), ReconcileError> {
     let key = ReservationKey::new(namespace, &spec.reservation);
-    let request = match parse_pod(pod, &ctx.defaults.pod_api) {
+    let request = match parse_pod(pod, &ctx.defaults.pod_api.get()) {
         Ok(r) => r,
         Err(e) => return Ok((Answer::refused(format!("pod GPU request: {e}"), true), None)),
     };
