@@ -17,12 +17,15 @@ pub const CONTAINER_VGPU_DIR: &str = "/usr/local/vgpu";
 /// - `NVIDIA_VISIBLE_DEVICES`: the reserved UUIDs, comma-separated, in reservation order.
 /// - `CUDA_DEVICE_MEMORY_LIMIT_<i>`: `<MiB>m` for the i-th GPU.
 /// - `CUDA_DEVICE_SM_LIMIT`: the cores of the first GPU (HAMi-core takes one SM limit).
+/// - `CUDA_OVERSUBSCRIBE=true` when the node's memory scaling is above 1 (HAMi-core may then
+///   page device memory to the host).
 /// - With `hami_core_dir`: libvgpu.so (read-only), a per-container cache directory, the shared
 ///   lock directory and `/etc/ld.so.preload`, as HAMi's plugin mounts them.
 pub fn container_response(
     pod_uid: &str,
     container: &ContainerReservation,
     hami_core_dir: Option<&Path>,
+    oversubscribed: bool,
 ) -> api::ContainerAllocateResponse {
     let mut resp = api::ContainerAllocateResponse::default();
     let uuids: Vec<&str> = container.devices.iter().map(|d| d.uuid.as_str()).collect();
@@ -37,6 +40,10 @@ pub fn container_response(
     if let Some(first) = container.devices.first() {
         resp.envs
             .insert("CUDA_DEVICE_SM_LIMIT".to_string(), first.cores.to_string());
+    }
+    if oversubscribed {
+        resp.envs
+            .insert("CUDA_OVERSUBSCRIBE".to_string(), "true".to_string());
     }
     if let Some(dir) = hami_core_dir {
         let cache_dir = container_cache_dir(dir, pod_uid, container.index);
@@ -102,18 +109,23 @@ mod tests {
 
     #[test]
     fn hami_core_environment_for_the_reserved_gpus() {
-        let resp = container_response("uid-1", &container(), None);
+        let resp = container_response("uid-1", &container(), None, false);
         assert_eq!(resp.envs["NVIDIA_VISIBLE_DEVICES"], "GPU-a,GPU-b");
         assert_eq!(resp.envs["CUDA_DEVICE_MEMORY_LIMIT_0"], "4096m");
         assert_eq!(resp.envs["CUDA_DEVICE_MEMORY_LIMIT_1"], "8000m");
         assert_eq!(resp.envs["CUDA_DEVICE_SM_LIMIT"], "30");
-        assert_eq!(resp.envs.len(), 4);
+        assert_eq!(
+            resp.envs.len(),
+            4,
+            "no CUDA_OVERSUBSCRIBE without memory scaling"
+        );
         assert!(resp.mounts.is_empty());
     }
 
     #[test]
     fn hami_core_mounts_only_with_the_flag() {
-        let resp = container_response("uid-1", &container(), Some(Path::new("/opt/hami")));
+        let resp = container_response("uid-1", &container(), Some(Path::new("/opt/hami")), true);
+        assert_eq!(resp.envs["CUDA_OVERSUBSCRIBE"], "true");
         let by_target = |t: &str| resp.mounts.iter().find(|m| m.container_path == t).unwrap();
         assert_eq!(
             by_target("/usr/local/vgpu/libvgpu.so").host_path,

@@ -1,5 +1,5 @@
 //! Publishing the node's inventory as the `GpuNode` status (server-side apply, our field
-//! manager): devices, split count, the summary columns, the `Healthy` condition and the GitOps
+//! manager): devices, split count, the GpuConfigs applied, the summary columns, the `Healthy` condition and the GitOps
 //! conditions (`Ready`/`Reconciling`/`Stalled`, see `gpuledger_crds::kstatus`). The operator
 //! owns `status.usage`; users own `spec.cordoned`.
 
@@ -37,6 +37,7 @@ pub fn desired_status(
     let mut status = GpuNodeStatus {
         devices: inventory.gpus.clone(),
         split_count: Some(inventory.split_count),
+        config: Some(inventory.config.clone()),
         ..GpuNodeStatus::default()
     };
     status.summarize();
@@ -81,6 +82,7 @@ fn apply_body(node: &str, s: &GpuNodeStatus) -> serde_json::Value {
         serde_json::json!({
             "devices": s.devices,
             "splitCount": s.split_count,
+            "config": s.config,
             "gpuCount": s.gpu_count,
             "healthyCount": s.healthy_count,
             "numaNodes": s.numa_nodes,
@@ -187,6 +189,8 @@ mod tests {
         assert_eq!(s.healthy_count, Some(2));
         assert_eq!(s.numa_nodes.as_deref(), Some("0,1"));
         assert_eq!(s.split_count, Some(10));
+        assert_eq!(s.config.as_deref(), Some("flags"));
+        assert_eq!(apply_body("n", &s)["status"]["config"], "flags");
         let c = conditions::find(&s.conditions, HEALTHY).unwrap();
         assert_eq!(
             (c.status.as_str(), c.reason.as_str()),

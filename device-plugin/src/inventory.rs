@@ -1,7 +1,10 @@
 //! The node's GPUs as the kubelet sees them: each physical GPU is advertised as `split_count`
 //! replicas `<UUID>-0 … <UUID>-(n-1)`, every replica carrying the GPU's health and NUMA node.
+//! The node's device configuration (GpuConfig) shapes it: GPUs left out, memory and cores
+//! scaled, the split count, and whether NUMA topology and preferred allocation are offered.
 
 use gpuledger_crds::GpuDevice;
+use gpuledger_crds::gpuconfig::NodeSettings;
 
 use crate::api;
 
@@ -11,12 +14,20 @@ pub const HEALTHY: &str = "Healthy";
 pub const UNHEALTHY: &str = "Unhealthy";
 
 /// A snapshot of the node's GPUs and how many replicas each one is split into.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Inventory {
     /// GPUs ordered by index.
     pub gpus: Vec<GpuDevice>,
     /// Replicas per GPU (at least 1).
     pub split_count: u32,
+    /// Whether replicas carry their GPU's NUMA node for the Topology Manager.
+    pub numa_topology: bool,
+    /// Whether the kubelet is offered GetPreferredAllocation (a change re-registers).
+    pub preferred_allocation: bool,
+    /// Memory is scaled above the physical size: containers get `CUDA_OVERSUBSCRIBE=true`.
+    pub oversubscribed: bool,
+    /// The GpuConfigs this inventory was shaped by (`flags`: none).
+    pub config: String,
 }
 
 /// The replica ID of share `i` of GPU `uuid`.
@@ -24,12 +35,39 @@ pub fn replica_id(uuid: &str, i: u32) -> String {
     format!("{uuid}-{i}")
 }
 
+impl Default for Inventory {
+    /// No GPUs, with the flags' defaults (topology and preferred allocation on).
+    fn default() -> Self {
+        Inventory::new(Vec::new(), 1)
+    }
+}
+
 impl Inventory {
-    /// A snapshot; a split count of 0 is treated as 1 (a GPU is always advertised).
+    /// A snapshot with the flags' settings alone; a split count of 0 is treated as 1 (a GPU is
+    /// always advertised).
     pub fn new(gpus: Vec<GpuDevice>, split_count: u32) -> Self {
+        Self::configured(gpus, &NodeSettings::from_flags(split_count))
+    }
+
+    /// The discovered `gpus` shaped by `settings`: GPUs it filters out are dropped (never
+    /// advertised, as in HAMi), memory and cores are scaled as published.
+    pub fn configured(gpus: Vec<GpuDevice>, settings: &NodeSettings) -> Self {
+        let gpus = gpus
+            .into_iter()
+            .filter(|g| !settings.filter.excludes(&g.uuid, g.index))
+            .map(|mut g| {
+                g.memory_mib = settings.scaled_memory(g.memory_mib, g.mig);
+                g.cores = settings.scaled_cores(g.mig);
+                g
+            })
+            .collect();
         Inventory {
             gpus,
-            split_count: split_count.max(1),
+            split_count: settings.split_count.max(1),
+            numa_topology: settings.numa_topology,
+            preferred_allocation: settings.preferred_allocation,
+            oversubscribed: settings.memory_scaling > 1.0,
+            config: settings.describe_sources(),
         }
     }
 
@@ -68,9 +106,12 @@ impl Inventory {
         self.gpus
             .iter()
             .flat_map(|g| {
-                let topology = g.numa_node.map(|n| api::TopologyInfo {
-                    nodes: vec![api::NumaNode { id: i64::from(n) }],
-                });
+                let topology =
+                    g.numa_node
+                        .filter(|_| self.numa_topology)
+                        .map(|n| api::TopologyInfo {
+                            nodes: vec![api::NumaNode { id: i64::from(n) }],
+                        });
                 let health = if g.healthy { HEALTHY } else { UNHEALTHY };
                 (0..self.split_count).map(move |i| api::Device {
                     id: replica_id(&g.uuid, i),
@@ -109,6 +150,31 @@ mod tests {
         assert_eq!(devices[0].topology.as_ref().unwrap().nodes[0].id, 0);
         assert_eq!(devices[3].topology, None, "no NUMA node, no topology");
         assert!(devices.iter().all(|d| d.health == HEALTHY));
+    }
+
+    #[test]
+    fn settings_filter_scale_and_switch_topology_off() {
+        let mut settings = NodeSettings::from_flags(3);
+        settings.filter.uuid = vec!["GPU-b".into()];
+        settings.memory_scaling = 2.0;
+        settings.core_scaling = 1.5;
+        settings.numa_topology = false;
+        settings.split_count = 2;
+        let mut a = gpu("GPU-a-1", 0, Some(0));
+        a.memory_mib = 1000;
+        let i = Inventory::configured(vec![a, gpu("GPU-b", 1, None)], &settings);
+        assert_eq!(i.gpus.len(), 1);
+        assert_eq!((i.gpus[0].memory_mib, i.gpus[0].cores), (2000, 150));
+        assert!(i.oversubscribed);
+        let devices = i.kubelet_devices();
+        assert_eq!(devices.len(), 2);
+        assert!(devices.iter().all(|d| d.topology.is_none()), "topology off");
+        settings.filter.index = vec![0];
+        assert!(
+            Inventory::configured(i.gpus.clone(), &settings)
+                .gpus
+                .is_empty()
+        );
     }
 
     #[test]

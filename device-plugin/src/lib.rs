@@ -41,6 +41,7 @@ pub mod kubelet_check;
 pub mod ledger;
 pub mod lifecycle;
 pub mod metrics;
+pub mod node_config;
 pub mod plugin;
 pub mod preferred;
 pub mod refit;

@@ -150,7 +150,7 @@ async fn generation(
     );
     tracing::info!(path = %socket.display(), "serving the device-plugin API");
 
-    let outcome = register_and_watch(config, metrics, shutdown, our_socket).await;
+    let outcome = register_and_watch(config, shared, metrics, shutdown, our_socket).await;
 
     let _ = stop_tx.send(true);
     // In-flight calls finish; streams end through `stop`. A hung call must not block a restart.
@@ -171,6 +171,7 @@ async fn generation(
 
 async fn register_and_watch(
     config: &LifecycleConfig,
+    shared: &Shared,
     metrics: &Metrics,
     shutdown: &mut watch::Receiver<bool>,
     our_socket: Option<(u64, u64)>,
@@ -199,8 +200,9 @@ async fn register_and_watch(
                 waiting_logged = true;
             }
         } else {
-            match register(config, &kubelet).await {
-                Ok(()) => break kubelet_id,
+            let preferred = shared.preferred_allocation();
+            match register(config, &kubelet, preferred).await {
+                Ok(()) => break (kubelet_id, preferred),
                 Err(e) => tracing::warn!(error = %e, "registration failed; retrying"),
             }
         }
@@ -208,8 +210,10 @@ async fn register_and_watch(
             return Generation::Shutdown;
         }
     };
+    let (registered_with, registered_preferred) = registered_with;
     metrics.registrations.inc();
-    tracing::info!(resource = %config.resource_name, endpoint = %config.socket_name, "registered with the kubelet");
+    tracing::info!(resource = %config.resource_name, endpoint = %config.socket_name,
+        preferred_allocation = registered_preferred, "registered with the kubelet");
     loop {
         if wait_or_shutdown(shutdown, config.poll_interval).await {
             return Generation::Shutdown;
@@ -220,6 +224,12 @@ async fn register_and_watch(
         }
         if file_id(&kubelet) != registered_with {
             tracing::info!("kubelet.sock was re-created");
+            return Generation::Restart;
+        }
+        // The kubelet reads the options at registration only: a GpuConfig that turns
+        // GetPreferredAllocation on or off takes effect by registering again.
+        if shared.preferred_allocation() != registered_preferred {
+            tracing::info!("preferred allocation switched by the device configuration");
             return Generation::Restart;
         }
     }
@@ -257,7 +267,11 @@ async fn options_of(socket: &Path) -> Result<api::DevicePluginOptions, RegisterE
     }
 }
 
-async fn register(config: &LifecycleConfig, kubelet: &Path) -> Result<(), RegisterError> {
+async fn register(
+    config: &LifecycleConfig,
+    kubelet: &Path,
+    preferred_allocation: bool,
+) -> Result<(), RegisterError> {
     let path = kubelet.display().to_string();
     let channel = dial(kubelet).await.map_err(|source| RegisterError::Dial {
         path: path.clone(),
@@ -267,7 +281,7 @@ async fn register(config: &LifecycleConfig, kubelet: &Path) -> Result<(), Regist
         version: API_VERSION.to_string(),
         endpoint: config.socket_name.clone(),
         resource_name: config.resource_name.clone(),
-        options: Some(plugin_options()),
+        options: Some(plugin_options(preferred_allocation)),
     };
     // The kubelet dials us back and calls GetDevicePluginOptions before it answers; our server
     // is already running in its own task, so this cannot deadlock.

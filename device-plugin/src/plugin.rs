@@ -6,8 +6,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use gpuledger_crds::gpuconfig::NodeSettings;
 use kube::Client;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::discovery::{Discovery, DiscoveryError};
 use crate::health::{HealthTracker, XidEvent, XidPolicy};
@@ -16,8 +17,12 @@ use crate::kubelet_check::KubeletCheck;
 use crate::ledger::Ledger;
 use crate::lifecycle::{self, LifecycleConfig, LifecycleError};
 use crate::metrics::{self, Metrics, OutcomeLabel};
+use crate::node_config;
 use crate::refit::RefitHook;
 use crate::service::{ServiceConfig, Shared};
+
+/// How long start-up waits for the GpuConfigs before it serves with the flags alone.
+const CONFIG_WAIT: Duration = Duration::from_secs(5);
 
 /// Everything the plugin is configured with.
 #[derive(Debug, Clone)]
@@ -28,7 +33,7 @@ pub struct PluginOptions {
     pub namespace: String,
     /// `--device-plugin-dir`.
     pub device_plugin_dir: PathBuf,
-    /// Replicas per GPU (`--split-count`).
+    /// Replicas per GPU (`--split-count`) where no GpuConfig sets `deviceSplitCount`.
     pub split_count: u32,
     /// `--refit-timeout`.
     pub refit_timeout: Duration,
@@ -82,11 +87,14 @@ pub enum PluginError {
     Lifecycle(#[from] LifecycleError),
 }
 
-async fn discover(discovery: &Arc<dyn Discovery>, split: u32) -> Result<Inventory, DiscoveryError> {
+async fn discover(
+    discovery: &Arc<dyn Discovery>,
+    settings: &NodeSettings,
+) -> Result<Inventory, DiscoveryError> {
     let d = discovery.clone();
     // NVML calls block; keep them off the async workers.
     match tokio::task::spawn_blocking(move || d.discover()).await {
-        Ok(r) => r.map(|gpus| Inventory::new(gpus, split)),
+        Ok(r) => r.map(|gpus| Inventory::configured(gpus, settings)),
         Err(join) => Err(DiscoveryError::Invalid {
             origin: discovery.describe(),
             problem: format!("discovery task failed: {join}"),
@@ -101,13 +109,13 @@ fn record_gpus(metrics: &Metrics, inv: &Inventory) {
         .set(inv.gpus.iter().filter(|g| g.healthy).count() as i64);
 }
 
-/// Discovery with the XID health applied.
+/// Discovery with the device configuration and the XID health applied.
 async fn discover_with_health(
     discovery: &Arc<dyn Discovery>,
-    split: u32,
+    settings: &NodeSettings,
     health: &HealthTracker,
 ) -> Result<Inventory, DiscoveryError> {
-    let mut inv = discover(discovery, split).await?;
+    let mut inv = discover(discovery, settings).await?;
     health.apply(&mut inv.gpus, Instant::now());
     Ok(inv)
 }
@@ -115,7 +123,7 @@ async fn discover_with_health(
 /// What wakes the refresh loop.
 struct RefreshInputs {
     discovery: Arc<dyn Discovery>,
-    split: u32,
+    settings: watch::Receiver<NodeSettings>,
     interval: Duration,
     xids: mpsc::UnboundedReceiver<XidEvent>,
     health: HealthTracker,
@@ -128,9 +136,14 @@ async fn refresh_loop(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let mut xids_open = true;
+    let mut settings_open = true;
     loop {
         tokio::select! {
             _ = tokio::time::sleep(inputs.interval) => {}
+            changed = inputs.settings.changed(), if settings_open => {
+                // The configuration watch ended: the last settings stay.
+                settings_open = changed.is_ok();
+            }
             event = inputs.xids.recv(), if xids_open => {
                 let Some(event) = event else {
                     // The source reports no events (or its thread ended): discovery alone.
@@ -148,7 +161,8 @@ async fn refresh_loop(
             }
             _ = shutdown.wait_for(|s| *s) => return,
         }
-        match discover_with_health(&inputs.discovery, inputs.split, &inputs.health).await {
+        let settings = inputs.settings.borrow_and_update().clone();
+        match discover_with_health(&inputs.discovery, &settings, &inputs.health).await {
             Ok(inv) => {
                 record_gpus(&metrics, &inv);
                 tx.send_if_modified(|cur| {
@@ -157,6 +171,8 @@ async fn refresh_loop(
                         tracing::info!(
                             gpus = inv.gpus.len(),
                             healthy = inv.gpus.iter().filter(|g| g.healthy).count(),
+                            split_count = inv.split_count,
+                            config = %inv.config,
                             "GPU inventory changed"
                         );
                         *cur = inv;
@@ -182,14 +198,30 @@ pub async fn run(
     shutdown: watch::Receiver<bool>,
 ) -> Result<(), PluginError> {
     let metrics = Arc::new(Metrics::default());
-    let first = discover(&discovery, options.split_count)
+    // The device configuration first: the first inventory and registration should already
+    // follow the node's GpuConfigs. If they cannot be read soon, the flags apply until they can.
+    let flags = NodeSettings::from_flags(options.split_count);
+    let (settings_tx, mut settings) = watch::channel(flags.clone());
+    let (ready_tx, ready) = oneshot::channel();
+    let config_watch = tokio::spawn(node_config::watch_settings(
+        client.clone(),
+        options.node_name.clone(),
+        flags,
+        settings_tx,
+        ready_tx,
+    ));
+    if tokio::time::timeout(CONFIG_WAIT, ready).await.is_err() {
+        tracing::warn!("GpuConfigs not read within {CONFIG_WAIT:?}; starting with the flags");
+    }
+    let first_settings = settings.borrow_and_update().clone();
+    let first = discover(&discovery, &first_settings)
         .await
         .map_err(|source| PluginError::Discovery {
             source_name: discovery.describe(),
             source,
         })?;
     record_gpus(&metrics, &first);
-    tracing::info!(source = %discovery.describe(), gpus = first.gpus.len(), split_count = first.split_count, "GPU inventory discovered");
+    tracing::info!(source = %discovery.describe(), gpus = first.gpus.len(), split_count = first.split_count, config = %first.config, "GPU inventory discovered");
     let (tx, rx) = watch::channel(first);
 
     let (xid_tx, xids) = mpsc::unbounded_channel();
@@ -201,7 +233,7 @@ pub async fn run(
     tasks.spawn(refresh_loop(
         RefreshInputs {
             discovery: discovery.clone(),
-            split: options.split_count,
+            settings,
             interval: options.refresh_interval,
             xids,
             health: HealthTracker::new(options.xid_policy.clone()),
@@ -244,5 +276,6 @@ pub async fn run(
     lifecycle_config.poll_interval = options.poll_interval;
     let result = lifecycle::run(lifecycle_config, shared, metrics, shutdown).await;
     tasks.abort_all();
+    config_watch.abort();
     result.map_err(PluginError::from)
 }

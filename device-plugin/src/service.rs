@@ -60,6 +60,11 @@ impl Shared {
             admission: Mutex::new(()),
         }
     }
+
+    /// Whether the current inventory offers GetPreferredAllocation.
+    pub fn preferred_allocation(&self) -> bool {
+        self.inventory.borrow().preferred_allocation
+    }
 }
 
 /// One server generation's service; `stop` ends its ListAndWatch streams so the server can
@@ -71,11 +76,12 @@ pub struct DevicePluginService {
     stop: watch::Receiver<bool>,
 }
 
-/// The options we advertise, in Register and in GetDevicePluginOptions alike.
-pub fn plugin_options() -> api::DevicePluginOptions {
+/// The options we advertise, in Register and in GetDevicePluginOptions alike; whether
+/// GetPreferredAllocation is offered follows the node's device configuration.
+pub fn plugin_options(preferred_allocation: bool) -> api::DevicePluginOptions {
     api::DevicePluginOptions {
         pre_start_required: false,
-        get_preferred_allocation_available: true,
+        get_preferred_allocation_available: preferred_allocation,
     }
 }
 
@@ -191,7 +197,9 @@ impl api::device_plugin_server::DevicePlugin for DevicePluginService {
         &self,
         _request: Request<api::Empty>,
     ) -> Result<Response<api::DevicePluginOptions>, Status> {
-        Ok(Response::new(plugin_options()))
+        Ok(Response::new(plugin_options(
+            self.shared.preferred_allocation(),
+        )))
     }
 
     type ListAndWatchStream = ListAndWatchStream;
@@ -338,7 +346,12 @@ impl DevicePluginService {
                     kubelet = ?devices, reserved = ?reserved,
                     "the kubelet's replicas belong to other GPUs than the reservation");
             }
-            container_responses.push(container_response(&pending.uid, container, hami_dir));
+            container_responses.push(container_response(
+                &pending.uid,
+                container,
+                hami_dir,
+                inventory.oversubscribed,
+            ));
             recorded.push(ContainerAllocation {
                 index: container.index,
                 name: container.name.clone(),
