@@ -11,8 +11,9 @@ use std::process::Command;
 
 use gpuledger_crds::conditions::condition;
 use gpuledger_crds::{
-    GpuNode, GpuNodeSpec, GpuReservation, GpuReservationSpec, GpuReservationStatus, NumaPolicy,
-    NumaPolicySpec, RefitPhase, RefitRequest, RefitRequestSpec, ReservationPhase,
+    GpuConfig, GpuConfigSpec, GpuNode, GpuNodeSpec, GpuReservation, GpuReservationSpec,
+    GpuReservationStatus, NumaPolicy, NumaPolicySpec, RefitPhase, RefitRequest, RefitRequestSpec,
+    ReservationPhase,
 };
 use gpuledger_e2e::sim::binaries::repo_root;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, MicroTime, Time};
@@ -97,6 +98,7 @@ fn every_kind_has_a_check_and_degraded_means_the_ledger_disagrees_with_what_runs
     assert_eq!(
         kinds,
         [
+            "gpuledger.io_GpuConfig",
             "gpuledger.io_GpuNode",
             "gpuledger.io_GpuReservation",
             "gpuledger.io_NumaPolicy",
@@ -186,4 +188,20 @@ fn every_kind_has_a_check_and_degraded_means_the_ledger_disagrees_with_what_runs
     assert_eq!(health(p, &policy).0, "Degraded");
     policy.status.as_mut().unwrap().conditions = vec![cond("Ready", true, "")];
     assert_eq!(health(p, &policy).0, "Healthy");
+
+    let g = &all["gpuledger.io_GpuConfig"];
+    let mut config = GpuConfig::new("default", GpuConfigSpec::default());
+    assert_eq!(health(g, &config).0, "Progressing");
+    config.status = Some(Default::default());
+    config.status.as_mut().unwrap().conditions =
+        vec![cond("Ready", false, "defaultMemory: cluster-wide only")];
+    assert_eq!(
+        health(g, &config),
+        (
+            "Degraded".to_string(),
+            "defaultMemory: cluster-wide only".to_string()
+        )
+    );
+    config.status.as_mut().unwrap().conditions = vec![cond("Ready", true, "")];
+    assert_eq!(health(g, &config).0, "Healthy");
 }

@@ -71,6 +71,9 @@ async fn gpuledger_end_to_end() {
         ("a namespace's GPU quota admits only what fits", |c| {
             Box::pin(quota_scenarios::quota_admits_only_what_fits(c))
         }),
+        ("GpuConfigs apply to running nodes without restarts", |c| {
+            Box::pin(config_scenarios::configuration_applies_without_restarts(c))
+        }),
         ("a terminating pod keeps its GPUs until it stops", |c| {
             Box::pin(node_scenarios::terminating_pod_keeps_its_gpus(c))
         }),

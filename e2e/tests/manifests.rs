@@ -154,12 +154,52 @@ async fn manifests_apply_with_server_side_dry_run_and_agree() {
         &["--set", "scheduler.enabled=false"],
         &["--set", "devicePlugin.podResourcesCheck=false"],
         &["--set", "devicePlugin.health.recovery=10m"],
+        &[
+            "--set-json",
+            r#"nodeConfigs=[{"name":"pool","nodeSelector":{"matchLabels":{"pool":"a"}},"deviceSplitCount":4,"filterDevices":{"index":[7]}}]"#,
+        ],
+        &["--set", "deviceConfig.enabled=false"],
     ] {
         let rendered = helm_template(values);
         let report = dry_run(cp.kubeconfig(), &rendered);
         eprintln!("chart {values:?}: {} objects", objects(&rendered).len());
         assert_every_object_reported(&rendered, &report);
     }
+
+    // The device configuration: the cluster-wide GpuConfig by default, per-node ones on request,
+    // and a per-node entry that picks no node is refused at render time (it would be a second
+    // cluster-wide config).
+    let configs = objects(&chart);
+    assert_eq!(configs["GpuConfig/default"]["spec"]["defaultGPUNum"], 1);
+    let pooled = objects(&helm_template(&[
+        "--set-json",
+        r#"nodeConfigs=[{"name":"pool","nodeNames":["n1"],"deviceSplitCount":4}]"#,
+    ]));
+    assert_eq!(pooled["GpuConfig/pool"]["spec"]["nodeNames"][0], "n1");
+    assert!(
+        !objects(&helm_template(&["--set", "deviceConfig.enabled=false"]))
+            .contains_key("GpuConfig/default")
+    );
+    let unpicked = run(
+        &helm(),
+        &[
+            "template",
+            "gpuledger",
+            "charts/gpuledger",
+            "--kube-version",
+            k8s_version(),
+            "--set-json",
+            r#"nodeConfigs=[{"name":"everywhere","deviceSplitCount":4}]"#,
+        ],
+        None,
+    );
+    assert!(!unpicked.status.success());
+    assert!(
+        String::from_utf8_lossy(&unpicked.stderr)
+            .contains("\"everywhere\" needs nodeNames or a nodeSelector"),
+        "{}",
+        String::from_utf8_lossy(&unpicked.stderr)
+    );
 
     let simulated = helm_template(&[
         "--set-file",

@@ -42,8 +42,9 @@ use objects::{
     schema_and_cel_rules_reject_invalid_objects,
 };
 use rbac::{
-    device_plugin_may_write_reservation_status_only, gpu_pods_naming_a_node_are_refused,
-    namespace_users_read_the_ledger_and_write_numapolicies, operator_is_confined_to_its_rules,
+    device_plugin_may_write_reservation_status_only, gpu_configs_are_written_by_admins_only,
+    gpu_pods_naming_a_node_are_refused, namespace_users_read_the_ledger_and_write_numapolicies,
+    operator_is_confined_to_its_rules,
 };
 use scheduling::{
     controller_manager_collects_garbage_and_creates_service_accounts,
@@ -96,6 +97,7 @@ async fn control_plane_serves_gpuledger() {
     device_plugin_may_write_reservation_status_only(&cp).await;
     operator_is_confined_to_its_rules(&cp).await;
     namespace_users_read_the_ledger_and_write_numapolicies(&cp).await;
+    gpu_configs_are_written_by_admins_only(&cp).await;
     gpu_pods_naming_a_node_are_refused(&cp).await;
     kubectl_shows_the_ledger_columns(&cp).await;
     scheduler_binds_plain_pods_and_sends_gpu_pods_to_the_extender(&client, &extender).await;
@@ -160,6 +162,7 @@ async fn crds_apply_and_become_established(client: &Client) {
     assert_eq!(
         names,
         [
+            "gpuconfigs.gpuledger.io",
             "gpunodes.gpuledger.io",
             "gpureservations.gpuledger.io",
             "numapolicies.gpuledger.io",

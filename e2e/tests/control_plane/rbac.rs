@@ -659,3 +659,105 @@ async fn a_kubelet_may_mirror_its_own_static_gpu_pods_only(cp: &ControlPlane) {
         .await
         .unwrap();
 }
+
+/// GpuConfigs set how every node shares its GPUs, so only admins (and GitOps acting as one)
+/// write them: the operator writes their status only, a node's device plugin and a namespace
+/// user may not touch them, and the schema refuses values no node could apply. The sample
+/// (config/samples/gpuconfig.yaml) is what the admin applies.
+pub(crate) async fn gpu_configs_are_written_by_admins_only(cp: &ControlPlane) {
+    use gpuledger_crds::GpuConfig;
+    let admin = cp.client();
+    let applied = apply_path(&admin, &repo_root().join("config/samples/gpuconfig.yaml"))
+        .await
+        .unwrap();
+    assert_eq!(applied.len(), 2);
+    let as_admin: Api<GpuConfig> = Api::all(admin.clone());
+    let sample = as_admin.get("inference-pool").await.unwrap();
+    assert_eq!(sample.spec.device_split_count, Some(20));
+    assert_eq!(sample.spec.device_memory_scaling, Some(1.5));
+
+    let raise = json!({ "spec": { "deviceMemoryScaling": 50 } });
+    let faked = json!({ "status": { "refused": [], "conditions": [] } });
+    let plugin = cp
+        .client_for_service_account_on_node(SYSTEM_NS, "gpuledger-device-plugin", NODE)
+        .await
+        .unwrap();
+    let op = cp
+        .client_for_service_account(SYSTEM_NS, "gpuledger-operator")
+        .await
+        .unwrap();
+    let alice = cp.client_for_service_account(NS, "alice").await.unwrap();
+    // The plugin reads them (it applies them to its node) and writes nothing.
+    let as_plugin: Api<GpuConfig> = Api::all(plugin);
+    as_plugin.get("default").await.unwrap();
+    // The operator reads them and writes their status.
+    let as_operator: Api<GpuConfig> = Api::all(op);
+    as_operator
+        .patch_status("default", &PatchParams::default(), &Patch::Merge(&faked))
+        .await
+        .unwrap();
+    for (api, who) in [
+        (&as_plugin, "device plugin"),
+        (&as_operator, "operator"),
+        (&Api::all(alice), "namespace user"),
+    ] {
+        assert_refused(
+            api.patch("default", &PatchParams::default(), &Patch::Merge(&raise))
+                .await,
+            403,
+            "forbidden",
+            &format!("{who} oversubscribing every GPU"),
+        );
+        assert_refused(
+            api.create(
+                &PostParams::default(),
+                &GpuConfig::new(
+                    &format!("{}-made", who.replace(' ', "-")),
+                    Default::default(),
+                ),
+            )
+            .await,
+            403,
+            "forbidden",
+            &format!("{who} creating a GpuConfig"),
+        );
+        assert_refused(
+            api.delete("inference-pool", &DeleteParams::default()).await,
+            403,
+            "forbidden",
+            &format!("{who} deleting a GpuConfig"),
+        );
+        if who != "operator" {
+            assert_refused(
+                api.patch_status("default", &PatchParams::default(), &Patch::Merge(&faked))
+                    .await,
+                403,
+                "forbidden",
+                &format!("{who} faking a GpuConfig's verdict"),
+            );
+        }
+    }
+    // Values no node could apply are refused at the door, naming the field.
+    for (field, value) in [
+        ("deviceSplitCount", json!(0)),
+        ("deviceMemoryScaling", json!(0)),
+        ("defaultCores", json!(101)),
+        ("memoryFactor", json!(0)),
+    ] {
+        let patch = json!({ "spec": { field: value } });
+        assert_refused(
+            as_admin
+                .patch("default", &PatchParams::default(), &Patch::Merge(&patch))
+                .await,
+            422,
+            field,
+            &format!("{field}: {value}"),
+        );
+    }
+    for name in ["default", "inference-pool"] {
+        as_admin
+            .delete(name, &DeleteParams::default())
+            .await
+            .unwrap();
+    }
+}

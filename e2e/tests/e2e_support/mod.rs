@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod config_scenarios;
 pub mod node_scenarios;
 pub mod quota_scenarios;
 pub mod refit_scenarios;
