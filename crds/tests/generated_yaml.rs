@@ -40,12 +40,12 @@ fn committed_yaml_matches_the_types() {
 }
 
 #[test]
-fn yaml_dirs_hold_exactly_the_four_crds() {
+fn yaml_dirs_hold_exactly_the_five_crds() {
     let expected: BTreeSet<String> = gpuledger_crds::crds()
         .iter()
         .map(gpuledger_crds::crd_file_name)
         .collect();
-    assert_eq!(expected.len(), 4);
+    assert_eq!(expected.len(), 5);
     for dir in all_yaml_dirs() {
         let on_disk: BTreeSet<String> = std::fs::read_dir(&dir)
             .unwrap()
@@ -63,7 +63,7 @@ fn every_crd_is_in_the_group_with_category_status_and_columns() {
             "GpuNode",
             "Cluster",
             "gnode",
-            vec!["GPUs", "NUMA", "Healthy", "Reserved", "Age"],
+            vec!["GPUs", "NUMA", "Healthy", "Reserved", "Config", "Age"],
         ),
         (
             "GpuReservation",
@@ -90,6 +90,12 @@ fn every_crd_is_in_the_group_with_category_status_and_columns() {
             "Namespaced",
             "numapol",
             vec!["Alignment", "Priority", "Matched", "Ready", "Age"],
+        ),
+        (
+            "GpuConfig",
+            "Cluster",
+            "gconf",
+            vec!["Scope", "Ready", "Refused", "Age"],
         ),
     ];
     let crds = gpuledger_crds::crds();
