@@ -6,8 +6,9 @@
 //!   (`default-scheduler`, which is also what a pod that names no scheduler has by the time a
 //!   webhook sees it); a pod that names another scheduler keeps it;
 //! - a container that asks for GPU memory or cores without `nvidia.com/gpu` gets
-//!   `nvidia.com/gpu: 1`, HAMi's default count, so the scheduler, the kubelet, the plugin and the
-//!   ledger all see the same request (without it the kubelet would never allocate the container);
+//!   `nvidia.com/gpu: <defaultGPUNum>` (the cluster-wide GpuConfig's; 1 unless set, none when 0),
+//!   so the scheduler, the kubelet, the plugin and the ledger all see the same request (without
+//!   it the kubelet would never allocate the container);
 //! - containers that ask for no GPU get `NVIDIA_VISIBLE_DEVICES=none`, as HAMi's webhook does,
 //!   so the NVIDIA runtime shows them none of the node's GPUs;
 //! - a container naming `nvidia.com/priority` gets `CUDA_TASK_PRIORITY` with that value, which
@@ -25,9 +26,6 @@ use serde_json::{Value, json};
 
 /// The scheduler name the API server gives a pod that names none.
 pub const DEFAULT_SCHEDULER: &str = "default-scheduler";
-/// The count a container asking for GPU memory or cores gets when it names none (HAMi's).
-pub const DEFAULT_GPU_COUNT: &str = "1";
-
 const GPU_RESOURCES: [&str; 4] = [GPU, GPU_MEM, GPU_MEM_PERCENTAGE, GPU_CORES];
 
 fn names(container: &Container, key: &str) -> bool {
@@ -46,9 +44,9 @@ fn segment(s: &str) -> String {
     s.replace('~', "~0").replace('/', "~1")
 }
 
-/// The JSON patch that makes `pod` what the rest of gpuledger expects (see the module docs);
-/// empty for pods without GPUs.
-pub fn mutation(pod: &Pod, scheduler_name: &str) -> Vec<Value> {
+/// The JSON patch that makes `pod` what the rest of gpuledger expects (see the module docs),
+/// with the pod-API defaults `config`; empty for pods without GPUs.
+pub fn mutation(pod: &Pod, scheduler_name: &str, config: &PodApiConfig) -> Vec<Value> {
     let Some(spec) = pod.spec.as_ref() else {
         return Vec::new();
     };
@@ -74,8 +72,8 @@ pub fn mutation(pod: &Pod, scheduler_name: &str) -> Vec<Value> {
     for (list, containers) in lists {
         for (i, c) in containers.iter().enumerate() {
             let base = format!("/spec/{list}/{i}");
-            if asks_for_gpus(c) && !names(c, GPU) {
-                ops.extend(default_count(c, &base));
+            if asks_for_gpus(c) && !names(c, GPU) && config.default_gpu_num > 0 {
+                ops.extend(default_count(c, &base, config.default_gpu_num));
             }
             let mut vars = Vec::new();
             if !asks_for_gpus(c) {
@@ -91,17 +89,18 @@ pub fn mutation(pod: &Pod, scheduler_name: &str) -> Vec<Value> {
     ops
 }
 
-/// Adds `nvidia.com/gpu: 1` to the container's limits (creating what is missing).
-fn default_count(c: &Container, base: &str) -> Vec<Value> {
+/// Adds `nvidia.com/gpu: <count>` to the container's limits (creating what is missing).
+fn default_count(c: &Container, base: &str, count: u32) -> Vec<Value> {
     let gpu = segment(GPU);
+    let count = count.to_string();
     match c.resources.as_ref() {
         None => vec![json!({"op": "add", "path": format!("{base}/resources"),
-                            "value": {"limits": {GPU: DEFAULT_GPU_COUNT}}})],
+                            "value": {"limits": {GPU: count}}})],
         Some(r) if r.limits.is_none() => vec![json!({"op": "add",
-            "path": format!("{base}/resources/limits"), "value": {GPU: DEFAULT_GPU_COUNT}})],
+            "path": format!("{base}/resources/limits"), "value": {GPU: count}})],
         Some(_) => vec![
             json!({"op": "add", "path": format!("{base}/resources/limits/{gpu}"),
-                               "value": DEFAULT_GPU_COUNT}),
+                               "value": count}),
         ],
     }
 }
@@ -216,9 +215,35 @@ mod tests {
     }
 
     #[test]
+    fn the_default_count_follows_the_cluster_wide_config() {
+        let p = gpu_pod();
+        let two = PodApiConfig {
+            default_gpu_num: 2,
+            ..PodApiConfig::default()
+        };
+        let out = apply(&p, &mutation(&p, "gpuledger-scheduler", &two));
+        assert_eq!(
+            out["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"],
+            "2"
+        );
+        let off = PodApiConfig {
+            default_gpu_num: 0,
+            ..PodApiConfig::default()
+        };
+        let out = apply(&p, &mutation(&p, "gpuledger-scheduler", &off));
+        assert!(
+            out["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"].is_null(),
+            "defaultGPUNum 0 adds no count"
+        );
+    }
+
+    #[test]
     fn a_gpu_pod_gets_the_scheduler_the_default_count_and_hidden_gpus_elsewhere() {
         let p = gpu_pod();
-        let out = apply(&p, &mutation(&p, "gpuledger-scheduler"));
+        let out = apply(
+            &p,
+            &mutation(&p, "gpuledger-scheduler", &PodApiConfig::default()),
+        );
         assert_eq!(out["spec"]["schedulerName"], "gpuledger-scheduler");
         let main = &out["spec"]["containers"][0];
         assert_eq!(main["resources"]["limits"]["nvidia.com/gpu"], "1");
@@ -238,14 +263,14 @@ mod tests {
             json!({"metadata": {"name": "p"}, "spec": {"schedulerName": "volcano",
             "containers": [{"name": "main", "resources": {"limits": {"nvidia.com/gpu": "2"}}}]}}),
         );
-        assert!(mutation(&p, "gpuledger-scheduler").is_empty());
+        assert!(mutation(&p, "gpuledger-scheduler", &PodApiConfig::default()).is_empty());
     }
 
     #[test]
     fn pods_without_gpus_are_left_alone_and_never_refused() {
         let p = pod(json!({"metadata": {"name": "p"}, "spec": {"nodeName": "n1",
             "containers": [{"name": "web"}]}}));
-        assert!(mutation(&p, "gpuledger-scheduler").is_empty());
+        assert!(mutation(&p, "gpuledger-scheduler", &PodApiConfig::default()).is_empty());
         assert_eq!(refusal(&p, &PodApiConfig::default()), None);
     }
 
@@ -254,7 +279,10 @@ mod tests {
         let p = pod(json!({"metadata": {"name": "p"}, "spec": {
             "initContainers": [{"name": "init", "resources": {"requests": {"nvidia.com/gpucores": "10"}}}],
             "containers": [{"name": "plain"}]}}));
-        let out = apply(&p, &mutation(&p, "gpuledger-scheduler"));
+        let out = apply(
+            &p,
+            &mutation(&p, "gpuledger-scheduler", &PodApiConfig::default()),
+        );
         assert_eq!(
             out["spec"]["initContainers"][0]["resources"]["limits"]["nvidia.com/gpu"],
             "1"
@@ -284,7 +312,10 @@ mod tests {
             {"name": "high", "resources": {"limits": {"nvidia.com/gpu": "1", "nvidia.com/priority": "0"}}},
             {"name": "side", "resources": {"limits": {"nvidia.com/priority": "1"}}},
         ]}}));
-        let out = apply(&p, &mutation(&p, "gpuledger-scheduler"));
+        let out = apply(
+            &p,
+            &mutation(&p, "gpuledger-scheduler", &PodApiConfig::default()),
+        );
         let env = |i: usize| out["spec"]["containers"][i]["env"].clone();
         assert_eq!(
             env(0),

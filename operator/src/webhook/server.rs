@@ -88,7 +88,11 @@ async fn mutate_handler(State(ctx): State<Arc<Context>>, Json(review): Json<Valu
         Ok(x) => x,
         Err(refused) => return Json(refused),
     };
-    let patch = pod::mutation(&pod, &ctx.defaults.scheduler_name);
+    let patch = pod::mutation(
+        &pod,
+        &ctx.defaults.scheduler_name,
+        &ctx.defaults.pod_api.get(),
+    );
     if !patch.is_empty() {
         tracing::debug!(pod = ?pod.metadata.name, ops = patch.len(), "webhook mutated a GPU pod");
     }
