@@ -73,6 +73,74 @@ async fn log_filter_histograms(op: &ChildOperator, phase: &str) {
     }
 }
 
+/// The API server's requests so far by kind (`verb resource[/subresource]`), from its
+/// `apiserver_request_total`; empty when the metrics cannot be read.
+async fn api_requests_by_kind(client: &Client) -> BTreeMap<String, f64> {
+    let mut out = BTreeMap::new();
+    let Ok(request) = http::Request::get("/metrics").body(Vec::new()) else {
+        return out;
+    };
+    let Ok(text) = client.request_text(request).await else {
+        return out;
+    };
+    for l in text
+        .lines()
+        .filter_map(|l| l.strip_prefix("apiserver_request_total{"))
+    {
+        let Some((labels, value)) = l.rsplit_once("} ") else {
+            continue;
+        };
+        let label = |k: &str| {
+            labels
+                .split(',')
+                .find_map(|kv| kv.strip_prefix(&format!("{k}=\"")))
+                .map(|v| v.trim_end_matches('"').to_string())
+                .unwrap_or_default()
+        };
+        let sub = label("subresource");
+        let kind = format!(
+            "{} {}{}",
+            label("verb"),
+            label("resource"),
+            if sub.is_empty() {
+                String::new()
+            } else {
+                format!("/{sub}")
+            }
+        );
+        *out.entry(kind).or_default() += value.trim().parse::<f64>().unwrap_or(0.0);
+    }
+    out
+}
+
+/// The API server's requests between two [`api_requests_by_kind`] readings, per pod scheduled:
+/// the total and the busiest kinds, in words.
+fn requests_per_pod(
+    before: &BTreeMap<String, f64>,
+    after: &BTreeMap<String, f64>,
+    pods: usize,
+) -> (f64, String) {
+    let pods = pods.max(1) as f64;
+    let mut kinds: Vec<(f64, &str)> = after
+        .iter()
+        .map(|(k, v)| {
+            (
+                (v - before.get(k).copied().unwrap_or(0.0)) / pods,
+                k.as_str(),
+            )
+        })
+        .filter(|(per_pod, _)| *per_pod >= 0.05)
+        .collect();
+    kinds.sort_by(|a, b| b.0.total_cmp(&a.0));
+    let total: f64 = kinds.iter().map(|(v, _)| v).sum();
+    let top: Vec<String> = kinds
+        .iter()
+        .take(6)
+        .map(|(v, k)| format!("{k} {v:.2}"))
+        .collect();
+    (total, top.join(", "))
+}
+
 /// Logs the API server's busiest request kinds of the run (its `apiserver_request_total`), to
 /// see what the burst costs it.
 async fn log_api_requests(client: &Client) {
@@ -310,6 +378,17 @@ async fn run() -> Result<Vec<Row>, String> {
     let direct = direct_filter(b.operator_port, &b.fleet.names, 200).await?;
     log_filter_histograms(&b.op, "direct").await;
 
+    // The baseline: the same control plane and nodes scheduling the same number of pods without
+    // GPU requests. kube-scheduler asks the extender only about pods that name its managed
+    // resources, so these are kube-scheduler alone.
+    eprintln!("[bench] baseline: {pods} pods without GPUs at once, kube-scheduler alone");
+    let before = api_requests_by_kind(&client).await;
+    let plain = schedule_pods(&client, "plain", pods, plain_pod).await?;
+    let plain_api = requests_per_pod(&before, &api_requests_by_kind(&client).await, pods);
+    if plain.bound.len() < pods {
+        return Err(format!("plain pods bound: {}/{pods}", plain.bound.len()));
+    }
+
     // Latency at a steady load the cluster sustains (well below the burst's throughput), then
     // throughput with every pod at once, when the API server, etcd and kube-scheduler saturate
     // both cores and every process waits for CPU.
@@ -321,7 +400,17 @@ async fn run() -> Result<Vec<Row>, String> {
     let steady_names = b.proxy.take_filter_sizes();
     b.proxy.take_ms("/bind");
     eprintln!("[bench] creating {pods} GPU pods at once");
+    let before = api_requests_by_kind(&client).await;
     let burst = schedule(&client, "tp", pods).await?;
+    let gpu_api = requests_per_pod(&before, &api_requests_by_kind(&client).await, pods);
+    eprintln!(
+        "[bench] API requests per pod, plain burst: {:.2} ({})",
+        plain_api.0, plain_api.1
+    );
+    eprintln!(
+        "[bench] API requests per pod, GPU burst: {:.2} ({})",
+        gpu_api.0, gpu_api.1
+    );
     let filter = b.proxy.take_ms("/filter");
     let bind = b.proxy.take_ms("/bind");
     let burst = Phase {
@@ -393,6 +482,35 @@ async fn run() -> Result<Vec<Row>, String> {
             &burst.latencies_ms(),
             "includes queueing behind the other pods",
         ),
+        Row::measured(
+            "baseline: plain kube-scheduler",
+            format!(
+                "{} of {pods} pods without GPU requests created at once -> Bound, same {nodes} nodes and control plane, no extender",
+                plain.bound.len()
+            ),
+            "pods/s",
+            &[plain.throughput()],
+            format!(
+                "one run, {:.1} s; {:.1} API requests per pod ({})",
+                plain.wall.as_secs_f64(),
+                plain_api.0,
+                plain_api.1
+            ),
+        ),
+        {
+            let ratio = burst.throughput() / plain.throughput().max(f64::EPSILON);
+            let met = if ratio >= 0.5 { "met" } else { "NOT met" };
+            Row::measured(
+                "gpuledger / plain kube-scheduler",
+                "GPU burst pods/s over the baseline's, same run",
+                "ratio",
+                &[ratio],
+                format!(
+                    "target >= 0.5: {met}; {:.1} API requests per GPU pod ({})",
+                    gpu_api.0, gpu_api.1
+                ),
+            )
+        },
     ])
 }
 
@@ -606,8 +724,29 @@ async fn paced(client: &Client, prefix: &str, n: usize, rate: u32) -> Result<Pha
     Ok(phase)
 }
 
-/// Creates `n` pods `<prefix>-<i>` at once and waits until all are bound.
+/// Creates `n` GPU pods `<prefix>-<i>` at once and waits until all are bound.
 async fn schedule(client: &Client, prefix: &str, n: usize) -> Result<Phase, String> {
+    schedule_pods(client, prefix, n, |name| gpu_pod(name, 1, 8192, 20)).await
+}
+
+/// The benchmark's pod without any resource request: kube-scheduler places it on its own.
+fn plain_pod(name: &str) -> Pod {
+    let mut pod = gpu_pod(name, 1, 0, 0);
+    if let Some(spec) = pod.spec.as_mut() {
+        for c in &mut spec.containers {
+            c.resources = None;
+        }
+    }
+    pod
+}
+
+/// Creates `n` pods `<prefix>-<i>` made by `make` at once and waits until all are bound.
+async fn schedule_pods(
+    client: &Client,
+    prefix: &str,
+    n: usize,
+    make: fn(&str) -> Pod,
+) -> Result<Phase, String> {
     let pods_api: Api<Pod> = Api::namespaced(client.clone(), NS);
     let (bound, watch) = watch_bound(pods_api.clone(), prefix);
     let started = Instant::now();
@@ -615,7 +754,7 @@ async fn schedule(client: &Client, prefix: &str, n: usize) -> Result<Phase, Stri
     let created = run_parallel(32, names, |name| {
         let api = pods_api.clone();
         async move {
-            let pod = gpu_pod(&name, 1, 8192, 20);
+            let pod = make(&name);
             api.create(&PostParams::default(), &pod).await?;
             Ok::<_, kube::Error>((name, Instant::now()))
         }

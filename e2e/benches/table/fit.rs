@@ -1,18 +1,26 @@
-//! Fit decision: `fit_pod` for a one-GPU pod over the fit bench's seeded 1000 × 8 cluster.
+//! Fit decision: `fit_pod` for a one-GPU pod over the fit bench's seeded clusters of 1000, 2500
+//! and 5000 nodes × 8 GPUs, so the table shows how a decision's cost grows with the cluster.
 
 use std::hint::black_box;
 use std::time::Instant;
 
 use gpuledger_crds::podapi::SchedulerPolicy;
 use gpuledger_e2e::bench::Row;
+use gpuledger_e2e::bench::stats::Summary;
 use gpuledger_fit::fixture::{benchmark_pod, synthetic_cluster};
 use gpuledger_fit::{Policy, fit_pod};
 
 /// Same seed as fit/benches/fit.rs, so both measure the same cluster.
 const SEED: u64 = 20260830;
 
-pub fn fit_decision() -> Row {
-    let nodes = crate::scaled(1000);
+/// The cluster sizes measured; the largest carries the target.
+const SIZES: [usize; 3] = [1000, 2500, 5000];
+
+/// Target for one decision on the largest cluster (issue 19), in ms.
+const TARGET_MS: f64 = 1.0;
+
+/// Samples of one decision on `nodes` × 8 GPUs, in ms.
+fn measure(nodes: usize) -> Vec<f64> {
     let cluster = synthetic_cluster(nodes, 8, SEED);
     let pod = benchmark_pod(1);
     let policy = Policy {
@@ -26,18 +34,64 @@ pub fn fit_decision() -> Row {
     for _ in 0..20 {
         black_box(fit_pod(black_box(&cluster), black_box(&pod), &policy));
     }
-    let samples: Vec<f64> = (0..300)
+    (0..300)
         .map(|_| {
             let t = Instant::now();
             black_box(fit_pod(black_box(&cluster), black_box(&pod), &policy));
             t.elapsed().as_secs_f64() * 1000.0
         })
+        .collect()
+}
+
+/// "linear" when the cost per node at the largest size is within 30 % of the smallest's.
+pub fn growth(per_node: &[(usize, f64)]) -> String {
+    let (Some(&(n0, first)), Some(&(n1, last))) = (per_node.first(), per_node.last()) else {
+        return "no sizes measured".into();
+    };
+    let ratio = last / first.max(f64::EPSILON);
+    let shape = if ratio <= 1.3 {
+        "linear"
+    } else {
+        "worse than linear"
+    };
+    let points: Vec<String> = per_node
+        .iter()
+        .map(|(n, us)| format!("{us:.3} µs/node at {n}"))
         .collect();
-    Row::measured(
-        "fit decision",
-        format!("fit_pod, 1 GPU pod, {nodes} nodes x 8 GPUs, 0-4 sharers/GPU"),
-        "ms",
-        &samples,
-        "in-process; criterion: cargo bench -p gpuledger-operator --bench fit",
+    format!(
+        "growth {shape}: {} (per-node cost x{ratio:.2} from {n0} to {n1} nodes)",
+        points.join(", ")
     )
+}
+
+pub fn fit_decision() -> Vec<Row> {
+    let mut rows = Vec::new();
+    let mut per_node = Vec::new();
+    let sizes: Vec<usize> = SIZES.iter().map(|&n| crate::scaled(n)).collect();
+    let largest = sizes.last().copied().unwrap_or(0);
+    for nodes in sizes {
+        let samples = measure(nodes);
+        let Some(summary) = Summary::of(&samples) else {
+            continue;
+        };
+        per_node.push((nodes, summary.median * 1000.0 / nodes as f64));
+        let note = if nodes == largest {
+            let p99 = summary.p99;
+            let met = if p99 < TARGET_MS { "met" } else { "NOT met" };
+            format!(
+                "target p99 < {TARGET_MS} ms at 5000 x 8: {met}; {}",
+                growth(&per_node)
+            )
+        } else {
+            "in-process; criterion: cargo bench -p gpuledger-fit --bench fit".to_string()
+        };
+        rows.push(Row::measured(
+            "fit decision",
+            format!("fit_pod, 1 GPU pod, {nodes} nodes x 8 GPUs, 0-4 sharers/GPU"),
+            "ms",
+            &samples,
+            note,
+        ));
+    }
+    rows
 }

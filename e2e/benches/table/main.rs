@@ -2,8 +2,8 @@
 //! p99. Timings are measured here and printed, never asserted.
 //!
 //! Rows:
-//! - fit decision: the fit engine's `fit_pod` on a seeded 1000 nodes × 8 GPUs cluster (the
-//!   fit bench's fixture), own loop, in-process;
+//! - fit decision: the fit engine's `fit_pod` on seeded clusters of 1000, 2500 and 5000 nodes
+//!   × 8 GPUs (the fit bench's fixture), own loop, in-process, with how its cost grows;
 //! - extender filter through the real kube-scheduler: 1000 fake GPU nodes, 1000 GPU pods;
 //!   each filter call timed at a proxy between the scheduler and the operator (request out to
 //!   answer in), the operator a real child process;
@@ -11,6 +11,9 @@
 //!   scheduler itself only sends the nodes its adaptive `percentageOfNodesToScore` keeps);
 //! - scheduling throughput: the same 1000 pods, pods/s from the first create to the last Bound,
 //!   and each pod's create-to-Bound latency;
+//! - baseline: 1000 pods without GPU requests on the same cluster, kube-scheduler alone (the
+//!   extender is asked only about pods naming its resources), and the GPU burst's throughput
+//!   over it, with the API server's requests per pod of each burst;
 //! - refit round trip: read from the refit bench's output (`GPULEDGER_REFIT_BENCH_OUT`, written
 //!   by `make bench`), which runs the device plugin's refit client against the real operator;
 //! - operator cold start with 20 000 reservations: spawn to `/readyz` 200 and peak RSS (VmHWM
@@ -64,7 +67,7 @@ fn main() {
     let mut rows: Vec<Row> = Vec::new();
     if wanted("fit") {
         eprintln!("[bench] fit decision ...");
-        rows.push(fit::fit_decision());
+        rows.extend(fit::fit_decision());
     }
     if wanted("extender") {
         eprintln!("[bench] 1000-node cluster: extender filter and scheduling throughput ...");
