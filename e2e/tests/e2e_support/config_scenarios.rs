@@ -72,28 +72,6 @@ fn first_gpu(g: &GpuNode) -> Option<(u64, u32)> {
     Some((d.memory_mib, d.cores))
 }
 
-/// Waits until the kubelet (its real device manager) advertises `want` replicas on `node`.
-async fn wait_allocatable(cluster: &SimCluster, node: &str, want: usize) {
-    let nodes: Api<Node> = Api::all(cluster.cp.client());
-    wait_for(
-        format!("node {node} to advertise {want} nvidia.com/gpu"),
-        WAIT,
-        || {
-            let nodes = nodes.clone();
-            async move {
-                let n = nodes.get(node).await?;
-                let have = n
-                    .status
-                    .and_then(|s| s.allocatable)
-                    .and_then(|a| a.get("nvidia.com/gpu").map(|q| q.0.clone()));
-                Ok::<_, kube::Error>((have == Some(want.to_string())).then_some(()))
-            }
-        },
-    )
-    .await
-    .unwrap();
-}
-
 async fn label_node(cluster: &SimCluster, node: &str, value: Option<&str>) {
     let nodes: Api<Node> = Api::all(cluster.cp.client());
     let patch = serde_json::json!({"metadata": {"labels": {POOL_LABEL: value}}});

@@ -22,6 +22,7 @@ use gpuledger_e2e::kubelet::AdmittedContainer;
 use gpuledger_e2e::sim::binaries::{OPERATOR, locate};
 use gpuledger_e2e::sim::pods::{GpuPod, reserved_uuids, wait_bound, wait_event, wait_reservation};
 use gpuledger_e2e::sim::{Admission, SimCluster, SimNode};
+use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, ListParams};
 
 /// Namespace of the suite's pods.
@@ -259,4 +260,26 @@ pub async fn reservations_gone(cluster: &SimCluster, pods: &[&str]) {
 /// Whether the reservation records a misalignment.
 pub fn misaligned(r: &GpuReservation) -> bool {
     condition_true(r, MISALIGNED)
+}
+
+/// Waits until the kubelet (its real device manager) advertises `want` replicas on `node`.
+pub async fn wait_allocatable(cluster: &SimCluster, node: &str, want: usize) {
+    let nodes: Api<Node> = Api::all(cluster.cp.client());
+    wait_for(
+        format!("node {node} to advertise {want} nvidia.com/gpu"),
+        WAIT,
+        || {
+            let nodes = nodes.clone();
+            async move {
+                let n = nodes.get(node).await?;
+                let have = n
+                    .status
+                    .and_then(|s| s.allocatable)
+                    .and_then(|a| a.get("nvidia.com/gpu").map(|q| q.0.clone()));
+                Ok::<_, kube::Error>((have == Some(want.to_string())).then_some(()))
+            }
+        },
+    )
+    .await
+    .unwrap();
 }

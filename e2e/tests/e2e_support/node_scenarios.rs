@@ -8,7 +8,7 @@ use gpuledger_crds::resources::GPU;
 use gpuledger_crds::{GpuNode, RefitPhase};
 use gpuledger_e2e::cluster::wait_for;
 use gpuledger_e2e::sim::pods::{GpuPod, refit_requests, reserved_uuids, wait_pod_phase};
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams};
 
 use super::*;
@@ -235,26 +235,8 @@ pub async fn xid_error_makes_a_gpu_unhealthy(cluster: &SimCluster) {
         Some(true),
         "XID 13 is an application's"
     );
-    let nodes: Api<Node> = Api::all(client.clone());
-    let total = node.gpus().len() * 10;
-    wait_for(
-        "the kubelet to drop the unhealthy GPU's replicas",
-        WAIT,
-        || {
-            let nodes = nodes.clone();
-            async move {
-                let n = nodes.get(node.name()).await?;
-                let allocatable = n
-                    .status
-                    .and_then(|s| s.allocatable)
-                    .and_then(|a| a.get("nvidia.com/gpu").map(|q| q.0.clone()));
-                let want = (total - 10).to_string();
-                Ok::<_, kube::Error>((allocatable.as_deref() == Some(want.as_str())).then_some(()))
-            }
-        },
-    )
-    .await
-    .unwrap();
+    // The kubelet drops the unhealthy GPU's replicas.
+    wait_allocatable(cluster, node.name(), (node.gpus().len() - 1) * 10).await;
 
     let either = GpuPod::new(NS, "xid-either")
         .gpu_container("main", 1, 1024, 10)
