@@ -374,6 +374,16 @@ fn rank(config: &GpuConfig, node: &str, labels: &BTreeMap<String, String>) -> Op
     }
 }
 
+/// Sets `slot` to `value` unless a config before this one in precedence order already did;
+/// returns whether it did.
+fn first<T>(slot: &mut Option<T>, value: Option<T>) -> bool {
+    if slot.is_some() || value.is_none() {
+        return false;
+    }
+    *slot = value;
+    true
+}
+
 /// The settings for node `node` with `labels`: every GpuConfig that picks it, in precedence
 /// order, over `flags`. Refused values and configs being deleted are skipped.
 pub fn node_settings(
@@ -402,41 +412,28 @@ pub fn node_settings(
             continue;
         }
         let s = &c.spec;
-        let mut gave = false;
-        let mut take = |slot: &mut Option<_>, field: &str, value: Option<_>| {
-            if slot.is_none()
-                && let Some(v) = value
-                && !is_refused(&refused, field)
-            {
-                *slot = Some(v);
-                gave = true;
-            }
-        };
-        take(
+        let applies = |field: &str| !is_refused(&refused, field);
+        // `|`, not `||`: every field is taken, whichever gave first.
+        let gave = first(
             &mut split,
-            "deviceSplitCount",
-            s.device_split_count.map(f64::from),
-        );
-        take(&mut mem, "deviceMemoryScaling", s.device_memory_scaling);
-        take(&mut cores, "deviceCoreScaling", s.device_core_scaling);
-        let mut take_bool = |slot: &mut Option<bool>, value: Option<bool>| {
-            if slot.is_none() && value.is_some() {
-                *slot = value;
-                gave = true;
-            }
-        };
-        take_bool(&mut numa, s.enable_numa_topology);
-        take_bool(&mut preferred, s.enable_get_preferred_allocation);
-        if filter.is_none() && s.filter_devices.is_some() {
-            filter = s.filter_devices.clone();
-            gave = true;
-        }
+            s.device_split_count.filter(|_| applies("deviceSplitCount")),
+        ) | first(
+            &mut mem,
+            s.device_memory_scaling
+                .filter(|_| applies("deviceMemoryScaling")),
+        ) | first(
+            &mut cores,
+            s.device_core_scaling
+                .filter(|_| applies("deviceCoreScaling")),
+        ) | first(&mut numa, s.enable_numa_topology)
+            | first(&mut preferred, s.enable_get_preferred_allocation)
+            | first(&mut filter, s.filter_devices.clone());
         if gave {
             out.sources.push(name_of(c));
         }
     }
     if let Some(v) = split {
-        out.split_count = (v as u32).max(1);
+        out.split_count = v.max(1);
     }
     out.memory_scaling = mem.unwrap_or(out.memory_scaling);
     out.core_scaling = cores.unwrap_or(out.core_scaling);

@@ -40,6 +40,9 @@ impl Sources {
     }
 }
 
+/// What the two watches are, for messages.
+const WATCHED: [&str; 2] = ["GpuConfigs", "its Node"];
+
 /// Watches GpuConfigs and the Node `node`, sending the settings that apply after each change;
 /// `ready` fires once both have been listed (the first settings are then in `tx`). Runs until
 /// `tx` has no receiver left.
@@ -52,19 +55,15 @@ pub async fn watch_settings(
 ) {
     let (configs, config_writer) = reflector::store::<GpuConfig>();
     let (nodes, node_writer) = reflector::store::<Node>();
-    // Each stream says which it is and whether this event completed a (re)list.
+    // Each stream says which it is (an index into WATCHED) and whether this event completed a
+    // (re)list.
     let config_events = watcher(
         Api::<GpuConfig>::all(client.clone()),
         watcher::Config::default(),
     )
     .default_backoff()
     .reflect(config_writer)
-    .map(|e| {
-        (
-            "GpuConfigs",
-            e.map(|ev| matches!(ev, watcher::Event::InitDone)),
-        )
-    });
+    .map(|e| (0, e.map(|ev| matches!(ev, watcher::Event::InitDone))));
     let by_name = format!("metadata.name={node}");
     let node_events = watcher(
         Api::<Node>::all(client),
@@ -72,30 +71,24 @@ pub async fn watch_settings(
     )
     .default_backoff()
     .reflect(node_writer)
-    .map(|e| {
-        (
-            "its Node",
-            e.map(|ev| matches!(ev, watcher::Event::InitDone)),
-        )
-    });
+    .map(|e| (1, e.map(|ev| matches!(ev, watcher::Event::InitDone))));
     let sources = Sources {
         node,
         configs,
         nodes,
         flags,
     };
-    let mut listed = (false, false);
+    let mut listed = [false; 2];
     let mut ready = Some(ready);
     let mut events = std::pin::pin!(stream::select(config_events, node_events));
-    while let Some((what, event)) = events.next().await {
+    while let Some((which, event)) = events.next().await {
         match event {
             Err(e) => {
+                let what = WATCHED[which];
                 tracing::warn!(error = %e, "cannot watch {what}; the device configuration stays as it is");
                 continue;
             }
-            Ok(true) if what == "GpuConfigs" => listed.0 = true,
-            Ok(true) => listed.1 = true,
-            Ok(false) => {}
+            Ok(relisted) => listed[which] |= relisted,
         }
         let next = sources.settings();
         tx.send_if_modified(|cur| {
@@ -109,8 +102,7 @@ pub async fn watch_settings(
             }
             changed
         });
-        if listed.0
-            && listed.1
+        if listed.iter().all(|l| *l)
             && let Some(r) = ready.take()
         {
             let _ = r.send(());
