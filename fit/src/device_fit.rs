@@ -31,7 +31,7 @@ use std::cmp::Ordering;
 
 use crate::podapi::{GpuRequest, PodRequest, SchedulerPolicy, ScoringWeights};
 
-use super::model::{NodeView, Usage};
+use super::model::{Device, NodeView, Usage};
 use super::reason::{FitFailure, Reason, ReasonCounts};
 
 /// One GPU share picked by the walk (positions, not names: nothing is allocated while fitting).
@@ -142,8 +142,6 @@ pub(crate) fn fit_container(
         });
     }
 
-    let filters = &ask.pod.filters;
-    let check_filters = !filters.is_empty();
     // `topology-aware` walks every GPU and chooses among all that pass (HAMi's walk does not
     // stop at the count then).
     let topology = ask.pod.gpu_topology;
@@ -151,17 +149,8 @@ pub(crate) fn fit_container(
     let mut prev_numa: Option<u32> = None;
     for &i in &scratch.order {
         let d = &node.devices[i as usize];
-        let u = usage[i as usize];
-        if !d.healthy {
-            counts.add(Reason::CardNotHealth, 1);
-            continue;
-        }
-        if d.cordoned {
-            counts.add(Reason::CardCordoned, 1);
-            continue;
-        }
-        if d.mig || (check_filters && !filters.allows_model(&d.model)) {
-            counts.add(Reason::CardTypeMismatch, 1);
+        if let Err(reason) = usable(d, ask) {
+            counts.add(reason, 1);
             continue;
         }
         if ask.pod.numa_bind && prev_numa != Some(d.numa()) {
@@ -173,35 +162,13 @@ pub(crate) fn fit_container(
             scratch.picks.clear();
             prev_numa = Some(d.numa());
         }
-        if check_filters && !filters.allows_uuid(&d.uuid) {
-            counts.add(Reason::CardUuidMismatch, 1);
-            continue;
-        }
-        if u.sharers >= d.split_count {
-            counts.add(Reason::CardTimeSlicingExhausted, 1);
-            continue;
-        }
-        if ask.pod.gpu_mutex && u.sharers > 0 {
-            counts.add(Reason::ExclusiveDeviceAllocateConflict, 1);
-            continue;
-        }
-        let mem_req = ask.gpu.memory.on_device(d.memory_mib);
-        if d.memory_mib.saturating_sub(u.memory_mib) < mem_req {
-            counts.add(Reason::CardInsufficientMemory, 1);
-            continue;
-        }
-        if d.cores.saturating_sub(u.cores) < cores_req {
-            counts.add(Reason::CardInsufficientCore, 1);
-            continue;
-        }
-        if d.cores == 100 && cores_req == 100 && u.sharers > 0 {
-            counts.add(Reason::ExclusiveDeviceAllocateConflict, 1);
-            continue;
-        }
-        if d.cores != 0 && u.cores >= d.cores && cores_req == 0 {
-            counts.add(Reason::CardComputeUnitsExhausted, 1);
-            continue;
-        }
+        let mem_req = match admits(d, usage[i as usize], ask, cores_req) {
+            Ok(mem_req) => mem_req,
+            Err(reason) => {
+                counts.add(reason, 1);
+                continue;
+            }
+        };
         scratch.picks.push(RawPick {
             device: i,
             memory_mib: mem_req,
@@ -226,6 +193,111 @@ pub(crate) fn fit_container(
         counts,
         devices: candidates.len() as u32,
     })
+}
+
+/// The checks on the GPU itself, before any NUMA grouping (the walk's first three).
+fn usable(d: &Device, ask: &Ask<'_>) -> Result<(), Reason> {
+    if !d.healthy {
+        return Err(Reason::CardNotHealth);
+    }
+    if d.cordoned {
+        return Err(Reason::CardCordoned);
+    }
+    if d.mig || (!ask.pod.filters.is_empty() && !ask.pod.filters.allows_model(&d.model)) {
+        return Err(Reason::CardTypeMismatch);
+    }
+    Ok(())
+}
+
+/// The checks of one share against the GPU's usage, in HAMi's order; the memory the share
+/// takes on this GPU when it passes.
+fn admits(d: &Device, u: Usage, ask: &Ask<'_>, cores_req: u32) -> Result<u64, Reason> {
+    let filters = &ask.pod.filters;
+    if !filters.is_empty() && !filters.allows_uuid(&d.uuid) {
+        return Err(Reason::CardUuidMismatch);
+    }
+    if u.sharers >= d.split_count {
+        return Err(Reason::CardTimeSlicingExhausted);
+    }
+    if ask.pod.gpu_mutex && u.sharers > 0 {
+        return Err(Reason::ExclusiveDeviceAllocateConflict);
+    }
+    let mem_req = ask.gpu.memory.on_device(d.memory_mib);
+    if d.memory_mib.saturating_sub(u.memory_mib) < mem_req {
+        return Err(Reason::CardInsufficientMemory);
+    }
+    if d.cores.saturating_sub(u.cores) < cores_req {
+        return Err(Reason::CardInsufficientCore);
+    }
+    if d.cores == 100 && cores_req == 100 && u.sharers > 0 {
+        return Err(Reason::ExclusiveDeviceAllocateConflict);
+    }
+    if d.cores != 0 && u.cores >= d.cores && cores_req == 0 {
+        return Err(Reason::CardComputeUnitsExhausted);
+    }
+    Ok(mem_req)
+}
+
+/// Whether [`fit_container`] would succeed, without scoring, sorting or picking: for a plain
+/// walk (not `topology-aware`) every GPU passes or fails on its own, so the order decides only
+/// *which* GPUs are taken, never *whether* enough pass — enough GPUs pass overall, or, with
+/// numa-bind, within one NUMA node. A node that fits needs nothing more while choosing a node
+/// (the chosen one is placed by the full walk); one that does not is walked again for HAMi's
+/// reason counts. `usage` is indexed like `node.devices`.
+pub(crate) fn fits(node: &NodeView, candidates: &[u32], usage: &[Usage], ask: &Ask<'_>) -> bool {
+    debug_assert!(!ask.pod.gpu_topology, "topology-aware needs the full walk");
+    let want = ask.gpu.count as usize;
+    if want == 0 {
+        return true;
+    }
+    if want > candidates.len() {
+        return false;
+    }
+    let cores_req = ask.gpu.cores.min(100);
+    let passes = |i: u32| {
+        let d = &node.devices[i as usize];
+        usable(d, ask).is_ok() && admits(d, usage[i as usize], ask, cores_req).is_ok()
+    };
+    if !ask.pod.numa_bind {
+        return candidates.iter().filter(|&&i| passes(i)).take(want).count() == want;
+    }
+    // Per NUMA node; GPUs hang off a handful of them, so a short list beats a map.
+    let mut per_numa: [(u32, usize); 8] = [(0, 0); 8];
+    let mut known = 0;
+    for &i in candidates {
+        if !passes(i) {
+            continue;
+        }
+        let numa = node.devices[i as usize].numa();
+        let slot = match per_numa[..known].iter().position(|(n, _)| *n == numa) {
+            Some(slot) => slot,
+            None if known < per_numa.len() => {
+                per_numa[known] = (numa, 0);
+                known += 1;
+                known - 1
+            }
+            // More NUMA nodes than the list holds: let the full walk decide.
+            None => return fits_by_walk(node, candidates, usage, ask),
+        };
+        per_numa[slot].1 += 1;
+        if per_numa[slot].1 == want {
+            return true;
+        }
+    }
+    false
+}
+
+/// [`fits`] the long way, for shapes the short way does not cover.
+fn fits_by_walk(node: &NodeView, candidates: &[u32], usage: &[Usage], ask: &Ask<'_>) -> bool {
+    let mut usage = usage.to_vec();
+    fit_container(
+        node,
+        candidates,
+        &mut usage,
+        ask,
+        &mut DeviceScratch::default(),
+    )
+    .is_ok()
 }
 
 /// Adds the picks to the usage they were fitted against.

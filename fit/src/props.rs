@@ -409,3 +409,82 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    /// The node choice's short check (no scoring, no order) says "fits" exactly when the full
+    /// walk finds GPUs, whatever the policy, filters, numa-bind and mutex.
+    #[test]
+    fn the_short_fit_check_agrees_with_the_walk(nodes in nodes(), pod in pod(), gpu_pol in policy()) {
+        use crate::device_fit::{Ask, DeviceScratch, fit_container, fits};
+        let pod = PodRequest { gpu_topology: false, ..pod };
+        for gpu in pod.containers.iter().filter_map(|c| c.gpu) {
+            let ask = Ask { gpu, pod: &pod, policy: gpu_pol };
+            for node in &nodes {
+                let all: Vec<u32> = (0..node.devices.len() as u32).collect();
+                // Every subset a refit could pass: all GPUs, and all but the first.
+                for candidates in [&all[..], all.get(1..).unwrap_or(&[])] {
+                    let mut usage = node.usage.clone();
+                    let walked = fit_container(node, candidates, &mut usage, &ask, &mut DeviceScratch::default());
+                    prop_assert_eq!(
+                        fits(node, candidates, &node.usage, &ask),
+                        walked.is_ok(),
+                        "node {:?} candidates {:?} ask {:?}", node, candidates, gpu
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// numa-bind over more NUMA nodes than the short check counts: it hands over to the walk.
+#[test]
+fn the_short_fit_check_handles_many_numa_nodes() {
+    use crate::device_fit::{Ask, fits};
+    let devices: Vec<Device> = (0..12u32)
+        .map(|i| Device {
+            uuid: format!("GPU-{i}"),
+            index: i,
+            model: "NVIDIA A100".into(),
+            memory_mib: 40960,
+            cores: 100,
+            // Two GPUs on NUMA 11, one on each of the others.
+            numa_node: Some(i.min(11)),
+            split_count: 10,
+            healthy: true,
+            mig: false,
+            cordoned: false,
+        })
+        .collect();
+    let mut devices = devices;
+    devices.push(Device {
+        uuid: "GPU-12".into(),
+        index: 12,
+        numa_node: Some(11),
+        ..devices[0].clone()
+    });
+    let node = NodeView::new("many-numa", devices);
+    let all: Vec<u32> = (0..node.devices.len() as u32).collect();
+    let pod = PodRequest {
+        numa_bind: true,
+        ..PodRequest::default()
+    };
+    let ask = |count| Ask {
+        gpu: GpuRequest {
+            count,
+            memory: MemoryRequest::Mib(1000),
+            cores: 0,
+        },
+        pod: &pod,
+        policy: SchedulerPolicy::Binpack,
+    };
+    assert!(
+        fits(&node, &all, &node.usage, &ask(2)),
+        "NUMA 11 has two GPUs"
+    );
+    assert!(
+        !fits(&node, &all, &node.usage, &ask(3)),
+        "no NUMA node has three"
+    );
+}
