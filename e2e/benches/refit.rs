@@ -2,18 +2,25 @@
 //! RefitRequest, watch it) until the operator's answer arrives and is mapped to replica IDs —
 //! what GetPreferredAllocation waits for. 20 nodes, 600 refits in three passes of 200:
 //! - one at a time, round robin over the nodes: the latency a kubelet sees on a quiet cluster;
-//! - steady: every node starts a refit every 500 ms, the nodes staggered (40 refits/s in all,
-//!   well below what the API server sustains): the latency under concurrent load;
 //! - all 20 nodes at once, each node's next refit as soon as its last is answered (a kubelet
-//!   admits pods serially): the API server's saturation throughput; with 20 always in flight
-//!   the latency is 20 / throughput (Little's law), a queue rather than a round trip.
+//!   admits pods serially): the saturation throughput of this machine; with 20 always in flight
+//!   the latency is 20 / throughput (Little's law), a queue rather than a round trip;
+//! - steady at half that throughput (at most 80/s), each node on its own clock, the nodes
+//!   staggered: the latency under concurrent load the machine sustains.
 //!
 //! Every
 //! plugin uses its own node-bound ServiceAccount token under config/admission, the operator its
 //! own ServiceAccount: the same checks as in a cluster.
 //!
+//! The floor (`gpuledger_e2e::bench::floor`) is measured in the same run, right after the
+//! one-at-a-time and the steady pass and paced the same way: the same create → watch → status write → watch
+//! exchange with a RefitRequest's body under a kind the operator does not watch, answered by a
+//! bare watch in this process. Its p99 is what this machine and API server cost before any
+//! operator logic; the table prints the refit's p99 over it (target ≤ 1.5×).
+//!
 //! Run with `make bench` (or `cargo bench -p gpuledger-e2e --bench refit`); prints p50/p90/p99.
-//! HAMi's budget for the round trip is 2 s; the target here is p99 under 50 ms.
+//! HAMi's budget for the round trip is 2 s; the target here is p99 under 20 ms one at a time on a
+//! quiet machine.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -26,7 +33,10 @@ use std::time::{Duration, Instant};
 use gpuledger_crds::{Alignment, ContainerReservation, GpuReservation, ReservedDevice};
 use gpuledger_device_plugin::inventory::Inventory;
 use gpuledger_device_plugin::refit::client::RefitClient;
+use gpuledger_device_plugin::refit::client::request_for;
 use gpuledger_device_plugin::refit::{RefitContext, RefitHook, RefitOutcome};
+use gpuledger_e2e::bench::floor;
+use k8s_openapi::jiff::Timestamp;
 use kube::{Client, ResourceExt};
 use support::*;
 
@@ -35,8 +45,11 @@ const NODES: usize = 20;
 const PASS: usize = 10;
 /// Pods per node: one pass one at a time, one steady, one with every node at once.
 const PER_NODE: usize = 3 * PASS;
-/// The steady pass: each node starts a refit this often.
-const STEADY_PERIOD: Duration = Duration::from_millis(500);
+/// The steady pass runs at this share of the saturated pass's throughput (below saturation,
+/// whatever the machine).
+const STEADY_SHARE: f64 = 0.5;
+/// ... and never faster than a refit every 250 ms per node (80/s over 20 nodes).
+const MIN_PERIOD: Duration = Duration::from_millis(250);
 /// Cores per pod: small enough for every pod of a node to fit on its NUMA 0 pair.
 const CORES: u32 = 5;
 /// Replicas per GPU on the benchmark's nodes: room for every refit on NUMA 0.
@@ -114,19 +127,63 @@ async fn refit_once(hook: &RefitClient, case: Case) -> Duration {
     took
 }
 
+/// Round trips of the floor, one exchange per element of `bodies` in turn, `rounds` times.
+async fn floor_serial(
+    admin: &Client,
+    bodies: &[serde_json::Value],
+    rounds: usize,
+) -> Vec<Duration> {
+    let mut took = Vec::new();
+    for _ in 0..rounds {
+        for body in bodies {
+            took.push(floor::round_trip(admin, NS, body).await.unwrap());
+        }
+    }
+    took
+}
+
+/// The floor paced like the steady refit pass: one clock per body, `rounds` exchanges each.
+async fn floor_steady(
+    admin: &Client,
+    bodies: &[serde_json::Value],
+    rounds: usize,
+    period: Duration,
+) -> Vec<Duration> {
+    let mut tasks = Vec::new();
+    for (n, body) in bodies.iter().enumerate() {
+        let (admin, body) = (admin.clone(), body.clone());
+        let offset = period * n as u32 / bodies.len() as u32;
+        tasks.push(tokio::spawn(async move {
+            tokio::time::sleep(offset).await;
+            let mut tick = tokio::time::interval(period);
+            let mut took = Vec::new();
+            for _ in 0..rounds {
+                tick.tick().await;
+                took.push(floor::round_trip(&admin, NS, &body).await.unwrap());
+            }
+            took
+        }));
+    }
+    let mut took = Vec::new();
+    for t in tasks {
+        took.extend(t.await.unwrap());
+    }
+    took
+}
+
 fn report(label: &str, took: &mut [Duration]) {
     took.sort();
     let ms = |d: Duration| d.as_secs_f64() * 1000.0;
     let mean = took.iter().map(|d| ms(*d)).sum::<f64>() / took.len() as f64;
     let p99 = percentile(took, 0.99);
     println!(
-        "  {label:>18}: n={:3}  p50 {:6.1} ms  p90 {:6.1} ms  p99 {:6.1} ms  max {:6.1} ms  mean {mean:6.1} ms  (p99 < 50 ms: {})",
+        "  {label:>18}: n={:3}  p50 {:6.1} ms  p90 {:6.1} ms  p99 {:6.1} ms  max {:6.1} ms  mean {mean:6.1} ms  (p99 < 20 ms: {})",
         took.len(),
         ms(percentile(took, 0.50)),
         ms(percentile(took, 0.90)),
         ms(p99),
         ms(took[took.len() - 1]),
-        if p99 < Duration::from_millis(50) {
+        if p99 < Duration::from_millis(20) {
             "yes"
         } else {
             "no"
@@ -157,6 +214,13 @@ async fn run() {
     for n in 0..NODES {
         nodes.push(prepare(&cp, &admin, n).await);
     }
+    // The floor: its kind, its answerer, and one body per node (the node's first request).
+    floor::install(&admin).await.unwrap();
+    let answerer = floor::answerer(admin.clone(), NS);
+    let bodies: Vec<serde_json::Value> = nodes
+        .iter()
+        .map(|n| floor::body(&request_for(&n.cases[0].ctx, Timestamp::now())).unwrap())
+        .collect();
     // The operator sees every reservation before the clock starts.
     tokio::time::sleep(Duration::from_secs(2)).await;
 
@@ -168,33 +232,13 @@ async fn run() {
             serial.push(refit_once(&node.hook, case).await);
         }
     }
-    // Pass 2: steady, every node on its own clock, the clocks spread over the period.
-    let mut tasks = Vec::new();
-    for (n, node) in nodes.iter_mut().enumerate() {
-        let hook = node.hook.clone();
-        let cases: Vec<Case> = node.cases.drain(..PASS).collect();
-        let offset = STEADY_PERIOD * n as u32 / NODES as u32;
-        tasks.push(tokio::spawn(async move {
-            tokio::time::sleep(offset).await;
-            let mut tick = tokio::time::interval(STEADY_PERIOD);
-            let mut took = Vec::new();
-            for case in cases {
-                tick.tick().await;
-                took.push(refit_once(&hook, case).await);
-            }
-            took
-        }));
-    }
-    let mut steady = Vec::new();
-    for t in tasks {
-        steady.extend(t.await.unwrap());
-    }
-    // Pass 3: all nodes at once, back to back.
+    let mut floor_one = floor_serial(&admin, &bodies, PASS).await;
+    // Pass 2: all nodes at once, back to back: the saturation throughput of this machine.
     let started = Instant::now();
     let mut tasks = Vec::new();
-    let mut keep = Vec::new();
-    for BenchNode { _node, hook, cases } in nodes {
-        keep.push(_node);
+    for node in &mut nodes {
+        let hook = node.hook.clone();
+        let cases: Vec<Case> = node.cases.drain(..PASS).collect();
         tasks.push(tokio::spawn(async move {
             let mut took = Vec::new();
             for case in cases {
@@ -208,17 +252,51 @@ async fn run() {
         parallel.extend(t.await.unwrap());
     }
     let wall = started.elapsed();
-    let steady_rate = NODES as f64 / STEADY_PERIOD.as_secs_f64();
+    let rate = parallel.len() as f64 / wall.as_secs_f64();
+    // Pass 3: steady at half that throughput, every node on its own clock, the clocks spread
+    // over the period: latency under concurrent load the machine sustains.
+    let period = Duration::from_secs_f64(NODES as f64 / (rate * STEADY_SHARE)).max(MIN_PERIOD);
+    let steady_rate = NODES as f64 / period.as_secs_f64();
+    let mut tasks = Vec::new();
+    let mut keep = Vec::new();
+    for (n, BenchNode { _node, hook, cases }) in nodes.into_iter().enumerate() {
+        keep.push(_node);
+        let offset = period * n as u32 / NODES as u32;
+        tasks.push(tokio::spawn(async move {
+            tokio::time::sleep(offset).await;
+            let mut tick = tokio::time::interval(period);
+            let mut took = Vec::new();
+            for case in cases {
+                tick.tick().await;
+                took.push(refit_once(&hook, case).await);
+            }
+            took
+        }));
+    }
+    let mut steady = Vec::new();
+    for t in tasks {
+        steady.extend(t.await.unwrap());
+    }
+    let mut floor_paced = floor_steady(&admin, &bodies, PASS, period).await;
+    answerer.abort();
     println!(
         "refit round trip (plugin call -> answer) through the real API server, {} refits on {NODES} nodes:",
         serial.len() + steady.len() + parallel.len()
     );
     report("one at a time", &mut serial);
     report(&format!("steady {steady_rate:.0}/s"), &mut steady);
-    let rate = parallel.len() as f64 / wall.as_secs_f64();
     report(
         &format!("saturated, {NODES} in flight, {rate:.0} refits/s"),
         &mut parallel,
+    );
+    println!(
+        "refit floor (create -> watch -> status write -> watch; a RefitRequest's body under a kind no operator watches, a bare watch answering), {} exchanges on {NODES} nodes:",
+        floor_one.len() + floor_paced.len()
+    );
+    report("floor one at a time", &mut floor_one);
+    report(
+        &format!("floor steady {steady_rate:.0}/s"),
+        &mut floor_paced,
     );
     drop(keep);
     let metrics = op.metrics().await;

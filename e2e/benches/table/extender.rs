@@ -215,7 +215,7 @@ where
 }
 
 /// Waits until the operator has written the usage of all `nodes` GpuNodes.
-async fn settled(client: &Client, nodes: usize) -> Result<(), String> {
+pub(crate) async fn settled(client: &Client, nodes: usize) -> Result<(), String> {
     let api: Api<GpuNode> = Api::all(client.clone());
     poll_until(
         &api,
@@ -341,7 +341,7 @@ fn keep_operator_log(op: &ChildOperator, run: &str) {
 }
 
 /// One phase's scheduling: when each pod was created and bound, and the bind calls it took.
-struct Phase {
+pub(crate) struct Phase {
     created: Times,
     bound: Times,
     wall: Duration,
@@ -690,7 +690,12 @@ async fn until_bound(
 
 /// Creates `n` pods `<prefix>-<i>` at `rate` per second (each create on its own task, so a
 /// slow create does not slow the rate) and waits until all are bound.
-async fn paced(client: &Client, prefix: &str, n: usize, rate: u32) -> Result<Phase, String> {
+pub(crate) async fn paced(
+    client: &Client,
+    prefix: &str,
+    n: usize,
+    rate: u32,
+) -> Result<Phase, String> {
     let api: Api<Pod> = Api::namespaced(client.clone(), NS);
     let (bound, watch) = watch_bound(api.clone(), prefix);
     let mut tick = tokio::time::interval(Duration::from_secs(1) / rate);
@@ -766,7 +771,11 @@ async fn schedule_pods(
 
 /// `calls` filter requests naming every node, straight to the operator on one kept-alive
 /// connection, each timed from the first byte sent to the last byte received.
-async fn direct_filter(port: u16, nodes: &[String], calls: usize) -> Result<Vec<f64>, String> {
+pub(crate) async fn direct_filter(
+    port: u16,
+    nodes: &[String],
+    calls: usize,
+) -> Result<Vec<f64>, String> {
     let body = json!({
         "Pod": {
             "metadata": {"name": "probe", "namespace": NS, "uid": "probe-uid"},

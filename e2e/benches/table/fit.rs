@@ -43,27 +43,6 @@ fn measure(nodes: usize) -> Vec<f64> {
         .collect()
 }
 
-/// "linear" when the cost per node at the largest size is within 30 % of the smallest's.
-pub fn growth(per_node: &[(usize, f64)]) -> String {
-    let (Some(&(n0, first)), Some(&(n1, last))) = (per_node.first(), per_node.last()) else {
-        return "no sizes measured".into();
-    };
-    let ratio = last / first.max(f64::EPSILON);
-    let shape = if ratio <= 1.3 {
-        "linear"
-    } else {
-        "worse than linear"
-    };
-    let points: Vec<String> = per_node
-        .iter()
-        .map(|(n, us)| format!("{us:.3} µs/node at {n}"))
-        .collect();
-    format!(
-        "growth {shape}: {} (per-node cost x{ratio:.2} from {n0} to {n1} nodes)",
-        points.join(", ")
-    )
-}
-
 pub fn fit_decision() -> Vec<Row> {
     let mut rows = Vec::new();
     let mut per_node = Vec::new();
@@ -80,7 +59,7 @@ pub fn fit_decision() -> Vec<Row> {
             let met = if p99 < TARGET_MS { "met" } else { "NOT met" };
             format!(
                 "target p99 < {TARGET_MS} ms at 5000 x 8: {met}; {}",
-                growth(&per_node)
+                crate::scale::growth("µs per node", &per_node)
             )
         } else {
             "in-process; criterion: cargo bench -p gpuledger-fit --bench fit".to_string()

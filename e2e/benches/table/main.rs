@@ -16,8 +16,11 @@
 //!   over it, with the API server's requests per pod of each burst;
 //! - refit round trip: read from the refit bench's output (`GPULEDGER_REFIT_BENCH_OUT`, written
 //!   by `make bench`), which runs the device plugin's refit client against the real operator;
-//! - operator cold start with 20 000 reservations: spawn to `/readyz` 200 and peak RSS (VmHWM
-//!   of the child process), three starts.
+//! - the operator at scale (`scale.rs`): one control plane grown to 1000, 2500 and 5000 GPU
+//!   nodes with 4 reservations each (20 000 at 5000; `GPULEDGER_SCALE_PER_NODE=20` for 100 000):
+//!   cold start (spawn to `/readyz` 200, peak RSS, three starts) beside its floor (listing
+//!   everything), steady RSS per 10 000 reservations and the all-nodes filter at each size, and
+//!   the filter through kube-scheduler at 5000 nodes;
 //!
 //! - overload: the same cluster with kube-apiserver stopped for 100 ms of every 200 ms (a
 //!   machine on which the API server is the bottleneck), 400 pods at a steady 20/s and then
@@ -28,15 +31,15 @@
 //! non-zero after printing the table.
 //!
 //! `GPULEDGER_BENCH_QUICK=1` shrinks every workload tenfold (to try the harness quickly);
-//! `GPULEDGER_BENCH_ONLY=fit,extender,overload,refit,cold_start` (any subset) runs only those
+//! `GPULEDGER_BENCH_ONLY=fit,extender,overload,refit,scale` (any subset) runs only those
 //! rows.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod cold_start;
 mod extender;
 mod fit;
 mod refit;
+mod scale;
 
 use gpuledger_e2e::bench::{Row, print_table};
 
@@ -80,9 +83,11 @@ fn main() {
     if wanted("refit") {
         rows.extend(refit::round_trip());
     }
-    if wanted("cold_start") {
-        eprintln!("[bench] operator cold start with 20 000 reservations ...");
-        rows.extend(rt.block_on(cold_start::cold_start()));
+    if wanted("scale") {
+        eprintln!(
+            "[bench] the operator at 1000, 2500 and 5000 nodes (up to 100 000 reservations) ..."
+        );
+        rows.extend(rt.block_on(scale::scale()));
     }
     println!();
     print_table(&rows);

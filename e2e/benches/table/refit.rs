@@ -4,7 +4,7 @@
 //! RefitRequest, wait for the answer) against the real operator and API server.
 
 use gpuledger_e2e::bench::Row;
-use gpuledger_e2e::bench::refit_output::parse;
+use gpuledger_e2e::bench::refit_output::{parse, ratios};
 
 const NAME: &str = "refit round trip";
 
@@ -26,6 +26,9 @@ pub fn round_trip() -> Vec<Row> {
                     "refit bench printed no figures (see target/bench/refit.log)",
                 )]
             } else {
+                let mut rows = rows;
+                let ratios = ratios(&rows);
+                rows.extend(ratios);
                 rows
             }
         }

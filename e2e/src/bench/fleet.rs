@@ -65,7 +65,30 @@ impl Fleet {
         heartbeat: bool,
         parallel: usize,
     ) -> Result<Fleet, ClusterError> {
-        let names: Vec<String> = (0..count).map(|i| format!("{prefix}-{i}")).collect();
+        Fleet::create_nodes(client, prefix, 0..count, shape, heartbeat, parallel).await
+    }
+
+    /// Nodes `<prefix>-<i>` for `i` in `range`, written once without heartbeats: for growing
+    /// one cluster in steps (the scale bench).
+    pub async fn create_range(
+        client: &Client,
+        prefix: &str,
+        range: std::ops::Range<usize>,
+        shape: GpuShape,
+        parallel: usize,
+    ) -> Result<Fleet, ClusterError> {
+        Fleet::create_nodes(client, prefix, range, shape, false, parallel).await
+    }
+
+    async fn create_nodes(
+        client: &Client,
+        prefix: &str,
+        range: std::ops::Range<usize>,
+        shape: GpuShape,
+        heartbeat: bool,
+        parallel: usize,
+    ) -> Result<Fleet, ClusterError> {
+        let names: Vec<String> = range.map(|i| format!("{prefix}-{i}")).collect();
         let made = run_parallel(parallel, names.clone(), |name| {
             let client = client.clone();
             async move {

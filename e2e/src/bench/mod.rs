@@ -5,6 +5,7 @@
 //! extender.
 
 pub mod fleet;
+pub mod floor;
 pub mod operator;
 pub mod proxy;
 pub mod refit_output;

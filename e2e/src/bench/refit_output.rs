@@ -3,9 +3,60 @@
 //!
 //! The bench prints a header naming the workload (`... 200 refits on 20 nodes:`) and one line
 //! per series with `p50 <x> ms` and `p99 <y> ms`, optionally labelled (`one at a time: n= 20
-//! p50 ...`). Each series becomes a row.
+//! p50 ...`). Each series becomes a row; a series labelled `floor ...` (the bare round trip the
+//! bench measures beside the refit, [`crate::bench::floor`]) becomes a `refit floor` row, and
+//! [`ratios`] sets each refit series over its floor.
 
 use crate::bench::{Row, Summary};
+
+/// Name of the floor's rows.
+pub const FLOOR: &str = "refit floor";
+
+/// Target for the refit's one-at-a-time p99 on a quiet machine, in ms (issue 19).
+pub const ONE_AT_A_TIME_MS: f64 = 20.0;
+
+/// Target for the refit's p99 over its floor's (issue 19).
+pub const FLOOR_RATIO: f64 = 1.5;
+
+/// For each refit series with a floor series of the same label (`one at a time` with `floor one
+/// at a time`), a row with the refit's median and p99 over the floor's.
+pub fn ratios(rows: &[Row]) -> Vec<Row> {
+    let series = |r: &Row| {
+        r.workload
+            .rsplit(", ")
+            .next()
+            .unwrap_or_default()
+            .to_string()
+    };
+    let mut out = Vec::new();
+    for refit in rows.iter().filter(|r| r.name != FLOOR) {
+        let label = series(refit);
+        let Some(floor) = rows.iter().find(|r| r.name == FLOOR && series(r) == label) else {
+            continue;
+        };
+        let (Some(a), Some(b)) = (refit.summary, floor.summary) else {
+            continue;
+        };
+        let p99 = a.p99 / b.p99.max(f64::EPSILON);
+        let met = if p99 <= FLOOR_RATIO { "met" } else { "NOT met" };
+        out.push(Row {
+            name: "refit / floor".into(),
+            workload: format!(
+                "{label}: refit p99 {:.1} ms over floor p99 {:.1} ms",
+                a.p99, b.p99
+            ),
+            unit: "x".into(),
+            summary: Some(Summary {
+                runs: a.runs.min(b.runs),
+                median: a.median / b.median.max(f64::EPSILON),
+                p99,
+            }),
+            note: format!("target p99 ratio <= {FLOOR_RATIO}: {met}"),
+            failure: None,
+        });
+    }
+    out
+}
 
 /// The number after `key` in `words` (`"p50", "23.9"`), or glued to it (`"n=180"`).
 fn after(words: &[&str], key: &str) -> Option<f64> {
@@ -53,15 +104,34 @@ pub fn parse(name: &str, text: &str) -> Vec<Row> {
         } else {
             format!(", {label}")
         };
+        let summary = Some(Summary { runs, median, p99 });
+        if let Some(floor) = label.strip_prefix("floor ") {
+            rows.push(Row {
+                name: FLOOR.into(),
+                workload: format!("bare create -> watch -> status -> watch, {nodes} nodes, {floor}"),
+                unit: "ms".into(),
+                summary,
+                note: "no operator logic: a RefitRequest body under an unwatched kind, a bare watch answering".into(),
+                failure: None,
+            });
+            continue;
+        }
         rows.push(Row {
             name: name.into(),
             workload: format!("plugin refit call -> operator answer, {nodes} nodes{series}"),
             unit: "ms".into(),
-            summary: Some(Summary { runs, median, p99 }),
+            summary,
             note: if label.starts_with("saturated") {
                 "queueing: in flight / throughput (Little's law), not a round trip".into()
+            } else if label == "one at a time" {
+                let met = if p99 < ONE_AT_A_TIME_MS {
+                    "met"
+                } else {
+                    "NOT met"
+                };
+                format!("target p99 < {ONE_AT_A_TIME_MS} ms on a quiet machine: {met}")
             } else {
-                "target p99 < 50 ms (benches/refit.rs)".into()
+                "see the ratio to the floor".into()
             },
             failure: None,
         });
@@ -90,6 +160,27 @@ mod tests {
                 .ends_with("saturated, 20 in flight, 110 refits/s")
         );
         assert!(rows[1].note.contains("Little's law"), "{}", rows[1].note);
+    }
+
+    #[test]
+    fn floor_series_are_their_own_rows_and_give_ratios() {
+        let text = "refit round trip (plugin call -> answer) through the real API server, 400 refits on 20 nodes:\n       one at a time: n=200  p50   12.0 ms  p90   14.0 ms  p99   30.0 ms\n        steady 40/s: n=200  p50   15.0 ms  p90   20.0 ms  p99   40.0 ms\nrefit floor (create -> watch -> status write -> watch), 400 exchanges on 20 nodes:\n floor one at a time: n=200  p50    6.0 ms  p90    8.0 ms  p99   15.0 ms\n   floor steady 40/s: n=200  p50    8.0 ms  p90   10.0 ms  p99   32.0 ms\n";
+        let rows = parse("refit round trip", text);
+        assert_eq!(rows.iter().filter(|r| r.name == FLOOR).count(), 2);
+        assert!(
+            rows[0].note.contains("NOT met"),
+            "30 ms one at a time: {}",
+            rows[0].note
+        );
+        let ratios = ratios(&rows);
+        assert_eq!(ratios.len(), 2);
+        let one = ratios[0].summary.unwrap();
+        assert_eq!((one.median, one.p99), (2.0, 2.0));
+        assert!(ratios[0].note.ends_with("NOT met"));
+        let steady = ratios[1].summary.unwrap();
+        assert_eq!(steady.p99, 1.25);
+        assert!(ratios[1].note.ends_with(": met"), "{}", ratios[1].note);
+        assert!(ratios[1].workload.starts_with("steady 40/s"));
     }
 
     #[test]

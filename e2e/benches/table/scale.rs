@@ -1,0 +1,490 @@
+//! The operator at fleet sizes: one control plane grown through the API server from 1000 to
+//! 2500 to 5000 GPU nodes (8 GPUs, split 10), each node with 4 bound one-GPU pods and their
+//! Allocated GpuReservations (4000, 10 000, 20 000; `GPULEDGER_SCALE_PER_NODE=20` gives the
+//! 100 000 of issue 19, whose fixture alone takes about 20 minutes on two cores: the API server
+//! takes about 250 writes/s there, and each reservation is three writes). At each size:
+//! - cold start: the operator started three times as a child process, spawn to `/readyz` 200
+//!   (ledger index and caches synced), and its peak RSS (`VmHWM`) 10 s after ready, once every
+//!   reservation was reconciled and every GpuNode's usage written;
+//! - the floor under a cold start: the bench itself listing every pod and every reservation
+//!   (pages of 500, both at once, decoded into their types, as the operator's watches do);
+//! - steady RSS (`VmRSS` of the last start, settled), and what each 10 000 reservations add;
+//! - the extender's filter with every node a candidate, straight to the operator (200 calls).
+//!
+//! At the largest size, GPU pods at a steady 10 per second through kube-scheduler (its
+//! extender call timed at a proxy, as in the 1000-node rows), and the operator's RSS after them.
+//! Each figure with its growth: the cost per node (filter) or per reservation (start, memory)
+//! at the largest size over the smallest's.
+//!
+//! Everything is written through the API server with admission on: Nodes (no heartbeats, no
+//! controller manager: nothing but this bench loads the API server), GpuNodes with the plugin's
+//! status, pods created with `spec.nodeName`, reservations and their status.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use gpuledger_crds::names::DEFAULT_NAMESPACE;
+use gpuledger_crds::{
+    Alignment, ContainerReservation, GpuReservation, GpuReservationSpec, ReservedDevice,
+};
+use gpuledger_e2e::bench::fleet::{devices, run_parallel};
+use gpuledger_e2e::bench::{
+    ChildOperator, Fleet, GpuShape, OperatorOptions, Row, TimingProxy, gpu_pod, spawn_allocator,
+};
+use gpuledger_e2e::cluster::process::rss_kib;
+use gpuledger_e2e::cluster::{ControlPlane, ControlPlaneOptions, apply_path, ensure_namespace};
+use k8s_openapi::api::core::v1::Pod;
+use kube::Client;
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use serde_json::json;
+
+use crate::extender::{direct_filter, paced, settled};
+
+const NS: &str = "default";
+/// The sizes measured, in nodes; the largest carries the targets.
+const SIZES: [usize; 3] = [1000, 2500, 5000];
+/// Bound one-GPU pods (and reservations) per node, unless `GPULEDGER_SCALE_PER_NODE` says.
+const PER_NODE: usize = 4;
+
+fn per_node() -> usize {
+    std::env::var("GPULEDGER_SCALE_PER_NODE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n| n > 0 && n <= 80)
+        .unwrap_or(PER_NODE)
+}
+const STARTS: usize = 3;
+/// How long after ready the peak RSS is read.
+const SETTLE: Duration = Duration::from_secs(10);
+/// Filter calls per size, every node a candidate.
+const FILTER_CALLS: usize = 200;
+/// The scheduler phase at the largest size.
+const PACED_PODS: usize = 200;
+const PACED_RATE: u32 = 10;
+
+/// Targets at the largest size (issue 19).
+const READY_TARGET_S: f64 = 5.0;
+const PEAK_TARGET_MIB: f64 = 300.0;
+const FILTER_TARGET_MS: f64 = 5.0;
+
+pub async fn scale() -> Vec<Row> {
+    match run().await {
+        Ok(rows) => rows,
+        Err(e) => vec![Row::missing(
+            "operator at scale",
+            "1000 / 2500 / 5000 nodes, 20 reservations each",
+            format!("failed: {e}"),
+        )],
+    }
+}
+
+fn free_port() -> u16 {
+    gpuledger_e2e::cluster::free_port().expect("free port")
+}
+
+/// What one size gave.
+struct SizeFigures {
+    nodes: usize,
+    reservations: usize,
+    ready_s: Vec<f64>,
+    list_s: Vec<f64>,
+    peak_mib: Vec<f64>,
+    steady_mib: f64,
+    filter_ms: Vec<f64>,
+}
+
+async fn run() -> Result<Vec<Row>, String> {
+    let sizes: Vec<usize> = SIZES.iter().map(|&n| crate::scaled(n)).collect();
+    let shape = GpuShape::default();
+    // One extender address for every operator started: the proxy forwards to a fixed port.
+    let operator_port = free_port();
+    let proxy = TimingProxy::start(0, operator_port)
+        .await
+        .map_err(|e| format!("proxy: {e}"))?;
+    let cp = ControlPlane::start(ControlPlaneOptions {
+        controller_manager: false,
+        ..ControlPlaneOptions::default().extender_url(format!("http://127.0.0.1:{}", proxy.port()))
+    })
+    .await
+    .map_err(|e| e.to_string())?;
+    let client = cp.client();
+    let crds = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../crds/yaml");
+    apply_path(&client, &crds)
+        .await
+        .map_err(|e| e.to_string())?;
+    ensure_namespace(&client, DEFAULT_NAMESPACE)
+        .await
+        .map_err(|e| e.to_string())?;
+    let logs = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let options = |identity: String| OperatorOptions {
+        kubeconfig: cp.kubeconfig().to_path_buf(),
+        extender_port: operator_port,
+        metrics_port: free_port(),
+        namespace: DEFAULT_NAMESPACE.into(),
+        identity,
+        leader_elect: false,
+        extra_args: vec![],
+        log_dir: logs.path().to_path_buf(),
+    };
+
+    let per_node = per_node();
+    let mut figures = Vec::new();
+    let mut fleets = Vec::new();
+    let mut have = 0;
+    let mut last_op = None;
+    for &nodes in &sizes {
+        let grown = Instant::now();
+        fleets.push(grow(&client, have, nodes, per_node, shape).await?);
+        have = nodes;
+        let reservations = nodes * per_node;
+        eprintln!(
+            "[bench] scale: {nodes} nodes, {reservations} reservations written in {:.0} s",
+            grown.elapsed().as_secs_f64()
+        );
+        // The previous size's operator goes before this size's starts.
+        if let Some(op) = last_op.take() {
+            let op: ChildOperator = op;
+            op.kill().await.map_err(|e| e.to_string())?;
+        }
+        let mut ready_s = Vec::new();
+        let mut list_s = Vec::new();
+        let mut peak_mib = Vec::new();
+        for _ in 0..STARTS {
+            list_s.push(list_everything(&client).await?);
+        }
+        for i in 0..STARTS {
+            let mut op = ChildOperator::spawn(options(format!("scale-{nodes}-{i}")))
+                .map_err(|e| e.to_string())?;
+            let took = op
+                .wait_ready(Duration::from_secs(600))
+                .await
+                .map_err(|e| e.to_string())?;
+            // After ready the lifecycle controller reconciles every reservation and the usage
+            // controller writes every GpuNode: the peak must include that, not only the lists.
+            tokio::time::sleep(SETTLE).await;
+            let peak = op.peak_rss_kib().unwrap_or_default() as f64 / 1024.0;
+            eprintln!(
+                "[bench] scale {nodes}: start {i} ready in {:.2} s, peak RSS {peak:.0} MiB",
+                took.as_secs_f64()
+            );
+            ready_s.push(took.as_secs_f64());
+            peak_mib.push(peak);
+            if i + 1 < STARTS {
+                op.kill().await.map_err(|e| e.to_string())?;
+            } else {
+                last_op = Some(op);
+            }
+        }
+        settled(&client, nodes).await?;
+        let op = last_op.as_ref().ok_or("no operator running")?;
+        let steady_mib = rss_kib(op.pid()).unwrap_or_default() as f64 / 1024.0;
+        let names: Vec<String> = fleets.iter().flat_map(|f| f.names.clone()).collect();
+        let filter_ms = direct_filter(operator_port, &names, FILTER_CALLS).await?;
+        figures.push(SizeFigures {
+            nodes,
+            reservations,
+            ready_s,
+            list_s,
+            peak_mib,
+            steady_mib,
+            filter_ms,
+        });
+    }
+
+    // Through kube-scheduler at the largest size, at a rate it sustains.
+    let op = last_op.ok_or("no operator running")?;
+    let allocator = spawn_allocator(client.clone(), NS);
+    proxy.take_ms("/filter");
+    eprintln!("[bench] scale: {PACED_PODS} GPU pods at {PACED_RATE}/s through kube-scheduler");
+    let phase = paced(&client, "scale", crate::scaled(PACED_PODS), PACED_RATE).await;
+    allocator.abort();
+    let scheduled_filter = proxy.take_ms("/filter");
+    let names_per_call = proxy.take_filter_sizes();
+    let after_mib = rss_kib(op.pid()).unwrap_or_default() as f64 / 1024.0;
+    op.kill().await.map_err(|e| e.to_string())?;
+    phase?;
+
+    Ok(rows(
+        &figures,
+        &scheduled_filter,
+        &names_per_call,
+        after_mib,
+    ))
+}
+
+/// Seconds to list every pod and every reservation, both at once, in pages of 500 decoded into
+/// their types: what the operator's watches must read before it is ready.
+async fn list_everything(client: &Client) -> Result<f64, String> {
+    let started = Instant::now();
+    let (pods, reservations) = tokio::join!(
+        list_all(Api::<Pod>::all(client.clone())),
+        list_all(Api::<GpuReservation>::all(client.clone()))
+    );
+    pods.and(reservations).map_err(|e| format!("list: {e}"))?;
+    Ok(started.elapsed().as_secs_f64())
+}
+
+async fn list_all<K>(api: Api<K>) -> Result<usize, kube::Error>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let mut seen = 0;
+    let mut token: Option<String> = None;
+    loop {
+        let mut params = ListParams::default().limit(500);
+        if let Some(t) = &token {
+            params = params.continue_token(t);
+        }
+        let page = api.list(&params).await?;
+        seen += page.items.len();
+        token = page.metadata.continue_.filter(|t| !t.is_empty());
+        if token.is_none() {
+            return Ok(seen);
+        }
+    }
+}
+
+/// Adds nodes `from..to` with their GpuNodes, pods and reservations.
+async fn grow(
+    client: &Client,
+    from: usize,
+    to: usize,
+    per_node: usize,
+    shape: GpuShape,
+) -> Result<Fleet, String> {
+    let fleet = Fleet::create_range(client, "gpu", from..to, shape, 32)
+        .await
+        .map_err(|e| e.to_string())?;
+    let slots: Vec<usize> = (from * per_node..to * per_node).collect();
+    run_parallel(48, slots, |slot| {
+        let client = client.clone();
+        async move { pod_and_reservation(&client, slot, per_node, shape).await }
+    })
+    .await?;
+    Ok(fleet)
+}
+
+/// Pod `scale-r<slot>` bound to its node, its reservation of one share of one GPU, and the
+/// reservation's status as after a completed allocation.
+async fn pod_and_reservation(
+    client: &Client,
+    slot: usize,
+    per_node: usize,
+    shape: GpuShape,
+) -> Result<(), String> {
+    let node = format!("gpu-{}", slot / per_node);
+    let on_node = (slot % per_node) as u32;
+    let gpu = on_node % shape.gpus;
+    // The replica the kubelet would have handed out: distinct per GPU on the node.
+    let replica = on_node / shape.gpus;
+    let name = format!("scale-r{slot}");
+    let mut pod = gpu_pod(&name, 1, 8192, 10);
+    if let Some(spec) = pod.spec.as_mut() {
+        spec.node_name = Some(node.clone());
+    }
+    let pp = PostParams::default();
+    let created = Api::<Pod>::namespaced(client.clone(), NS)
+        .create(&pp, &pod)
+        .await
+        .map_err(|e| format!("create pod {name}: {e}"))?;
+    let device = &devices(&node, shape)[gpu as usize];
+    let spec = GpuReservationSpec {
+        pod_name: name.clone(),
+        pod_uid: created.metadata.uid.unwrap_or_default(),
+        node_name: node.clone(),
+        alignment: Alignment::None,
+        alignment_source: Some("default".into()),
+        containers: vec![ContainerReservation {
+            index: 0,
+            name: "main".into(),
+            init: false,
+            devices: vec![ReservedDevice {
+                uuid: device.uuid.clone(),
+                memory_mib: 8192,
+                cores: 10,
+                numa_node: device.numa_node,
+            }],
+        }],
+        init_released: false,
+    };
+    let api: Api<GpuReservation> = Api::namespaced(client.clone(), NS);
+    api.create(&pp, &GpuReservation::new(&name, spec))
+        .await
+        .map_err(|e| format!("create reservation {name}: {e}"))?;
+    // Phase as the operator would have written it, allocation as the plugin would have.
+    let status = json!({"status": {
+        "phase": "Allocated",
+        "allocation": [{"index": 0, "name": "main", "replicaIds": [format!("{}-{replica}", device.uuid)],
+                        "devices": [device.uuid.clone()]}],
+    }});
+    api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .map_err(|e| format!("status of reservation {name}: {e}"))?;
+    Ok(())
+}
+
+/// "linear" when the cost per unit at the largest size is within 30 % of the smallest's.
+pub fn growth(unit: &str, per_unit: &[(usize, f64)]) -> String {
+    let (Some(&(n0, first)), Some(&(n1, last))) = (per_unit.first(), per_unit.last()) else {
+        return "no sizes measured".into();
+    };
+    let ratio = last / first.max(f64::EPSILON);
+    let shape = if ratio <= 1.3 {
+        "linear or better"
+    } else {
+        "worse than linear"
+    };
+    let points: Vec<String> = per_unit
+        .iter()
+        .map(|(n, v)| format!("{v:.3} {unit} at {n}"))
+        .collect();
+    format!(
+        "growth {shape}: {} (x{ratio:.2} from {n0} to {n1})",
+        points.join(", ")
+    )
+}
+
+fn verdict(met: bool) -> &'static str {
+    if met { "met" } else { "NOT met" }
+}
+
+fn rows(figures: &[SizeFigures], scheduled: &[f64], names: &[usize], after_mib: f64) -> Vec<Row> {
+    use gpuledger_e2e::bench::stats::Summary;
+    let median = |v: &[f64]| Summary::of(v).map(|s| s.median).unwrap_or(0.0);
+    let p99 = |v: &[f64]| Summary::of(v).map(|s| s.p99).unwrap_or(f64::INFINITY);
+    let ready_per_10k: Vec<(usize, f64)> = figures
+        .iter()
+        .map(|f| {
+            (
+                f.reservations,
+                median(&f.ready_s) * 10_000.0 / f.reservations as f64,
+            )
+        })
+        .collect();
+    let peak_per_10k: Vec<(usize, f64)> = figures
+        .iter()
+        .map(|f| {
+            (
+                f.reservations,
+                median(&f.peak_mib) * 10_000.0 / f.reservations as f64,
+            )
+        })
+        .collect();
+    let filter_per_node: Vec<(usize, f64)> = figures
+        .iter()
+        .map(|f| (f.nodes, median(&f.filter_ms) * 1000.0 / f.nodes as f64))
+        .collect();
+    let last = figures.len().saturating_sub(1);
+    let mut rows = Vec::new();
+    for (i, f) in figures.iter().enumerate() {
+        let workload = format!(
+            "{} Allocated reservations and pods, {} GpuNodes",
+            f.reservations, f.nodes
+        );
+        let (ready_note, peak_note) = if i == last {
+            (
+                format!(
+                    "target < {READY_TARGET_S} s: {}; {}",
+                    verdict(p99(&f.ready_s) < READY_TARGET_S),
+                    growth("s per 10k reservations", &ready_per_10k)
+                ),
+                format!(
+                    "VmHWM 10 s after ready; target < {PEAK_TARGET_MIB} MiB: {}; {}",
+                    verdict(p99(&f.peak_mib) < PEAK_TARGET_MIB),
+                    growth("MiB per 10k reservations", &peak_per_10k)
+                ),
+            )
+        } else {
+            (
+                "spawn -> /readyz 200".to_string(),
+                "VmHWM 10 s after ready".to_string(),
+            )
+        };
+        rows.push(Row::measured(
+            "operator cold start: ready",
+            workload.clone(),
+            "s",
+            &f.ready_s,
+            ready_note,
+        ));
+        rows.push(Row::measured(
+            "cold start floor: list all",
+            format!(
+                "every pod and reservation listed by the bench, {}",
+                f.reservations
+            ),
+            "s",
+            &f.list_s,
+            format!(
+                "pages of 500, decoded; ready is {:.1}x this",
+                median(&f.ready_s) / median(&f.list_s).max(f64::EPSILON)
+            ),
+        ));
+        rows.push(Row::measured(
+            "operator cold start: peak RSS",
+            workload,
+            "MiB",
+            &f.peak_mib,
+            peak_note,
+        ));
+    }
+    // What each 10 000 reservations add between consecutive sizes (the process's base, about
+    // 30 MiB, cancels out).
+    let added: Vec<f64> = figures
+        .windows(2)
+        .map(|w| {
+            (w[1].steady_mib - w[0].steady_mib) * 10_000.0
+                / (w[1].reservations - w[0].reservations).max(1) as f64
+        })
+        .collect();
+    let points: Vec<String> = figures
+        .iter()
+        .map(|f| format!("{:.0} MiB at {}", f.steady_mib, f.reservations))
+        .collect();
+    rows.push(Row::measured(
+        "operator steady RSS per 10k reservations",
+        "VmRSS settled after start, added between consecutive sizes",
+        "MiB",
+        &added,
+        points.join(", "),
+    ));
+    for (i, f) in figures.iter().enumerate() {
+        let note = if i == last {
+            format!(
+                "target p99 < {FILTER_TARGET_MS} ms: {}; {}",
+                verdict(p99(&f.filter_ms) < FILTER_TARGET_MS),
+                growth("µs per node", &filter_per_node)
+            )
+        } else {
+            format!("{} reservations in the ledger", f.reservations)
+        };
+        rows.push(Row::measured(
+            "extender filter (all nodes)",
+            format!("{} candidate names per call, direct HTTP", f.nodes),
+            "ms",
+            &f.filter_ms,
+            note,
+        ));
+    }
+    if let Some(f) = figures.last() {
+        let range = match (names.iter().min(), names.iter().max()) {
+            (Some(lo), Some(hi)) => format!("{lo}-{hi} names/call"),
+            _ => "no calls".into(),
+        };
+        rows.push(Row::measured(
+            "extender filter (via scheduler)",
+            format!(
+                "{} nodes, {} GPU pods at {PACED_RATE}/s, {range}",
+                f.nodes,
+                crate::scaled(PACED_PODS)
+            ),
+            "ms",
+            scheduled,
+            format!(
+                "at a proxy before the operator; target p99 < {FILTER_TARGET_MS} ms: {}; operator RSS after: {after_mib:.0} MiB",
+                verdict(p99(scheduled) < FILTER_TARGET_MS)
+            ),
+        ));
+    }
+    rows
+}
