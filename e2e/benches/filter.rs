@@ -1,6 +1,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
-//! The extender's `filter` in-process: one one-GPU pod against 1000 GpuNodes (8 × A100 80 GB,
-//! split 10) holding 4000 reservations, every node a candidate. The same call as the HTTP
+//! The extender's `filter` in-process: one one-GPU pod against 1000 and 5000 GpuNodes (8 × A100
+//! 80 GB, split 10) holding 4 reservations each, every node a candidate. The same call as the HTTP
 //! handler makes, minus the HTTP and JSON (those are in `make bench`'s direct-HTTP row).
 
 use std::hint::black_box;
@@ -97,12 +97,18 @@ fn args(names: &[String]) -> ExtenderArgs {
     .unwrap()
 }
 
-fn filter_1000(c: &mut Criterion) {
+fn filter_nodes(c: &mut Criterion) {
+    for nodes in [NODES, 5 * NODES] {
+        filter_on(c, nodes);
+    }
+}
+
+fn filter_on(c: &mut Criterion, nodes: usize) {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
-    let names: Vec<String> = (0..NODES).map(|i| format!("gpu-{i}")).collect();
+    let names: Vec<String> = (0..nodes).map(|i| format!("gpu-{i}")).collect();
     let ctx = rt.block_on(async { context(&names) });
     let args = args(&names);
     let sanity = rt.block_on(filter(&ctx, args.clone()));
@@ -111,10 +117,11 @@ fn filter_1000(c: &mut Criterion) {
         Some(1),
         "{sanity:?}"
     );
-    c.bench_function("filter/1000 nodes, 4000 reservations", |b| {
+    let label = format!("filter/{nodes} nodes, {} reservations", nodes * PER_NODE);
+    c.bench_function(&label, |b| {
         b.iter(|| rt.block_on(filter(black_box(&ctx), black_box(args.clone()))))
     });
 }
 
-criterion_group!(benches, filter_1000);
+criterion_group!(benches, filter_nodes);
 criterion_main!(benches);

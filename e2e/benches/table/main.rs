@@ -84,9 +84,7 @@ fn main() {
         rows.extend(refit::round_trip());
     }
     if wanted("scale") {
-        eprintln!(
-            "[bench] the operator at 1000, 2500 and 5000 nodes (up to 100 000 reservations) ..."
-        );
+        eprintln!("[bench] the operator at 1000, 2500 and 5000 nodes ...");
         rows.extend(rt.block_on(scale::scale()));
     }
     println!();

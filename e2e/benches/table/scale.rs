@@ -62,7 +62,8 @@ const FILTER_CALLS: usize = 200;
 const PACED_PODS: usize = 200;
 const PACED_RATE: u32 = 10;
 
-/// Targets at the largest size (issue 19).
+/// Targets at the largest size (issue 19), set for this many reservations.
+const TARGET_RESERVATIONS: usize = 100_000;
 const READY_TARGET_S: f64 = 5.0;
 const PEAK_TARGET_MIB: f64 = 300.0;
 const FILTER_TARGET_MS: f64 = 5.0;
@@ -348,6 +349,18 @@ fn verdict(met: bool) -> &'static str {
     if met { "met" } else { "NOT met" }
 }
 
+/// The verdict on a cold-start target, which is set for [`TARGET_RESERVATIONS`]: a smaller run
+/// says so instead of claiming it.
+fn verdict_at(reservations: usize, met: bool) -> &'static str {
+    match (reservations >= TARGET_RESERVATIONS, met) {
+        (true, _) => verdict(met),
+        (false, true) => {
+            "met at this smaller size only (GPULEDGER_SCALE_PER_NODE=20 for the target's)"
+        }
+        (false, false) => "NOT met, even at this smaller size",
+    }
+}
+
 fn rows(figures: &[SizeFigures], scheduled: &[f64], names: &[usize], after_mib: f64) -> Vec<Row> {
     use gpuledger_e2e::bench::stats::Summary;
     let median = |v: &[f64]| Summary::of(v).map(|s| s.median).unwrap_or(0.0);
@@ -384,13 +397,13 @@ fn rows(figures: &[SizeFigures], scheduled: &[f64], names: &[usize], after_mib: 
         let (ready_note, peak_note) = if i == last {
             (
                 format!(
-                    "target < {READY_TARGET_S} s: {}; {}",
-                    verdict(p99(&f.ready_s) < READY_TARGET_S),
+                    "target < {READY_TARGET_S} s at {TARGET_RESERVATIONS}: {}; {}",
+                    verdict_at(f.reservations, p99(&f.ready_s) < READY_TARGET_S),
                     growth("s per 10k reservations", &ready_per_10k)
                 ),
                 format!(
-                    "VmHWM 10 s after ready; target < {PEAK_TARGET_MIB} MiB: {}; {}",
-                    verdict(p99(&f.peak_mib) < PEAK_TARGET_MIB),
+                    "VmHWM 10 s after ready; target < {PEAK_TARGET_MIB} MiB at {TARGET_RESERVATIONS}: {}; {}",
+                    verdict_at(f.reservations, p99(&f.peak_mib) < PEAK_TARGET_MIB),
                     growth("MiB per 10k reservations", &peak_per_10k)
                 ),
             )
