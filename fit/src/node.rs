@@ -255,14 +255,14 @@ fn read_ahead<N: Borrow<NodeView>>(nodes: &[N], at: usize) {
         for d in node
             .devices
             .iter()
-            .step_by(LINE / std::mem::size_of::<Device>().max(1) + 1)
+            .step_by((LINE / std::mem::size_of::<Device>().max(1)).max(1))
         {
             touched ^= d.memory_mib;
         }
         for u in node
             .usage
             .iter()
-            .step_by(LINE / std::mem::size_of::<Usage>().max(1) + 1)
+            .step_by((LINE / std::mem::size_of::<Usage>().max(1)).max(1))
         {
             touched ^= u.memory_mib;
         }

@@ -20,7 +20,6 @@
 //! controller manager: nothing but this bench loads the API server), GpuNodes with the plugin's
 //! status, pods created with `spec.nodeName`, reservations and their status.
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use gpuledger_crds::names::DEFAULT_NAMESPACE;
@@ -32,13 +31,12 @@ use gpuledger_e2e::bench::{
     ChildOperator, Fleet, GpuShape, OperatorOptions, Row, TimingProxy, gpu_pod, spawn_allocator,
 };
 use gpuledger_e2e::cluster::process::rss_kib;
-use gpuledger_e2e::cluster::{ControlPlane, ControlPlaneOptions, apply_path, ensure_namespace};
 use k8s_openapi::api::core::v1::Pod;
 use kube::Client;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 
-use crate::extender::{direct_filter, paced, settled};
+use crate::extender::{direct_filter, paced, scheduling_cluster, settled};
 
 const NS: &str = "default";
 /// The sizes measured, in nodes; the largest carries the targets.
@@ -102,20 +100,8 @@ async fn run() -> Result<Vec<Row>, String> {
     let proxy = TimingProxy::start(0, operator_port)
         .await
         .map_err(|e| format!("proxy: {e}"))?;
-    let cp = ControlPlane::start(ControlPlaneOptions {
-        controller_manager: false,
-        ..ControlPlaneOptions::default().extender_url(format!("http://127.0.0.1:{}", proxy.port()))
-    })
-    .await
-    .map_err(|e| e.to_string())?;
+    let cp = scheduling_cluster(&proxy).await?;
     let client = cp.client();
-    let crds = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../crds/yaml");
-    apply_path(&client, &crds)
-        .await
-        .map_err(|e| e.to_string())?;
-    ensure_namespace(&client, DEFAULT_NAMESPACE)
-        .await
-        .map_err(|e| e.to_string())?;
     let logs = tempfile::tempdir().map_err(|e| e.to_string())?;
     let options = |identity: String| OperatorOptions {
         kubeconfig: cp.kubeconfig().to_path_buf(),
