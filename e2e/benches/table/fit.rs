@@ -62,7 +62,8 @@ pub fn fit_decision() -> Vec<Row> {
                 crate::scale::growth("µs per node", &per_node)
             )
         } else {
-            "in-process; criterion: cargo bench -p gpuledger-fit --features fixtures --bench fit".to_string()
+            "in-process; criterion: cargo bench -p gpuledger-fit --features fixtures --bench fit"
+                .to_string()
         };
         rows.push(Row::measured(
             "fit decision",
