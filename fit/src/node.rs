@@ -309,11 +309,13 @@ pub fn fit_pod_known<N: Borrow<NodeView>>(
     let mut outcomes = Vec::with_capacity(nodes.len());
     let mut best: Option<(usize, f32)> = None;
     for (i, node) in nodes.iter().enumerate() {
-        read_ahead(nodes, i + READ_AHEAD);
         let node = node.borrow();
         let result = match known(i) {
             Some(result) => result,
             None => {
+                // Only while fitting: a caller that remembers outcomes (the extender's warm
+                // views) would pay for reads it never uses.
+                read_ahead(nodes, i + READ_AHEAD);
                 let candidates = &all[..node.devices.len()];
                 fit_node(node, candidates, pod, policy.gpu, &mut scratch, None)
             }

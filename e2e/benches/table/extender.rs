@@ -244,9 +244,15 @@ impl Drop for Bench {
     }
 }
 
-/// A control plane whose kube-scheduler calls the extender through `proxy`, with gpuledger's
-/// CRDs and namespace; no controller manager (nothing but the bench loads the API server).
-pub(crate) async fn scheduling_cluster(proxy: &TimingProxy) -> Result<ControlPlane, String> {
+/// A timing proxy forwarding to `operator_port`, and a control plane whose kube-scheduler calls
+/// the extender through it, with gpuledger's CRDs and namespace; no controller manager (nothing
+/// but the bench loads the API server).
+pub(crate) async fn scheduling_cluster(
+    operator_port: u16,
+) -> Result<(TimingProxy, ControlPlane), String> {
+    let proxy = TimingProxy::start(0, operator_port)
+        .await
+        .map_err(|e| format!("proxy: {e}"))?;
     let opts = ControlPlaneOptions {
         controller_manager: false,
         ..ControlPlaneOptions::default().extender_url(format!("http://127.0.0.1:{}", proxy.port()))
@@ -260,16 +266,13 @@ pub(crate) async fn scheduling_cluster(proxy: &TimingProxy) -> Result<ControlPla
     ensure_namespace(&client, DEFAULT_NAMESPACE)
         .await
         .map_err(|e| e.to_string())?;
-    Ok(cp)
+    Ok((proxy, cp))
 }
 
 async fn start_bench() -> Result<Bench, String> {
     let nodes = crate::scaled(1000);
     let operator_port = free_port();
-    let proxy = TimingProxy::start(0, operator_port)
-        .await
-        .map_err(|e| format!("proxy: {e}"))?;
-    let cp = scheduling_cluster(&proxy).await?;
+    let (proxy, cp) = scheduling_cluster(operator_port).await?;
     let client = cp.client();
     let shape = GpuShape::default();
     let fleet = Fleet::create(&client, "gpu", nodes, shape, false, 32)

@@ -28,7 +28,7 @@ use gpuledger_crds::{
 };
 use gpuledger_e2e::bench::fleet::{devices, run_parallel};
 use gpuledger_e2e::bench::{
-    ChildOperator, Fleet, GpuShape, OperatorOptions, Row, TimingProxy, gpu_pod, spawn_allocator,
+    ChildOperator, Fleet, GpuShape, OperatorOptions, Row, gpu_pod, spawn_allocator,
 };
 use gpuledger_e2e::cluster::process::rss_kib;
 use k8s_openapi::api::core::v1::Pod;
@@ -97,10 +97,7 @@ async fn run() -> Result<Vec<Row>, String> {
     let shape = GpuShape::default();
     // One extender address for every operator started: the proxy forwards to a fixed port.
     let operator_port = free_port();
-    let proxy = TimingProxy::start(0, operator_port)
-        .await
-        .map_err(|e| format!("proxy: {e}"))?;
-    let cp = scheduling_cluster(&proxy).await?;
+    let (proxy, cp) = scheduling_cluster(operator_port).await?;
     let client = cp.client();
     let logs = tempfile::tempdir().map_err(|e| e.to_string())?;
     let options = |identity: String| OperatorOptions {
