@@ -71,6 +71,8 @@ pub struct ChildOperator {
     group: ProcessGroup,
     pid: u32,
     log: PathBuf,
+    /// Length of the log when this process started: the file is shared across restarts.
+    log_from: u64,
     options: OperatorOptions,
     started: Instant,
 }
@@ -82,6 +84,7 @@ impl ChildOperator {
         std::fs::create_dir_all(&options.log_dir)
             .map_err(|e| ClusterError::io("create", &options.log_dir, e))?;
         let log = options.log_dir.join(format!("{}.log", options.identity));
+        let log_from = std::fs::metadata(&log).map_or(0, |m| m.len());
         let mut group = ProcessGroup::new()?;
         let started = Instant::now();
         let pid = group.spawn(&options.identity, &binary, &options.args(), &log)?;
@@ -89,6 +92,7 @@ impl ChildOperator {
             group,
             pid,
             log,
+            log_from,
             options,
             started,
         })
@@ -116,6 +120,33 @@ impl ChildOperator {
             name: self.options.identity.clone(),
             timeout,
             last,
+            log: self.log.clone(),
+            tail: tail(&self.log, TAIL_LINES),
+        })
+    }
+
+    /// Waits until this process has logged a line containing `text` and returns the time since
+    /// it was started. Fails with the log tail if it exits or takes too long.
+    pub async fn wait_logged(
+        &mut self,
+        text: &str,
+        timeout: Duration,
+    ) -> Result<Duration, ClusterError> {
+        while self.started.elapsed() < timeout {
+            self.group.check_running()?;
+            let logged = std::fs::read(&self.log)
+                .ok()
+                .and_then(|all| all.get(self.log_from as usize..).map(<[u8]>::to_vec))
+                .is_some_and(|own| String::from_utf8_lossy(&own).contains(text));
+            if logged {
+                return Ok(self.started.elapsed());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Err(ClusterError::NotReady {
+            name: self.options.identity.clone(),
+            timeout,
+            last: format!("no log line with {text:?}"),
             log: self.log.clone(),
             tail: tail(&self.log, TAIL_LINES),
         })

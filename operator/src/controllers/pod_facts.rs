@@ -141,7 +141,18 @@ impl PodFactsCache {
     /// Feeds one event of the pod watch.
     pub fn apply(&self, event: &Event<Pod>) {
         let config = &self.config.get();
-        let mut inner = self.write();
+        let first_sync = {
+            let mut inner = self.write();
+            let was_synced = inner.synced;
+            Self::apply_locked(&mut inner, event, config);
+            (!was_synced && inner.synced).then(|| inner.pods.len())
+        };
+        if let Some(pods) = first_sync {
+            tracing::info!(pods, "pod cache synced");
+        }
+    }
+
+    fn apply_locked(inner: &mut Inner, event: &Event<Pod>, config: &PodApiConfig) {
         match event {
             Event::Apply(pod) => inner.insert(key_of(pod), PodFacts::of(pod, config)),
             Event::Delete(pod) => inner.remove(&key_of(pod)),

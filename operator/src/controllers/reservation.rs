@@ -91,17 +91,22 @@ where
     let facts = ctx.caches.pods.clone();
     // Bound GPU pods without a reservation are found in the same pod cache.
     tokio::spawn(super::unreserved::run(ctx.clone(), facts.clone()));
+    // Pods are listed once the ledger index is: readiness waits on the reservations alone, and
+    // the two largest lists of a big cluster neither share the API server nor this process's
+    // memory at the same moment. Nothing reconciles before both are in (`is_synced`).
     let pod_events = {
         let facts = facts.clone();
-        watcher(
-            Api::<Pod>::all(ctx.client.clone()),
-            watcher::Config::default(),
-        )
-        .default_backoff()
-        // The cache learns of a change before the change triggers a reconcile.
-        .map_ok(move |event| {
-            facts.apply(&event);
-            event
+        let index = ctx.ledger.index.clone();
+        let api = Api::<Pod>::all(ctx.client.clone());
+        futures::stream::once(async move { index.wait_synced().await }).flat_map(move |()| {
+            let facts = facts.clone();
+            watcher(api.clone(), watcher::Config::default())
+                .default_backoff()
+                // The cache learns of a change before the change triggers a reconcile.
+                .map_ok(move |event| {
+                    facts.apply(&event);
+                    event
+                })
         })
     };
     let pods = tracked("pods", ctx.health.clone(), pod_events).touched_objects();

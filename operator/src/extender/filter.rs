@@ -43,23 +43,23 @@ fn choose_among_free(
     policies: Policy,
 ) -> NodeChoice {
     let Some(limit) = ctx.turns.queue_limit(ctx.timing.lease_wait) else {
-        return schedule::choose(req, views, policies);
+        return schedule::choose(req, views, policies, ctx.caches.views.keys());
     };
     let queued = |view: &Arc<FitView>| held.get(view.name()).map_or(0, |h| h.pods);
     if views.iter().all(|v| queued(v) < limit) {
-        return schedule::choose(req, views, policies);
+        return schedule::choose(req, views, policies, ctx.caches.views.keys());
     }
     let free: Vec<Arc<FitView>> = views
         .iter()
         .filter(|v| queued(v) < limit)
         .cloned()
         .collect();
-    let choice = schedule::choose(req, &free, policies);
+    let choice = schedule::choose(req, &free, policies, ctx.caches.views.keys());
     if choice.chosen.is_some() {
         ctx.metrics.busy_skips.inc();
         return choice;
     }
-    schedule::choose(req, views, policies)
+    schedule::choose(req, views, policies, ctx.caches.views.keys())
 }
 
 /// The `filter` verb.

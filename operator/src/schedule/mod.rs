@@ -7,6 +7,7 @@
 
 pub mod views;
 
+use std::cell::Cell;
 use std::sync::Arc;
 
 use gpuledger_crds::podapi::{PodRequest, SchedulerPolicy};
@@ -14,7 +15,7 @@ use gpuledger_crds::{ContainerReservation, GpuNode, ReservedDevice};
 use gpuledger_fit::{self as fit, FitFailure, NodeView};
 
 pub use gpuledger_fit::Policy;
-pub use views::{FitView, NodeViewCache, node_view, with_extra_usage};
+pub use views::{FitKeys, FitView, NodeViewCache, node_view, with_extra_usage};
 
 use crate::ledger::usage::{DeviceUsage, NodeUsage};
 use views::FitKey;
@@ -55,16 +56,30 @@ pub struct NodeChoice {
 
 /// Chooses among `views` (usage applied; see [`NodeViewCache`]) under the node policy, like
 /// HAMi's filter: one winner, reasons for the nodes that do not fit. Outcomes are remembered on
-/// each view, so the next call with the same request only fits the views that changed.
-pub fn choose(request: &PodRequest, views: &[Arc<FitView>], policies: Policy) -> NodeChoice {
-    let key = Arc::new(FitKey {
+/// each view under the request's key from `keys`, so the next call with the same request only
+/// fits the views that changed.
+pub fn choose(
+    request: &PodRequest,
+    views: &[Arc<FitView>],
+    policies: Policy,
+    keys: &FitKeys,
+) -> NodeChoice {
+    let key = keys.intern(FitKey {
         request: request.clone(),
         gpu: policies.for_pod(request).gpu,
     });
     let nodes: Vec<&NodeView> = views.iter().map(|v| v.view()).collect();
-    let decision = fit::fit_pod_known(&nodes, request, &policies, |i| views[i].recall(&key));
-    for (view, outcome) in views.iter().zip(&decision.outcomes) {
-        view.remember(&key, outcome.result);
+    // Views that answered from memory need not be told again.
+    let recalled: Vec<Cell<bool>> = views.iter().map(|_| Cell::new(false)).collect();
+    let decision = fit::fit_pod_known(&nodes, request, &policies, |i| {
+        let known = views[i].recall(&key);
+        recalled[i].set(known.is_some());
+        known
+    });
+    for ((view, outcome), recalled) in views.iter().zip(&decision.outcomes).zip(&recalled) {
+        if !recalled.get() {
+            view.remember(&key, outcome.result);
+        }
     }
     let load = decision
         .placement

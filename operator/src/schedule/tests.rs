@@ -94,16 +94,37 @@ fn node_choice_follows_the_node_policy() {
         Arc::new(FitView::new(node_view(&a, &used("GPU-a-0", 10000)))),
         Arc::new(FitView::new(node_view(&b, &NodeUsage::new()))),
     ];
-    let binpack = choose(&request(1000), &nodes, policies(SchedulerPolicy::Binpack));
+    let keys = FitKeys::default();
+    let binpack = choose(
+        &request(1000),
+        &nodes,
+        policies(SchedulerPolicy::Binpack),
+        &keys,
+    );
     assert_eq!(binpack.chosen.as_deref(), Some("a"));
-    let spread = choose(&request(1000), &nodes, policies(SchedulerPolicy::Spread));
+    let spread = choose(
+        &request(1000),
+        &nodes,
+        policies(SchedulerPolicy::Spread),
+        &keys,
+    );
     assert_eq!(spread.chosen.as_deref(), Some("b"));
     // Only b has 15000 MiB free: chosen, and no reasons (nobody reads them then).
-    let only_b = choose(&request(15000), &nodes, policies(SchedulerPolicy::Binpack));
+    let only_b = choose(
+        &request(15000),
+        &nodes,
+        policies(SchedulerPolicy::Binpack),
+        &keys,
+    );
     assert_eq!(only_b.chosen.as_deref(), Some("b"));
     assert!(only_b.failed.is_empty(), "{:?}", only_b.failed);
     // Nothing fits: every node with its reason.
-    let none = choose(&request(25000), &nodes, policies(SchedulerPolicy::Binpack));
+    let none = choose(
+        &request(25000),
+        &nodes,
+        policies(SchedulerPolicy::Binpack),
+        &keys,
+    );
     assert_eq!(none.chosen, None);
     assert_eq!(none.failed.len(), 2);
     assert!(
@@ -145,37 +166,74 @@ fn remembered_outcomes_are_per_request_and_per_view() {
     let a = node("a", 1);
     let view = Arc::new(FitView::new(node_view(&a, &NodeUsage::new())));
     let binpack = policies(SchedulerPolicy::Binpack);
-    let first = choose(&request(15000), std::slice::from_ref(&view), binpack);
+    let keys = FitKeys::default();
+    let first = choose(&request(15000), std::slice::from_ref(&view), binpack, &keys);
     assert_eq!(first.chosen.as_deref(), Some("a"));
-    let key = |mem| FitKey {
-        request: request(mem),
-        gpu: binpack.gpu,
+    let key = |mem| {
+        keys.intern(FitKey {
+            request: request(mem),
+            gpu: binpack.gpu,
+        })
     };
     assert!(view.recall(&key(15000)).is_some_and(|o| o.is_ok()));
     // Another request is not answered from the first one's outcome.
     assert_eq!(view.recall(&key(25000)), None);
     // Nor under another GPU policy.
-    let other_policy = FitKey {
+    let other_policy = keys.intern(FitKey {
         request: request(15000),
         gpu: SchedulerPolicy::Binpack,
-    };
+    });
     assert_eq!(view.recall(&other_policy), None);
-    let none = choose(&request(25000), std::slice::from_ref(&view), binpack);
+    let none = choose(&request(25000), std::slice::from_ref(&view), binpack, &keys);
     assert_eq!(none.chosen, None);
     assert!(view.recall(&key(25000)).is_some_and(|o| o.is_err()));
     // The memory is used: a planted outcome decides the node without a fit...
-    let planted = Arc::new(key(1000));
+    let planted = key(1000);
     view.remember(&planted, Err(FitFailure::NodeInsufficientDevice));
-    let fooled = choose(&request(1000), std::slice::from_ref(&view), binpack);
+    let fooled = choose(&request(1000), std::slice::from_ref(&view), binpack, &keys);
     assert_eq!(fooled.chosen, None, "the remembered outcome was not used");
     // ...but only the last few requests are kept.
     for mem in 2000..2000 + REMEMBERED as u64 {
-        choose(&request(mem), std::slice::from_ref(&view), binpack);
+        choose(&request(mem), std::slice::from_ref(&view), binpack, &keys);
     }
     assert_eq!(view.recall(&key(1000)), None);
-    let fresh = choose(&request(1000), std::slice::from_ref(&view), binpack);
+    let fresh = choose(&request(1000), std::slice::from_ref(&view), binpack, &keys);
     assert_eq!(fresh.chosen.as_deref(), Some("a"));
     // A new view (the node or its ledger changed) starts with nothing remembered.
     let rebuilt = FitView::new(node_view(&a, &used("GPU-a-0", 19000)));
     assert_eq!(rebuilt.recall(&key(1000)), None);
+}
+
+#[test]
+fn outcomes_are_found_by_the_kept_key_only() {
+    let a = node("a", 1);
+    let view = Arc::new(FitView::new(node_view(&a, &NodeUsage::new())));
+    let binpack = policies(SchedulerPolicy::Binpack);
+    let keys = FitKeys::default();
+    let equal = || FitKey {
+        request: request(1000),
+        gpu: binpack.gpu,
+    };
+    // The same request twice is one key.
+    assert!(Arc::ptr_eq(&keys.intern(equal()), &keys.intern(equal())));
+    // An equal key that is not the kept one is never taken for it: a planted outcome under
+    // its own address decides nothing.
+    view.remember(&Arc::new(equal()), Err(FitFailure::NodeInsufficientDevice));
+    let chosen = choose(&request(1000), std::slice::from_ref(&view), binpack, &keys);
+    assert_eq!(chosen.chosen.as_deref(), Some("a"));
+    // Once many other requests pushed the key out, the request gets a new one, and a view
+    // that remembered the old one fits again rather than mistaking either for the other.
+    let old = keys.intern(equal());
+    view.remember(&old, Err(FitFailure::NodeInsufficientDevice));
+    for mem in 0..64 {
+        keys.intern(FitKey {
+            request: request(2000 + mem),
+            gpu: binpack.gpu,
+        });
+    }
+    let new = keys.intern(equal());
+    assert!(!Arc::ptr_eq(&old, &new));
+    assert_eq!(view.recall(&new), None);
+    let chosen = choose(&request(1000), std::slice::from_ref(&view), binpack, &keys);
+    assert_eq!(chosen.chosen.as_deref(), Some("a"));
 }

@@ -52,6 +52,41 @@ pub struct FitKey {
 /// replicas of a few pod shapes).
 pub(super) const REMEMBERED: usize = 4;
 
+/// Distinct keys [`FitKeys`] keeps.
+const KEYS_KEPT: usize = 4 * REMEMBERED;
+
+/// The recent fit keys, each kept once, so that views compare keys by address.
+///
+/// A filter over thousands of nodes asks each view for its remembered outcome; comparing whole
+/// requests there (container names, filters, annotations) was a quarter of the call. The key
+/// of each call is swapped for the equal one kept here, once per call, and views then compare
+/// pointers. A key dropped from here while views still remember it only costs those views a
+/// fresh fit: an equal key under another address is never mistaken for it, and an address is
+/// not reused while a view holds it.
+#[derive(Debug, Default)]
+pub struct FitKeys {
+    recent: Mutex<Vec<Arc<FitKey>>>,
+}
+
+impl FitKeys {
+    /// The kept key equal to `key`, or `key` itself, now kept.
+    pub(super) fn intern(&self, key: FitKey) -> Arc<FitKey> {
+        let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+        // Most recent last: the oldest goes first.
+        if let Some(at) = recent.iter().position(|k| **k == key) {
+            let kept = recent.remove(at);
+            recent.push(kept.clone());
+            return kept;
+        }
+        if recent.len() >= KEYS_KEPT {
+            drop(recent.remove(0));
+        }
+        let kept = Arc::new(key);
+        recent.push(kept.clone());
+        kept
+    }
+}
+
 /// One remembered outcome: the node's score, or why the request does not fit.
 type Remembered = (Arc<FitKey>, Result<f32, FitFailure>);
 
@@ -85,17 +120,19 @@ impl FitView {
         &self.view.name
     }
 
-    pub(super) fn recall(&self, key: &FitKey) -> Option<Result<f32, FitFailure>> {
+    /// The outcome remembered for `key` (an interned key: see [`FitKeys`]).
+    pub(super) fn recall(&self, key: &Arc<FitKey>) -> Option<Result<f32, FitFailure>> {
         let remembered = self.remembered.lock().unwrap_or_else(|e| e.into_inner());
         remembered
             .iter()
-            .find(|(k, _)| **k == *key)
+            .find(|(k, _)| Arc::ptr_eq(k, key))
             .map(|(_, outcome)| *outcome)
     }
 
+    /// Remembers the outcome of `key` (an interned key: see [`FitKeys`]).
     pub(super) fn remember(&self, key: &Arc<FitKey>, outcome: Result<f32, FitFailure>) {
         let mut remembered = self.remembered.lock().unwrap_or_else(|e| e.into_inner());
-        if remembered.iter().any(|(k, _)| **k == **key) {
+        if remembered.iter().any(|(k, _)| Arc::ptr_eq(k, key)) {
             return;
         }
         if remembered.len() == REMEMBERED {
@@ -123,9 +160,15 @@ struct CachedView {
 #[derive(Default)]
 pub struct NodeViewCache {
     entries: Mutex<HashMap<String, CachedView>>,
+    keys: FitKeys,
 }
 
 impl NodeViewCache {
+    /// The keys the outcomes remembered on these views are filed under.
+    pub fn keys(&self) -> &FitKeys {
+        &self.keys
+    }
+
     /// The views of `nodes` (each a GpuNode and the index's version of its reservations), in
     /// order. `usage_of(node)` is called for the nodes whose view must be (re)built; read the
     /// version before the usage, so a change in between only makes the next call rebuild.
