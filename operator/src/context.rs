@@ -195,6 +195,23 @@ impl Context {
         self.caches.gpunodes.get(&ObjectRef::new(node))
     }
 
+    /// The GpuNodes of `names` from the cache, in order, and the names that have none. A
+    /// filter asks for thousands at once; one lookup key serves them all (a key per name was
+    /// an allocation and a free each).
+    pub fn gpunodes_named(&self, names: Vec<String>) -> (Vec<Arc<GpuNode>>, Vec<String>) {
+        let mut key = ObjectRef::<GpuNode>::new("");
+        let mut found = Vec::with_capacity(names.len());
+        let mut missing = Vec::new();
+        for name in names {
+            key.name = name;
+            match self.caches.gpunodes.get(&key) {
+                Some(node) => found.push(node),
+                None => missing.push(std::mem::take(&mut key.name)),
+            }
+        }
+        (found, missing)
+    }
+
     /// The pod's GPU request, `None` for pods without GPUs. A request the kubelet would never
     /// allocate (GPU memory or cores without `nvidia.com/gpu`) is an error naming what to add.
     pub fn gpu_request(&self, pod: &Pod) -> Result<Option<PodRequest>, PodApiError> {

@@ -197,6 +197,14 @@ proptest! {
             }
             if survivors.is_empty() {
                 prop_assert_eq!(refused.len(), wanted.len(), "a candidate went without a reason");
+                // A well-formed GPU pod is told which candidates run no gpuledger plugin.
+                if matches!(ctx.gpu_request(&args.pod), Ok(Some(_))) {
+                    for (n, reason) in &refused {
+                        if !GPU_NODES.contains(&n.as_str()) {
+                            prop_assert!(reason.contains("no GpuNode inventory"), "{n}: {reason}");
+                        }
+                    }
+                }
             } else {
                 prop_assert!(refused.is_empty(), "reasons sent beside a chosen node: {refused:?}");
             }

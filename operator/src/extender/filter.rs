@@ -105,16 +105,11 @@ pub async fn filter(ctx: &Context, args: ExtenderArgs) -> ExtenderFilterResult {
     }
     // Like HAMi, filter answers with the one node the fit engine chooses under the node
     // policy: kube-scheduler's own scoring cannot then override binpack/spread.
-    let mut failed = BTreeMap::new();
-    let mut inventory = Vec::new();
-    for node in candidates {
-        match ctx.gpunode(&node) {
-            Some(gpunode) => inventory.push(gpunode),
-            None => {
-                failed.insert(node, schedule::PlaceError::NoInventory.to_string());
-            }
-        }
-    }
+    let (inventory, without) = ctx.gpunodes_named(candidates);
+    let mut failed: BTreeMap<String, String> = without
+        .into_iter()
+        .map(|node| (node, schedule::PlaceError::NoInventory.to_string()))
+        .collect();
     let versions = ctx.ledger.index.node_versions(
         inventory
             .iter()
