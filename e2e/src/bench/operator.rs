@@ -134,10 +134,10 @@ impl ChildOperator {
     ) -> Result<Duration, ClusterError> {
         while self.started.elapsed() < timeout {
             self.group.check_running()?;
-            let logged = std::fs::read(&self.log)
-                .ok()
-                .and_then(|all| all.get(self.log_from as usize..).map(<[u8]>::to_vec))
-                .is_some_and(|own| String::from_utf8_lossy(&own).contains(text));
+            let all = std::fs::read(&self.log).unwrap_or_default();
+            let logged = all
+                .get(self.log_from as usize..)
+                .is_some_and(|own| String::from_utf8_lossy(own).contains(text));
             if logged {
                 return Ok(self.started.elapsed());
             }
