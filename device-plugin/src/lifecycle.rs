@@ -113,9 +113,7 @@ pub async fn run(
     loop {
         match generation(&config, &shared, &metrics, &mut shutdown).await? {
             Generation::Shutdown => return Ok(()),
-            Generation::Restart => tracing::info!(
-                "kubelet restart detected; serving a new socket and registering again"
-            ),
+            Generation::Restart => tracing::info!("serving a new socket and registering again"),
         }
     }
 }
@@ -139,7 +137,9 @@ async fn generation(
     let listener = UnixListener::bind(&socket).map_err(socket_err)?;
     let our_socket = file_id(&socket);
     let (stop_tx, stop_rx) = watch::channel(false);
-    let service = DevicePluginService::new(shared.clone(), stop_rx.clone());
+    let (hung_up_tx, hung_up) = watch::channel(false);
+    let service = DevicePluginService::new(shared.clone(), stop_rx.clone())
+        .reporting_hang_ups(Arc::new(hung_up_tx));
     let mut server_stop = stop_rx;
     let server = tokio::spawn(
         tonic::transport::Server::builder()
@@ -150,7 +150,7 @@ async fn generation(
     );
     tracing::info!(path = %socket.display(), "serving the device-plugin API");
 
-    let outcome = register_and_watch(config, shared, metrics, shutdown, our_socket).await;
+    let outcome = register_and_watch(config, shared, metrics, shutdown, our_socket, &hung_up).await;
 
     let _ = stop_tx.send(true);
     // In-flight calls finish; streams end through `stop`. A hung call must not block a restart.
@@ -175,6 +175,7 @@ async fn register_and_watch(
     metrics: &Metrics,
     shutdown: &mut watch::Receiver<bool>,
     our_socket: Option<(u64, u64)>,
+    hung_up: &watch::Receiver<bool>,
 ) -> Generation {
     let socket = config.socket();
     let kubelet = config.kubelet_socket();
@@ -224,6 +225,19 @@ async fn register_and_watch(
         }
         if file_id(&kubelet) != registered_with {
             tracing::info!("kubelet.sock was re-created");
+            return Generation::Restart;
+        }
+        // The kubelet dropped this endpoint without restarting. It does that when an earlier
+        // endpoint's stream ends after this one registered (its client bookkeeping is by
+        // resource name, so the late end of the old stream disconnects the new client), which
+        // a re-registration below can cause; every replica then stays unhealthy until we
+        // register again. We wait a poll interval first, so the kubelet has finished dropping
+        // the client before the next registration (which would otherwise meet the same end).
+        if *hung_up.borrow() {
+            tracing::warn!("the kubelet dropped this endpoint; registering again");
+            if wait_or_shutdown(shutdown, config.poll_interval).await {
+                return Generation::Shutdown;
+            }
             return Generation::Restart;
         }
         // The kubelet reads the options at registration only: a GpuConfig that turns

@@ -74,6 +74,8 @@ impl Shared {
 pub struct DevicePluginService {
     shared: Arc<Shared>,
     stop: watch::Receiver<bool>,
+    /// Set when the kubelet closes a ListAndWatch stream this generation did not end.
+    hung_up: Option<Arc<watch::Sender<bool>>>,
 }
 
 /// The options we advertise, in Register and in GetDevicePluginOptions alike; whether
@@ -100,7 +102,19 @@ fn pod_ref(p: &Pending) -> String {
 impl DevicePluginService {
     /// A service for one server generation.
     pub fn new(shared: Arc<Shared>, stop: watch::Receiver<bool>) -> Self {
-        DevicePluginService { shared, stop }
+        DevicePluginService {
+            shared,
+            stop,
+            hung_up: None,
+        }
+    }
+
+    /// Reports on `hung_up` when the kubelet closes a device list stream that `stop` did not
+    /// end: the kubelet has dropped this endpoint (its devices count as unhealthy) and will
+    /// not dial it again; only registering again brings them back.
+    pub fn reporting_hang_ups(mut self, hung_up: Arc<watch::Sender<bool>>) -> Self {
+        self.hung_up = Some(hung_up);
+        self
     }
 
     async fn pending(&self, family: &str) -> Result<Pending, Status> {
@@ -211,6 +225,18 @@ impl api::device_plugin_server::DevicePlugin for DevicePluginService {
         let (tx, rx) = tokio::sync::mpsc::channel(4);
         let mut inventory = self.shared.inventory.clone();
         let mut stop = self.stop.clone();
+        let hung_up = self.hung_up.clone();
+        // A stream closed while this generation stops is ours to close; any other close is
+        // the kubelet's.
+        let kubelet_hung_up = move |stop: &watch::Receiver<bool>| {
+            if *stop.borrow() {
+                return;
+            }
+            tracing::warn!("the kubelet closed the device list stream");
+            if let Some(h) = &hung_up {
+                h.send_replace(true);
+            }
+        };
         tokio::spawn(async move {
             loop {
                 let devices = inventory.borrow_and_update().kubelet_devices();
@@ -219,12 +245,15 @@ impl api::device_plugin_server::DevicePlugin for DevicePluginService {
                     .await
                     .is_err()
                 {
-                    return; // the kubelet hung up
+                    return kubelet_hung_up(&stop);
                 }
-                tokio::select! {
-                    changed = inventory.changed() => if changed.is_err() { return },
+                let closed = tokio::select! {
+                    changed = inventory.changed() => if changed.is_err() { return } else { false },
                     _ = stop.wait_for(|s| *s) => return,
-                    _ = tx.closed() => return,
+                    _ = tx.closed() => true,
+                };
+                if closed {
+                    return kubelet_hung_up(&stop);
                 }
             }
         });

@@ -108,6 +108,7 @@ async fn device_plugin_against_the_real_api_server() {
     lease_is_released_only_after_the_last_gpu_container(&dir, &admin).await;
     numa_restricted_admission_still_exposes_the_reserved_gpu(&sim, &admin).await;
     recovers_after_a_kubelet_restart(&mut sim, &admin).await;
+    registers_again_when_the_kubelet_drops_the_endpoint(&sim).await;
     an_unhealthy_gpu_reaches_the_kubelet_and_the_gpunode(&sim, &admin, &sample).await;
     admission_latency_report(&sim, &admin).await;
 
@@ -524,6 +525,27 @@ async fn numa_restricted_admission_still_exposes_the_reserved_gpu(
         "recorded: the kubelet's replicas are another GPU"
     );
     assert!(!lease_exists(admin).await);
+}
+
+/// The kubelet drops the plugin's client without restarting (kubelet.sock stays the same file,
+/// our socket stays in place): the plugin notices its device list stream closed and registers
+/// again, and every replica is healthy again.
+async fn registers_again_when_the_kubelet_drops_the_endpoint(sim: &KubeletSimulator) {
+    let before = sim.resource(GPU).unwrap().registrations;
+    sim.disconnect(GPU);
+    let view = sim.resource(GPU).unwrap();
+    assert!(!view.streaming);
+    assert!(
+        view.healthy_ids().is_empty(),
+        "dropped: nothing allocatable"
+    );
+    let view = sim
+        .wait_for(GPU, WAIT, |v| {
+            v.registrations == before + 1 && v.streaming && v.healthy_ids().len() == 80
+        })
+        .await
+        .unwrap();
+    assert_eq!(view.devices.len(), 80);
 }
 
 async fn recovers_after_a_kubelet_restart(sim: &mut KubeletSimulator, admin: &Client) {

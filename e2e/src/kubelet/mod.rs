@@ -336,6 +336,25 @@ impl KubeletSimulator {
         self.listen()
     }
 
+    /// Drops `resource`'s endpoint as the kubelet does when a plugin client is disconnected
+    /// without a restart (the device manager's `PluginDisconnected`: the stream is closed, every
+    /// device turns unhealthy and the endpoint is not dialled again). The real kubelet does this
+    /// when an older endpoint's stream of the same resource ends after a newer one registered.
+    pub fn disconnect(&self, resource: &str) {
+        {
+            let mut inner = self.state.lock();
+            let Some((_, e)) = inner.endpoints.get_mut(resource) else {
+                return;
+            };
+            e.stream_task.abort();
+            e.streaming = false;
+            for d in &mut e.devices {
+                d.health = "Unhealthy".to_string();
+            }
+        }
+        self.state.notify();
+    }
+
     /// Stops serving and removes kubelet.sock.
     pub async fn stop(&mut self) {
         self.stop_server().await;

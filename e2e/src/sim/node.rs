@@ -275,6 +275,16 @@ impl SimNode {
         wait_registered(&mut kubelet, &mut plugin, &self.plugin_log, self.replicas).await
     }
 
+    /// Waits until the kubelet's device manager holds `expected` healthy replicas (pod-resources
+    /// `GetAllocatableResources`), which is what admission allocates from. The Node's
+    /// allocatable lags it: it is the last node status the kubelet wrote, so right after the
+    /// plugin registers again it can still show the replicas while admission finds none.
+    pub async fn wait_admissible(&self, expected: usize) -> Result<(), SimNodeError> {
+        let mut kubelet = self.kubelet.lock().await;
+        let mut plugin = self.plugin.lock().await;
+        wait_registered(&mut kubelet, &mut plugin, &self.plugin_log, expected).await
+    }
+
     /// Freezes the node's kubelet (SIGSTOP): it sees no pod until [`SimNode::resume_kubelet`],
     /// as a kubelet stalled on a busy node. Tests use it to line pods up for one admission
     /// order.

@@ -162,16 +162,12 @@ pub async fn configuration_applies_without_restarts(cluster: &SimCluster) {
     // The real kubelet saw both nodes' new device lists.
     wait_allocatable(cluster, b.name(), (gpus - 1) * 4).await;
     wait_allocatable(cluster, a.name(), gpus * 10).await;
-    // Node b registered again to stop offering GetPreferredAllocation.
-    wait_for("node b's plugin to re-register", WAIT, || async {
-        let log = std::fs::read_to_string(b.plugin_log()).unwrap_or_default();
-        Ok::<_, std::io::Error>(
-            log.contains("preferred allocation switched by the device configuration")
-                .then_some(()),
-        )
-    })
-    .await
-    .unwrap();
+    // Node b registered again to stop offering GetPreferredAllocation ...
+    reregistered(b, 1).await;
+    // ... and admits from the new registration's replicas (the Node's allocatable above is the
+    // kubelet's last status report, which can precede the re-registration).
+    b.wait_admissible((gpus - 1) * 4).await.unwrap();
+    a.wait_admissible(gpus * 10).await.unwrap();
 
     // Refusals, in each config's status and its conditions (kstatus, as Flux reads them).
     let refused = kstatus_of(&configs, "node-b", "Failed").await;
@@ -240,4 +236,29 @@ pub async fn configuration_applies_without_restarts(cluster: &SimCluster) {
         .await;
         wait_allocatable(cluster, node.name(), gpus * 10).await;
     }
+    // Node b offers GetPreferredAllocation again: a second re-registration, which the next
+    // scenarios' pods must not meet half-way.
+    reregistered(b, 2).await;
+    for node in [a, b] {
+        node.wait_admissible(gpus * 10).await.unwrap();
+    }
+}
+
+/// Waits until `node`'s plugin has switched GetPreferredAllocation `switches` times and
+/// registered with the kubelet after the last switch (its log says both).
+async fn reregistered(node: &SimNode, switches: usize) {
+    const SWITCHED: &str = "preferred allocation switched by the device configuration";
+    const REGISTERED: &str = "registered with the kubelet";
+    let what = format!(
+        "node {}'s plugin to register after switch {switches}",
+        node.name()
+    );
+    wait_for(what, WAIT, || async {
+        let log = std::fs::read_to_string(node.plugin_log()).unwrap_or_default();
+        let done = log.matches(SWITCHED).count() >= switches
+            && log.rfind(REGISTERED) > log.rfind(SWITCHED);
+        Ok::<_, std::io::Error>(done.then_some(()))
+    })
+    .await
+    .unwrap();
 }
