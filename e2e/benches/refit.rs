@@ -35,7 +35,7 @@ use gpuledger_device_plugin::inventory::Inventory;
 use gpuledger_device_plugin::refit::client::RefitClient;
 use gpuledger_device_plugin::refit::client::request_for;
 use gpuledger_device_plugin::refit::{RefitContext, RefitHook, RefitOutcome};
-use gpuledger_e2e::bench::floor;
+use gpuledger_e2e::bench::{api_requests, floor};
 use k8s_openapi::jiff::Timestamp;
 use kube::{Client, ResourceExt};
 use support::*;
@@ -225,6 +225,7 @@ async fn run() {
     tokio::time::sleep(Duration::from_secs(2)).await;
 
     // Pass 1: one at a time, round robin over the nodes.
+    let before = api_requests::by_kind(&admin).await;
     let mut serial = Vec::new();
     for _ in 0..PASS {
         for node in &mut nodes {
@@ -232,7 +233,17 @@ async fn run() {
             serial.push(refit_once(&node.hook, case).await);
         }
     }
+    // What each refit cost the API server (the writes after the answer included: they land
+    // while the next refit runs).
+    let serial_api =
+        api_requests::per_unit(&before, &api_requests::by_kind(&admin).await, serial.len());
+    let before = api_requests::by_kind(&admin).await;
     let mut floor_one = floor_serial(&admin, &bodies, PASS).await;
+    let floor_api = api_requests::per_unit(
+        &before,
+        &api_requests::by_kind(&admin).await,
+        floor_one.len(),
+    );
     // Pass 2: all nodes at once, back to back: the saturation throughput of this machine.
     let started = Instant::now();
     let mut tasks = Vec::new();
@@ -284,6 +295,10 @@ async fn run() {
         serial.len() + steady.len() + parallel.len()
     );
     report("one at a time", &mut serial);
+    println!(
+        "  api one at a time: {:.2} requests per refit ({})",
+        serial_api.0, serial_api.1
+    );
     report(&format!("steady {steady_rate:.0}/s"), &mut steady);
     report(
         &format!("saturated, {NODES} in flight, {rate:.0} refits/s"),
@@ -294,6 +309,10 @@ async fn run() {
         floor_one.len() + floor_paced.len()
     );
     report("floor one at a time", &mut floor_one);
+    println!(
+        "  api floor one at a time: {:.2} requests per exchange ({})",
+        floor_api.0, floor_api.1
+    );
     report(
         &format!("floor steady {steady_rate:.0}/s"),
         &mut floor_paced,

@@ -358,6 +358,8 @@ enum WatchState {
 pub struct Health {
     watches: Mutex<BTreeMap<&'static str, WatchState>>,
     leader: AtomicBool,
+    /// How many times this replica became leader: numbers its terms.
+    terms: AtomicU64,
 }
 
 impl Health {
@@ -397,14 +399,25 @@ impl Health {
             .collect()
     }
 
-    /// Records leadership.
+    /// Records leadership; becoming leader starts a new term.
     pub fn set_leader(&self, leader: bool) {
+        // The term is counted before leadership shows, so no reader pairs "leading" with the
+        // previous term's number (one task, the election loop, calls this).
+        if leader && !self.is_leader() {
+            self.terms.fetch_add(1, Ordering::SeqCst);
+        }
         self.leader.store(leader, Ordering::SeqCst);
     }
 
     /// Whether this replica leads.
     pub fn is_leader(&self) -> bool {
         self.leader.load(Ordering::SeqCst)
+    }
+
+    /// The number of this replica's current leadership term; `None` while it follows. Another
+    /// replica may have led between two of our terms.
+    pub fn term(&self) -> Option<u64> {
+        self.is_leader().then(|| self.terms.load(Ordering::SeqCst))
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<&'static str, WatchState>> {
@@ -415,6 +428,20 @@ impl Health {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_time_leadership_is_taken_a_new_term_starts() {
+        let h = Health::default();
+        assert_eq!(h.term(), None);
+        h.set_leader(true);
+        let first = h.term().unwrap();
+        h.set_leader(true);
+        assert_eq!(h.term(), Some(first), "renewals stay in the term");
+        h.set_leader(false);
+        assert_eq!(h.term(), None);
+        h.set_leader(true);
+        assert_eq!(h.term(), Some(first + 1));
+    }
 
     #[test]
     fn metrics_encode_decisions_and_phases() {

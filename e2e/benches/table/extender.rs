@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use gpuledger_crds::GpuNode;
 use gpuledger_crds::names::DEFAULT_NAMESPACE;
+use gpuledger_e2e::bench::api_requests;
 use gpuledger_e2e::bench::fleet::run_parallel;
 use gpuledger_e2e::bench::{
     ChildOperator, Fleet, GpuShape, OperatorOptions, Row, Throttle, TimingProxy, gpu_pod,
@@ -71,74 +72,6 @@ async fn log_filter_histograms(op: &ChildOperator, phase: &str) {
             eprintln!("[bench] operator after {phase}: {line}");
         }
     }
-}
-
-/// The API server's requests so far by kind (`verb resource[/subresource]`), from its
-/// `apiserver_request_total`; empty when the metrics cannot be read.
-async fn api_requests_by_kind(client: &Client) -> BTreeMap<String, f64> {
-    let mut out = BTreeMap::new();
-    let Ok(request) = http::Request::get("/metrics").body(Vec::new()) else {
-        return out;
-    };
-    let Ok(text) = client.request_text(request).await else {
-        return out;
-    };
-    for l in text
-        .lines()
-        .filter_map(|l| l.strip_prefix("apiserver_request_total{"))
-    {
-        let Some((labels, value)) = l.rsplit_once("} ") else {
-            continue;
-        };
-        let label = |k: &str| {
-            labels
-                .split(',')
-                .find_map(|kv| kv.strip_prefix(&format!("{k}=\"")))
-                .map(|v| v.trim_end_matches('"').to_string())
-                .unwrap_or_default()
-        };
-        let sub = label("subresource");
-        let kind = format!(
-            "{} {}{}",
-            label("verb"),
-            label("resource"),
-            if sub.is_empty() {
-                String::new()
-            } else {
-                format!("/{sub}")
-            }
-        );
-        *out.entry(kind).or_default() += value.trim().parse::<f64>().unwrap_or(0.0);
-    }
-    out
-}
-
-/// The API server's requests between two [`api_requests_by_kind`] readings, per pod scheduled:
-/// the total and the busiest kinds, in words.
-fn requests_per_pod(
-    before: &BTreeMap<String, f64>,
-    after: &BTreeMap<String, f64>,
-    pods: usize,
-) -> (f64, String) {
-    let pods = pods.max(1) as f64;
-    let mut kinds: Vec<(f64, &str)> = after
-        .iter()
-        .map(|(k, v)| {
-            (
-                (v - before.get(k).copied().unwrap_or(0.0)) / pods,
-                k.as_str(),
-            )
-        })
-        .filter(|(per_pod, _)| *per_pod >= 0.05)
-        .collect();
-    kinds.sort_by(|a, b| b.0.total_cmp(&a.0));
-    let total: f64 = kinds.iter().map(|(v, _)| v).sum();
-    let top: Vec<String> = kinds
-        .iter()
-        .take(6)
-        .map(|(v, k)| format!("{k} {v:.2}"))
-        .collect();
-    (total, top.join(", "))
 }
 
 /// Logs the API server's busiest request kinds of the run (its `apiserver_request_total`), to
@@ -393,9 +326,9 @@ async fn run() -> Result<Vec<Row>, String> {
     // GPU requests. kube-scheduler asks the extender only about pods that name its managed
     // resources, so these are kube-scheduler alone.
     eprintln!("[bench] baseline: {pods} pods without GPUs at once, kube-scheduler alone");
-    let before = api_requests_by_kind(&client).await;
+    let before = api_requests::by_kind(&client).await;
     let plain = schedule_pods(&client, "plain", pods, plain_pod).await?;
-    let plain_api = requests_per_pod(&before, &api_requests_by_kind(&client).await, pods);
+    let plain_api = api_requests::per_unit(&before, &api_requests::by_kind(&client).await, pods);
     if plain.bound.len() < pods {
         return Err(format!("plain pods bound: {}/{pods}", plain.bound.len()));
     }
@@ -411,9 +344,9 @@ async fn run() -> Result<Vec<Row>, String> {
     let steady_names = b.proxy.take_filter_sizes();
     b.proxy.take_ms("/bind");
     eprintln!("[bench] creating {pods} GPU pods at once");
-    let before = api_requests_by_kind(&client).await;
+    let before = api_requests::by_kind(&client).await;
     let burst = schedule(&client, "tp", pods).await?;
-    let gpu_api = requests_per_pod(&before, &api_requests_by_kind(&client).await, pods);
+    let gpu_api = api_requests::per_unit(&before, &api_requests::by_kind(&client).await, pods);
     eprintln!(
         "[bench] API requests per pod, plain burst: {:.2} ({})",
         plain_api.0, plain_api.1

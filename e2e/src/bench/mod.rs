@@ -4,6 +4,7 @@
 //! as a child process that can be SIGKILLed and measured, and a timing proxy in front of the
 //! extender.
 
+pub mod api_requests;
 pub mod fleet;
 pub mod floor;
 pub mod operator;

@@ -82,6 +82,19 @@ pub fn parse(name: &str, text: &str) -> Vec<Row> {
         .and_then(|h| h.split(" on ").nth(1))
         .and_then(|s| s.split_whitespace().next())
         .unwrap_or("?");
+    // `api <series>: <what the API server served per exchange>`, added to that series' note.
+    let api: Vec<(&str, &str)> = text
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("api "))
+        .filter_map(|l| l.split_once(':'))
+        .map(|(label, mix)| (label.trim(), mix.trim()))
+        .collect();
+    let api_note = |label: &str| {
+        api.iter()
+            .find(|(l, _)| *l == label)
+            .map(|(_, mix)| format!("; API server: {mix}"))
+            .unwrap_or_default()
+    };
     let mut rows = Vec::new();
     for line in text
         .lines()
@@ -111,7 +124,10 @@ pub fn parse(name: &str, text: &str) -> Vec<Row> {
                 workload: format!("bare create -> watch -> status -> watch, {nodes} nodes, {floor}"),
                 unit: "ms".into(),
                 summary,
-                note: "no operator logic: a RefitRequest body under an unwatched kind, a bare watch answering".into(),
+                note: format!(
+                    "no operator logic: a RefitRequest body under an unwatched kind, a bare watch answering{}",
+                    api_note(label)
+                ),
                 failure: None,
             });
             continue;
@@ -129,7 +145,10 @@ pub fn parse(name: &str, text: &str) -> Vec<Row> {
                 } else {
                     "NOT met"
                 };
-                format!("target p99 < {ONE_AT_A_TIME_MS} ms on a quiet machine: {met}")
+                format!(
+                    "target p99 < {ONE_AT_A_TIME_MS} ms on a quiet machine: {met}{}",
+                    api_note(label)
+                )
             } else {
                 "see the ratio to the floor".into()
             },
@@ -181,6 +200,27 @@ mod tests {
         assert_eq!(steady.p99, 1.25);
         assert!(ratios[1].note.ends_with(": met"), "{}", ratios[1].note);
         assert!(ratios[1].workload.starts_with("steady 40/s"));
+    }
+
+    #[test]
+    fn the_api_servers_mix_goes_into_its_series_note() {
+        let text = "refit round trip (plugin call -> answer), 40 refits on 20 nodes:\n       one at a time: n= 20  p50   23.9 ms  p90   26.1 ms  p99   27.1 ms\n  api one at a time: 4.00 requests per refit (POST refitrequests 1.00, PUT gpureservations 1.00)\nrefit floor, 20 exchanges on 20 nodes:\n floor one at a time: n= 20  p50    6.0 ms  p90    8.0 ms  p99   15.0 ms\n  api floor one at a time: 2.00 requests per exchange (POST floorexchanges 1.00)\n";
+        let rows = parse("refit", text);
+        assert_eq!(rows.len(), 2);
+        assert!(
+            rows[0]
+                .note
+                .ends_with("; API server: 4.00 requests per refit (POST refitrequests 1.00, PUT gpureservations 1.00)"),
+            "{}",
+            rows[0].note
+        );
+        assert!(
+            rows[1]
+                .note
+                .ends_with("; API server: 2.00 requests per exchange (POST floorexchanges 1.00)"),
+            "{}",
+            rows[1].note
+        );
     }
 
     #[test]

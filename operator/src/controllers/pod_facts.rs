@@ -12,7 +12,7 @@
 //! delete or release a reservation.
 
 use std::collections::HashMap;
-use std::sync::RwLock;
+use std::sync::{Arc, RwLock};
 
 use gpuledger_crds::podapi::PodApiConfig;
 
@@ -79,9 +79,17 @@ pub fn init_containers_done(pod: &Pod) -> bool {
         })
 }
 
+/// At most this many pods are kept whole in [`PodFactsCache::admitting`]; past it a refit reads
+/// its pod from the API server, as it would on a miss.
+pub const ADMITTING_CAPACITY: usize = 4096;
+
 #[derive(Default)]
 struct Inner {
     pods: HashMap<ReservationKey, PodFacts>,
+    /// Whole GPU pods bound while this cache watched, until their containers start: the pods a
+    /// kubelet is admitting, whose device plugin may ask for a refit. A refit validates the
+    /// pod it names; taking it from here saves a GET on the path the kubelet waits on.
+    admitting: HashMap<ReservationKey, Arc<Pod>>,
     /// The node of every GPU pod being deleted whose containers have not stopped: a few
     /// entries, read by filter whenever no node fits, so it must not scan every pod.
     terminating: HashMap<ReservationKey, String>,
@@ -105,8 +113,28 @@ impl Inner {
 
     fn remove(&mut self, key: &ReservationKey) {
         self.terminating.remove(key);
+        self.admitting.remove(key);
         self.pods.remove(key);
     }
+
+    /// Keeps `pod` whole while a kubelet may be admitting it (bound, wants GPUs, not started,
+    /// not going away), within [`ADMITTING_CAPACITY`].
+    fn track_admission(&mut self, key: &ReservationKey, pod: &Pod, facts: &PodFacts) {
+        let admitting = facts.wants_gpus
+            && facts.node_name.is_some()
+            && !facts.finished
+            && !facts.terminating
+            && pod_phase(pod) == Some("Pending");
+        if !admitting {
+            self.admitting.remove(key);
+        } else if self.admitting.contains_key(key) || self.admitting.len() < ADMITTING_CAPACITY {
+            self.admitting.insert(key.clone(), Arc::new(pod.clone()));
+        }
+    }
+}
+
+fn pod_phase(pod: &Pod) -> Option<&str> {
+    pod.status.as_ref().and_then(|s| s.phase.as_deref())
 }
 
 /// [`PodFacts`] of every pod, keyed like reservations (namespace and pod name).
@@ -154,9 +182,19 @@ impl PodFactsCache {
 
     fn apply_locked(inner: &mut Inner, event: &Event<Pod>, config: &PodApiConfig) {
         match event {
-            Event::Apply(pod) => inner.insert(key_of(pod), PodFacts::of(pod, config)),
+            Event::Apply(pod) => {
+                let key = key_of(pod);
+                let facts = PodFacts::of(pod, config);
+                inner.track_admission(&key, pod, &facts);
+                inner.insert(key, facts);
+            }
             Event::Delete(pod) => inner.remove(&key_of(pod)),
-            Event::Init => inner.relist = Some(HashMap::new()),
+            // A relist may hide deletions: forget the whole pods (the listed ones are not kept:
+            // a cold start lists every pod of the cluster, and a kubelet admits few at a time).
+            Event::Init => {
+                inner.relist = Some(HashMap::new());
+                inner.admitting.clear();
+            }
             Event::InitApply(pod) => {
                 if let Some(buf) = inner.relist.as_mut() {
                     buf.insert(key_of(pod), PodFacts::of(pod, config));
@@ -178,6 +216,13 @@ impl PodFactsCache {
     /// The facts of pod `key`, `None` when the watch has not seen it (or saw it deleted).
     pub fn get(&self, key: &ReservationKey) -> Option<PodFacts> {
         self.read().pods.get(key).cloned()
+    }
+
+    /// Pod `key` as the watch last showed it, if it is one a kubelet may be admitting (bound
+    /// while this cache watched, wants GPUs, not started yet). A miss says nothing: read the
+    /// pod from the API server.
+    pub fn admitting(&self, key: &ReservationKey) -> Option<Arc<Pod>> {
+        self.read().admitting.get(key).cloned()
     }
 
     /// Every bound pod that wants GPUs and has not finished, with its facts.
@@ -336,6 +381,101 @@ pub(crate) mod tests {
         cache.apply(&Event::InitDone);
         assert_eq!(cache.terminating_gpu_pods_on("n2"), 0);
         assert_eq!(cache.terminating_gpu_pods_on("n1"), 1);
+    }
+
+    /// `p` with one container asking for one GPU.
+    fn wanting_a_gpu(mut p: Pod) -> Pod {
+        p.spec.as_mut().unwrap().containers = vec![Container {
+            name: "main".into(),
+            resources: Some(k8s_openapi::api::core::v1::ResourceRequirements {
+                limits: Some(
+                    [(
+                        "nvidia.com/gpu".to_string(),
+                        k8s_openapi::apimachinery::pkg::api::resource::Quantity("1".into()),
+                    )]
+                    .into(),
+                ),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }];
+        p
+    }
+
+    #[test]
+    fn only_gpu_pods_bound_while_watched_are_kept_whole_until_they_start() {
+        let c = PodFactsCache::default();
+        let k = |n: &str| ReservationKey::new("ns", n);
+        let uid_of = |n: &str| c.admitting(&k(n)).and_then(|p| p.metadata.uid.clone());
+        // Listed at start: not kept (a cold start lists every pod of the cluster).
+        c.apply(&Event::Init);
+        let listed = wanting_a_gpu(pod("listed", "u0", Some("n1"), "Pending"));
+        c.apply(&Event::InitApply(listed));
+        c.apply(&Event::InitDone);
+        assert_eq!(uid_of("listed"), None);
+        // Unbound, or without GPUs: not kept.
+        c.apply(&Event::Apply(wanting_a_gpu(pod(
+            "a", "u1", None, "Pending",
+        ))));
+        c.apply(&Event::Apply(pod("cpu", "u2", Some("n1"), "Pending")));
+        assert_eq!((uid_of("a"), uid_of("cpu")), (None, None));
+        // Bound: kept, as the watch last showed it.
+        c.apply(&Event::Apply(wanting_a_gpu(pod(
+            "a",
+            "u1",
+            Some("n1"),
+            "Pending",
+        ))));
+        assert_eq!(uid_of("a").as_deref(), Some("u1"));
+        // Started, being deleted, or deleted: gone.
+        c.apply(&Event::Apply(wanting_a_gpu(pod(
+            "a",
+            "u1",
+            Some("n1"),
+            "Running",
+        ))));
+        assert_eq!(uid_of("a"), None);
+        let mut deleting = wanting_a_gpu(pod("b", "u3", Some("n1"), "Pending"));
+        c.apply(&Event::Apply(deleting.clone()));
+        assert!(uid_of("b").is_some());
+        deleting.metadata.deletion_timestamp = Some(Time(Timestamp::UNIX_EPOCH));
+        c.apply(&Event::Apply(deleting));
+        assert_eq!(uid_of("b"), None);
+        c.apply(&Event::Apply(wanting_a_gpu(pod(
+            "d",
+            "u4",
+            Some("n1"),
+            "Pending",
+        ))));
+        c.apply(&Event::Delete(wanting_a_gpu(pod(
+            "d",
+            "u4",
+            Some("n1"),
+            "Pending",
+        ))));
+        assert_eq!(uid_of("d"), None);
+        // A relist forgets them all (it may hide deletions).
+        c.apply(&Event::Apply(wanting_a_gpu(pod(
+            "e",
+            "u5",
+            Some("n1"),
+            "Pending",
+        ))));
+        c.apply(&Event::Init);
+        assert_eq!(uid_of("e"), None);
+        c.apply(&Event::InitDone);
+        // Bounded: past the capacity, new pods are not kept (a refit reads them instead).
+        for i in 0..=ADMITTING_CAPACITY {
+            let name = format!("p{i}");
+            c.apply(&Event::Apply(wanting_a_gpu(pod(
+                &name,
+                &name,
+                Some("n1"),
+                "Pending",
+            ))));
+        }
+        assert!(uid_of("p0").is_some());
+        assert_eq!(uid_of(&format!("p{ADMITTING_CAPACITY}")), None);
     }
 
     #[test]

@@ -54,11 +54,11 @@ async fn bounded<T>(
         .map_err(|_| ReconcileError::LockedCallTimedOut(what))
 }
 
-/// Whether request `name` is still unanswered on the API server. The controller decides on its
-/// cache; a cache that lags our own earlier answer must never lead to a second decision that
-/// commits a move the first answer refused. One linearizable read, made when the reconcile
-/// starts (after any earlier reconcile of the request has written its answer: the controller
-/// runs one reconcile per request at a time), beside the read of the pod.
+/// Whether request `name` is still unanswered on the API server: one linearizable read, for a
+/// request [`super::answers`] cannot vouch for (a reconcile of ours may have answered it
+/// without confirmation). It is made when the reconcile starts (after any earlier reconcile of
+/// the request has ended: the controller runs one reconcile per request at a time), beside the
+/// read of the pod.
 pub async fn still_pending(
     ctx: &Context,
     namespace: &str,

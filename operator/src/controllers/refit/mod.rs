@@ -6,11 +6,17 @@
 //! the container already sits on allowed GPUs; refuse a request past its deadline; otherwise
 //! plan the restricted fit and commit it under the node's lock ([`commit`]). The answer goes
 //! into the request's status with the request's resourceVersion as precondition (two replicas
-//! or a stale cache can never answer twice; a move is only committed for a request the API
-//! server still shows unanswered), then the `Refitted` condition, the pod event and
+//! or a stale cache can never answer twice), then the `Refitted` condition, the pod event and
 //! the metrics follow — after the answer, so the waiting kubelet is not kept waiting on them.
 //! Answered requests are deleted after `--refit-ttl`.
+//!
+//! A move is only committed for a request nobody has answered: [`answers`] says when the
+//! cache's Pending can be trusted and when the request must be read from the API server first.
+//! On the usual path nothing is read: the request comes from the watch, the pod from the pod
+//! watch's admitting pods, the reservation from the ledger index; the reservation write and
+//! the answer are the only API calls the kubelet waits on.
 
+pub mod answers;
 pub mod commit;
 pub mod plan;
 pub mod validation;
@@ -21,11 +27,11 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use gpuledger_crds::conditions::{condition, set_condition, types};
 use gpuledger_crds::protocol;
-use gpuledger_crds::{RefitPhase, RefitRequest, RefitRequestStatus, kstatus};
+use gpuledger_crds::{RefitPhase, RefitRequest, RefitRequestSpec, RefitRequestStatus, kstatus};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
-use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, Preconditions};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
@@ -35,6 +41,7 @@ use crate::context::{Context, pod_ref_by_name};
 use crate::ledger::writer::OperatorStatus;
 use crate::ledger::{ReservationKey, WriteError};
 use crate::telemetry::{NodeLabels, OutcomeLabels};
+use answers::{AnswerBook, Standing};
 use commit::{Moved, expired};
 
 /// Default of `--refit-ttl`: how long answered requests stay for `kubectl get refit`.
@@ -178,13 +185,32 @@ pub struct RefitContext {
     pub ctx: Arc<Context>,
     /// `--refit-ttl`.
     pub ttl: Duration,
+    /// Which requests are known answered, so the cache's Pending can be trusted.
+    pub answers: AnswerBook,
+}
+
+impl RefitContext {
+    /// The controller's state for answered requests kept `ttl`.
+    pub fn new(ctx: Arc<Context>, ttl: Duration) -> Self {
+        // Records outlive the requests they are about (deleted `ttl` after their answer).
+        let keep = ttl.saturating_mul(2).max(Duration::from_secs(60));
+        RefitContext {
+            ctx,
+            ttl,
+            answers: AnswerBook::new(keep),
+        }
+    }
 }
 
 /// Runs the controller until the process ends.
 pub async fn run(ctx: Arc<Context>, ttl: Duration) {
     let requests: Api<RefitRequest> = Api::all(ctx.client.clone());
     Controller::new(requests, watcher::Config::default())
-        .run(reconcile, error_policy, Arc::new(RefitContext { ctx, ttl }))
+        .run(
+            reconcile,
+            error_policy,
+            Arc::new(RefitContext::new(ctx, ttl)),
+        )
         .for_each(|res| async move {
             if let Err(e) = res {
                 tracing::debug!(error = %e, "refit reconcile");
@@ -232,17 +258,38 @@ async fn reconcile(
         return expire_answered(&req, &status, &rc).await;
     }
     let started = Instant::now();
+    let Some(term) = ctx.health.term() else {
+        return Ok(Action::requeue(Duration::from_secs(2)));
+    };
+    let uid = req.uid().unwrap_or_default();
+    let mut standing = rc.answers.standing(term, &uid);
+    if standing == Standing::TermNotStarted {
+        rc.answers.start_term(term, answered_requests(ctx).await?);
+        standing = rc.answers.standing(term, &uid);
+    }
+    let read_request = match standing {
+        // Our cache lags the answer: the watch brings it.
+        Standing::Answered => return Ok(Action::await_change()),
+        Standing::Pending if !uid.is_empty() => false,
+        _ => true,
+    };
     measure_clock_offset(ctx, &req);
-    let (answer, moved) = match decide(ctx, &req).await {
+    // From here until the API server accepts an answer, a commit may have been written.
+    rc.answers.deciding(&uid);
+    let (answer, moved) = match decide(ctx, &req, read_request).await {
         Ok(decided) => decided,
-        Err(ReconcileError::AlreadyAnswered) => return Ok(Action::await_change()),
+        Err(ReconcileError::AlreadyAnswered) => {
+            rc.answers.answered(&uid);
+            return Ok(Action::await_change());
+        }
         Err(e) => return Err(e),
     };
     if !write_answer(ctx, &req, &answer).await? {
         // The request changed since our cache saw it (answered by another replica, or our own
-        // earlier answer): the watch brings the fresh object.
+        // earlier answer): it stays uncertain, and the watch brings the fresh object.
         return Ok(Action::requeue(Duration::from_millis(100)));
     }
+    rc.answers.answered(&uid);
     ctx.metrics
         .refit_latency
         .observe(started.elapsed().as_secs_f64());
@@ -304,24 +351,74 @@ fn clock_sample(req: &RefitRequest, now: Timestamp) -> Option<(SignedDuration, S
     Some((offset, tolerated))
 }
 
-/// The answer to a Pending request.
+/// The UIDs of the requests the API server shows answered, from one quorum list: what
+/// another replica answered before this term began.
+async fn answered_requests(ctx: &Context) -> Result<Vec<String>, ReconcileError> {
+    let api: Api<RefitRequest> = Api::all(ctx.client.clone());
+    let listed = api
+        .list(&ListParams::default())
+        .await
+        .map_err(|source| ReconcileError::Api {
+            action: "list",
+            request: "every request, at the start of a leadership term".into(),
+            source,
+        })?;
+    Ok(listed
+        .items
+        .into_iter()
+        .filter(|r| {
+            r.status
+                .as_ref()
+                .and_then(|s| s.phase)
+                .is_some_and(RefitPhase::is_terminal)
+        })
+        .filter_map(|r| r.metadata.uid)
+        .collect())
+}
+
+/// The pod `spec` names, as the pod watch showed it while a kubelet was admitting it, when that
+/// is the pod the request is about (same UID, bound to the asking node); otherwise from the
+/// API server. Every field the refit reads of it is fixed once the pod is bound, except
+/// annotations, whose change races the refit the same way after a GET.
+async fn read_pod(
+    ctx: &Context,
+    ns: &str,
+    spec: &RefitRequestSpec,
+) -> Result<Option<Arc<Pod>>, kube::Error> {
+    if spec.pod_name.is_empty() {
+        return Ok(None);
+    }
+    let key = ReservationKey::new(ns, &spec.pod_name);
+    if let Some(pod) = ctx.caches.pods.admitting(&key) {
+        let bound_to = pod.spec.as_ref().and_then(|s| s.node_name.as_deref());
+        if pod.uid().as_deref() == Some(spec.pod_uid.as_str())
+            && bound_to == Some(spec.node_name.as_str())
+        {
+            return Ok(Some(pod));
+        }
+    }
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
+    Ok(pods.get_opt(&spec.pod_name).await?.map(Arc::new))
+}
+
+/// The answer to a Pending request; `read_request`: read the request from the API server
+/// first, because an earlier reconcile of ours may have answered it.
 async fn decide(
     ctx: &Context,
     req: &RefitRequest,
+    read_request: bool,
 ) -> Result<(Answer, Option<Moved>), ReconcileError> {
     let ns = req.namespace().unwrap_or_default();
     let spec = &req.spec;
-    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
-    let read_pod = async {
-        if spec.pod_name.is_empty() {
-            Ok(None)
-        } else {
-            pods.get_opt(&spec.pod_name).await
+    let name = req.name_any();
+    let pending = async {
+        match read_request {
+            true => commit::still_pending(ctx, &ns, &name).await,
+            false => Ok(true),
         }
     };
-    // Both reads at once: they are independent, and the refit's whole budget is two seconds.
-    let name = req.name_any();
-    let (pod, pending) = tokio::join!(read_pod, commit::still_pending(ctx, &ns, &name));
+    // Both at once: they are independent, and the refit's whole budget is two seconds.
+    let (pod, pending) = tokio::join!(read_pod(ctx, &ns, spec), pending);
     let pod = pod.map_err(api_err("read pod", req))?;
     if !pending? {
         return Err(ReconcileError::AlreadyAnswered);
@@ -336,7 +433,7 @@ async fn decide(
         // not be in it yet. Ask the API server before refusing (this also records it).
         current = ctx.ledger.writer.reread(&key).await?.map(Arc::new);
     }
-    let container = match validation::validate(&ns, spec, pod.as_ref(), current.as_deref()) {
+    let container = match validation::validate(&ns, spec, pod.as_deref(), current.as_deref()) {
         Ok(c) => c,
         Err(r) => return Ok((Answer::refused(r.reason, r.event), None)),
     };

@@ -1,0 +1,109 @@
+//! What a workload costs the API server: its `apiserver_request_total` read before and after,
+//! by kind (`verb resource[/subresource]`), divided by the units of work (pods scheduled,
+//! refits answered). The benches print it beside their timings, so a row's figure comes with
+//! where the API server's time went.
+
+use std::collections::BTreeMap;
+
+use kube::Client;
+
+/// The API server's requests so far by kind, from its metrics; empty when they cannot be read
+/// (the bench then prints no mix, and no figure depends on it).
+pub async fn by_kind(client: &Client) -> BTreeMap<String, f64> {
+    let Ok(request) = http::Request::get("/metrics").body(Vec::new()) else {
+        return BTreeMap::new();
+    };
+    match client.request_text(request).await {
+        Ok(text) => parse(&text),
+        Err(_) => BTreeMap::new(),
+    }
+}
+
+/// Sums `apiserver_request_total` samples by verb, resource and subresource (codes, scopes
+/// and components merged).
+pub fn parse(metrics: &str) -> BTreeMap<String, f64> {
+    let mut out = BTreeMap::new();
+    for l in metrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("apiserver_request_total{"))
+    {
+        let Some((labels, value)) = l.rsplit_once("} ") else {
+            continue;
+        };
+        let label = |k: &str| {
+            labels
+                .split(',')
+                .find_map(|kv| kv.strip_prefix(&format!("{k}=\"")))
+                .map(|v| v.trim_end_matches('"').to_string())
+                .unwrap_or_default()
+        };
+        let sub = label("subresource");
+        let kind = format!(
+            "{} {}{}",
+            label("verb"),
+            label("resource"),
+            if sub.is_empty() {
+                String::new()
+            } else {
+                format!("/{sub}")
+            }
+        );
+        *out.entry(kind).or_default() += value.trim().parse::<f64>().unwrap_or(0.0);
+    }
+    out
+}
+
+/// The requests between two [`by_kind`] readings per unit of work: the total, and the six
+/// busiest kinds in words (`POST pods 1.00, ...`). Kinds under 0.05 per unit are left out.
+pub fn per_unit(
+    before: &BTreeMap<String, f64>,
+    after: &BTreeMap<String, f64>,
+    units: usize,
+) -> (f64, String) {
+    let units = units.max(1) as f64;
+    let mut kinds: Vec<(f64, &str)> = after
+        .iter()
+        .map(|(k, v)| {
+            (
+                (v - before.get(k).copied().unwrap_or(0.0)) / units,
+                k.as_str(),
+            )
+        })
+        .filter(|(per_unit, _)| *per_unit >= 0.05)
+        .collect();
+    kinds.sort_by(|a, b| b.0.total_cmp(&a.0));
+    let total: f64 = kinds.iter().map(|(v, _)| v).sum();
+    let top: Vec<String> = kinds
+        .iter()
+        .take(6)
+        .map(|(v, k)| format!("{k} {v:.2}"))
+        .collect();
+    (total, top.join(", "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_are_summed_by_kind_and_divided_by_the_work() {
+        let before = parse(
+            r#"apiserver_request_total{code="201",component="apiserver",resource="pods",scope="resource",subresource="",verb="POST"} 10
+apiserver_request_total{code="200",component="apiserver",resource="pods",scope="resource",subresource="binding",verb="POST"} 4
+other_metric{resource="pods"} 99"#,
+        );
+        assert_eq!(before.get("POST pods"), Some(&10.0));
+        assert_eq!(before.get("POST pods/binding"), Some(&4.0));
+        assert_eq!(before.len(), 2);
+        let after = parse(
+            r#"apiserver_request_total{code="201",component="apiserver",resource="pods",scope="resource",subresource="",verb="POST"} 30
+apiserver_request_total{code="409",component="apiserver",resource="pods",scope="resource",subresource="",verb="POST"} 4
+apiserver_request_total{code="200",component="apiserver",resource="pods",scope="resource",subresource="binding",verb="POST"} 24
+apiserver_request_total{code="200",component="apiserver",resource="leases",scope="resource",subresource="",verb="GET"} 0.5"#,
+        );
+        let (total, words) = per_unit(&before, &after, 20);
+        assert!((total - 2.2).abs() < 1e-9, "{total}");
+        // Busiest first; the Lease reads (0.025 per unit) are left out.
+        assert_eq!(words, "POST pods 1.20, POST pods/binding 1.00");
+    }
+}
