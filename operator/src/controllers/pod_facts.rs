@@ -79,17 +79,18 @@ pub fn init_containers_done(pod: &Pod) -> bool {
         })
 }
 
-/// At most this many pods are kept whole in [`PodFactsCache::admitting`]; past it a refit reads
-/// its pod from the API server, as it would on a miss.
-pub const ADMITTING_CAPACITY: usize = 4096;
+/// At most this many pods are kept whole ([`PodFactsCache::pending_gpu_pod`]); past it, bind
+/// and refit read their pod from the API server, as they do on a miss.
+pub const PENDING_CAPACITY: usize = 4096;
 
 #[derive(Default)]
 struct Inner {
     pods: HashMap<ReservationKey, PodFacts>,
-    /// Whole GPU pods bound while this cache watched, until their containers start: the pods a
-    /// kubelet is admitting, whose device plugin may ask for a refit. A refit validates the
-    /// pod it names; taking it from here saves a GET on the path the kubelet waits on.
-    admitting: HashMap<ReservationKey, Arc<Pod>>,
+    /// Whole GPU pods that have not started, seen since this cache synced: the pods
+    /// kube-scheduler is about to bind and the kubelets are admitting. Bind and refit read the
+    /// pod they are about; taking it from here saves a GET on the paths kube-scheduler and the
+    /// kubelet wait on.
+    pending: HashMap<ReservationKey, Arc<Pod>>,
     /// The node of every GPU pod being deleted whose containers have not stopped: a few
     /// entries, read by filter whenever no node fits, so it must not scan every pod.
     terminating: HashMap<ReservationKey, String>,
@@ -113,22 +114,21 @@ impl Inner {
 
     fn remove(&mut self, key: &ReservationKey) {
         self.terminating.remove(key);
-        self.admitting.remove(key);
+        self.pending.remove(key);
         self.pods.remove(key);
     }
 
-    /// Keeps `pod` whole while a kubelet may be admitting it (bound, wants GPUs, not started,
-    /// not going away), within [`ADMITTING_CAPACITY`].
-    fn track_admission(&mut self, key: &ReservationKey, pod: &Pod, facts: &PodFacts) {
-        let admitting = facts.wants_gpus
-            && facts.node_name.is_some()
+    /// Keeps `pod` whole while it wants GPUs and has not started (nor is going away), within
+    /// [`PENDING_CAPACITY`].
+    fn track_pending(&mut self, key: &ReservationKey, pod: &Pod, facts: &PodFacts) {
+        let pending = facts.wants_gpus
             && !facts.finished
             && !facts.terminating
             && pod_phase(pod) == Some("Pending");
-        if !admitting {
-            self.admitting.remove(key);
-        } else if self.admitting.contains_key(key) || self.admitting.len() < ADMITTING_CAPACITY {
-            self.admitting.insert(key.clone(), Arc::new(pod.clone()));
+        if !pending {
+            self.pending.remove(key);
+        } else if self.pending.contains_key(key) || self.pending.len() < PENDING_CAPACITY {
+            self.pending.insert(key.clone(), Arc::new(pod.clone()));
         }
     }
 }
@@ -185,15 +185,15 @@ impl PodFactsCache {
             Event::Apply(pod) => {
                 let key = key_of(pod);
                 let facts = PodFacts::of(pod, config);
-                inner.track_admission(&key, pod, &facts);
+                inner.track_pending(&key, pod, &facts);
                 inner.insert(key, facts);
             }
             Event::Delete(pod) => inner.remove(&key_of(pod)),
             // A relist may hide deletions: forget the whole pods (the listed ones are not kept:
-            // a cold start lists every pod of the cluster, and a kubelet admits few at a time).
+            // a cold start lists every pod of the cluster, and few are pending at any time).
             Event::Init => {
                 inner.relist = Some(HashMap::new());
-                inner.admitting.clear();
+                inner.pending.clear();
             }
             Event::InitApply(pod) => {
                 if let Some(buf) = inner.relist.as_mut() {
@@ -218,11 +218,11 @@ impl PodFactsCache {
         self.read().pods.get(key).cloned()
     }
 
-    /// Pod `key` as the watch last showed it, if it is one a kubelet may be admitting (bound
-    /// while this cache watched, wants GPUs, not started yet). A miss says nothing: read the
-    /// pod from the API server.
-    pub fn admitting(&self, key: &ReservationKey) -> Option<Arc<Pod>> {
-        self.read().admitting.get(key).cloned()
+    /// Pod `key` as the watch last showed it, if it wants GPUs and has not started (unbound,
+    /// or bound and being admitted), seen since the cache synced. A miss says nothing: read the
+    /// pod from the API server. The caller checks that it is the pod it is about (UID, node).
+    pub fn pending_gpu_pod(&self, key: &ReservationKey) -> Option<Arc<Pod>> {
+        self.read().pending.get(key).cloned()
     }
 
     /// Every bound pod that wants GPUs and has not finished, with its facts.
@@ -403,30 +403,38 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn only_gpu_pods_bound_while_watched_are_kept_whole_until_they_start() {
+    fn pending_gpu_pods_seen_since_the_sync_are_kept_whole_until_they_start() {
         let c = PodFactsCache::default();
         let k = |n: &str| ReservationKey::new("ns", n);
-        let uid_of = |n: &str| c.admitting(&k(n)).and_then(|p| p.metadata.uid.clone());
+        let uid_of = |n: &str| {
+            c.pending_gpu_pod(&k(n))
+                .and_then(|p| p.metadata.uid.clone())
+        };
         // Listed at start: not kept (a cold start lists every pod of the cluster).
         c.apply(&Event::Init);
         let listed = wanting_a_gpu(pod("listed", "u0", Some("n1"), "Pending"));
         c.apply(&Event::InitApply(listed));
         c.apply(&Event::InitDone);
         assert_eq!(uid_of("listed"), None);
-        // Unbound, or without GPUs: not kept.
+        // Without GPUs: not kept.
+        c.apply(&Event::Apply(pod("cpu", "u2", None, "Pending")));
+        assert_eq!(uid_of("cpu"), None);
+        // Unbound, then bound: kept, as the watch last showed it.
         c.apply(&Event::Apply(wanting_a_gpu(pod(
             "a", "u1", None, "Pending",
         ))));
-        c.apply(&Event::Apply(pod("cpu", "u2", Some("n1"), "Pending")));
-        assert_eq!((uid_of("a"), uid_of("cpu")), (None, None));
-        // Bound: kept, as the watch last showed it.
+        assert_eq!(uid_of("a").as_deref(), Some("u1"));
         c.apply(&Event::Apply(wanting_a_gpu(pod(
             "a",
             "u1",
             Some("n1"),
             "Pending",
         ))));
-        assert_eq!(uid_of("a").as_deref(), Some("u1"));
+        let bound = c.pending_gpu_pod(&k("a")).unwrap();
+        assert_eq!(
+            bound.spec.as_ref().unwrap().node_name.as_deref(),
+            Some("n1")
+        );
         // Started, being deleted, or deleted: gone.
         c.apply(&Event::Apply(wanting_a_gpu(pod(
             "a",
@@ -442,40 +450,28 @@ pub(crate) mod tests {
         c.apply(&Event::Apply(deleting));
         assert_eq!(uid_of("b"), None);
         c.apply(&Event::Apply(wanting_a_gpu(pod(
-            "d",
-            "u4",
-            Some("n1"),
-            "Pending",
+            "d", "u4", None, "Pending",
         ))));
         c.apply(&Event::Delete(wanting_a_gpu(pod(
-            "d",
-            "u4",
-            Some("n1"),
-            "Pending",
+            "d", "u4", None, "Pending",
         ))));
         assert_eq!(uid_of("d"), None);
         // A relist forgets them all (it may hide deletions).
         c.apply(&Event::Apply(wanting_a_gpu(pod(
-            "e",
-            "u5",
-            Some("n1"),
-            "Pending",
+            "e", "u5", None, "Pending",
         ))));
         c.apply(&Event::Init);
         assert_eq!(uid_of("e"), None);
         c.apply(&Event::InitDone);
-        // Bounded: past the capacity, new pods are not kept (a refit reads them instead).
-        for i in 0..=ADMITTING_CAPACITY {
+        // Bounded: past the capacity, new pods are not kept (they are read instead).
+        for i in 0..=PENDING_CAPACITY {
             let name = format!("p{i}");
             c.apply(&Event::Apply(wanting_a_gpu(pod(
-                &name,
-                &name,
-                Some("n1"),
-                "Pending",
+                &name, &name, None, "Pending",
             ))));
         }
         assert!(uid_of("p0").is_some());
-        assert_eq!(uid_of(&format!("p{ADMITTING_CAPACITY}")), None);
+        assert_eq!(uid_of(&format!("p{PENDING_CAPACITY}")), None);
     }
 
     #[test]

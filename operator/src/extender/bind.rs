@@ -253,7 +253,7 @@ async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Bound, Bi
     let started = Instant::now();
     let deadline = started + ctx.timing.lease_wait + BIND_SLACK;
     let pod_id = format!("{}/{}", args.pod_namespace, args.pod_name);
-    let pod = within(deadline, started, args, "the pod", read_pod(ctx, args)).await?;
+    let pod = within(deadline, started, args, "the pod", pod_to_bind(ctx, args)).await?;
     if let Some(node) = bound_node(&pod) {
         return earlier_bind(ctx, args, node);
     }
@@ -348,8 +348,35 @@ async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Bound, Bi
     }
 }
 
-/// Reads the pod the scheduler asks to bind; [`BindError::PodChanged`] when it is gone or was
-/// recreated under its name.
+/// The pod the scheduler asks to bind, for a bind's start; [`BindError::PodChanged`] when it is
+/// gone or was recreated under its name.
+///
+/// Taken from the pod watch when it shows this pod (same UID) unbound and the ledger holds no
+/// reservation of it: the usual first bind, which then costs the API server no read. A pod
+/// the watch shows late as unbound cannot slip through: whatever bound it also wrote its
+/// reservation (our own writes are in the index at once), and that sends the bind to the API
+/// server. Otherwise, and for retries, the pod is read from the API server. The watch cannot
+/// be steered by a caller of this endpoint, unlike a pod remembered from `filter`'s arguments.
+async fn pod_to_bind(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Arc<Pod>, BindError> {
+    let key = ReservationKey::new(args.pod_namespace.clone(), args.pod_name.clone());
+    let watched =
+        ctx.caches.pods.pending_gpu_pod(&key).filter(|p| {
+            p.uid().as_deref() == Some(args.pod_uid.as_str()) && bound_node(p).is_none()
+        });
+    let booked = || {
+        ctx.ledger
+            .index
+            .get(&key)
+            .is_some_and(|r| r.spec.pod_uid == args.pod_uid)
+    };
+    match watched {
+        Some(pod) if !booked() => Ok(pod),
+        _ => read_pod(ctx, args).await.map(Arc::new),
+    }
+}
+
+/// Reads the pod the scheduler asks to bind from the API server; [`BindError::PodChanged`]
+/// when it is gone or was recreated under its name.
 async fn read_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Pod, BindError> {
     let pod_id = || format!("{}/{}", args.pod_namespace, args.pod_name);
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &args.pod_namespace);

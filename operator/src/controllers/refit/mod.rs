@@ -13,7 +13,7 @@
 //! A move is only committed for a request nobody has answered: [`answers`] says when the
 //! cache's Pending can be trusted and when the request must be read from the API server first.
 //! On the usual path nothing is read: the request comes from the watch, the pod from the pod
-//! watch's admitting pods, the reservation from the ledger index; the reservation write and
+//! watch's pending GPU pods, the reservation from the ledger index; the reservation write and
 //! the answer are the only API calls the kubelet waits on.
 
 pub mod answers;
@@ -389,7 +389,7 @@ async fn read_pod(
         return Ok(None);
     }
     let key = ReservationKey::new(ns, &spec.pod_name);
-    if let Some(pod) = ctx.caches.pods.admitting(&key) {
+    if let Some(pod) = ctx.caches.pods.pending_gpu_pod(&key) {
         let bound_to = pod.spec.as_ref().and_then(|s| s.node_name.as_deref());
         if pod.uid().as_deref() == Some(spec.pod_uid.as_str())
             && bound_to == Some(spec.node_name.as_str())
