@@ -50,6 +50,8 @@ const PER_NODE: usize = 3 * PASS;
 const STEADY_SHARE: f64 = 0.5;
 /// ... and never faster than a refit every 250 ms per node (80/s over 20 nodes).
 const MIN_PERIOD: Duration = Duration::from_millis(250);
+/// Pause between the saturated and the steady pass.
+const SETTLE: Duration = Duration::from_secs(5);
 /// Cores per pod: small enough for every pod of a node to fit on its NUMA 0 pair.
 const CORES: u32 = 5;
 /// Replicas per GPU on the benchmark's nodes: room for every refit on NUMA 0.
@@ -264,6 +266,9 @@ async fn run() {
     }
     let wall = started.elapsed();
     let rate = parallel.len() as f64 / wall.as_secs_f64();
+    // The saturated pass leaves work behind (its events, the reservations' lifecycle steps, the
+    // nodes' usage): let it drain, so the steady pass measures its own load, as its floor does.
+    tokio::time::sleep(SETTLE).await;
     // Pass 3: steady at half that throughput, every node on its own clock, the clocks spread
     // over the period: latency under concurrent load the machine sustains.
     let period = Duration::from_secs_f64(NODES as f64 / (rate * STEADY_SHARE)).max(MIN_PERIOD);
