@@ -77,39 +77,11 @@ async fn log_filter_histograms(op: &ChildOperator, phase: &str) {
 /// Logs the API server's busiest request kinds of the run (its `apiserver_request_total`), to
 /// see what the burst costs it.
 async fn log_api_requests(client: &Client) {
-    let request = match http::Request::get("/metrics").body(Vec::new()) {
-        Ok(r) => r,
-        Err(e) => return eprintln!("[bench] API server metrics: {e}"),
-    };
-    let text = match client.request_text(request).await {
-        Ok(t) => t,
-        Err(e) => return eprintln!("[bench] API server metrics: {e}"),
-    };
-    let mut counts: Vec<(f64, String)> = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("apiserver_request_total{"))
-        .filter_map(|l| {
-            let (labels, value) = l.rsplit_once("} ")?;
-            let label = |k: &str| {
-                labels
-                    .split(',')
-                    .find_map(|kv| kv.strip_prefix(&format!("{k}=\"")))
-                    .map(|v| v.trim_end_matches('"').to_string())
-                    .unwrap_or_default()
-            };
-            let kind = format!(
-                "{} {}{} {}",
-                label("verb"),
-                label("resource"),
-                Some(label("subresource"))
-                    .filter(|s| !s.is_empty())
-                    .map(|s| format!("/{s}"))
-                    .unwrap_or_default(),
-                label("code")
-            );
-            Some((value.trim().parse().ok()?, kind))
-        })
-        .collect();
+    let counts = api_requests::by_kind_and_code(client).await;
+    if counts.is_empty() {
+        return eprintln!("[bench] API server metrics: not readable");
+    }
+    let mut counts: Vec<(f64, String)> = counts.into_iter().map(|(k, n)| (n, k)).collect();
     counts.sort_by(|a, b| b.0.total_cmp(&a.0));
     let total: f64 = counts.iter().map(|(n, _)| n).sum();
     eprintln!("[bench] API server requests over the run (setup included): {total}");

@@ -10,18 +10,28 @@ use kube::Client;
 /// The API server's requests so far by kind, from its metrics; empty when they cannot be read
 /// (the bench then prints no mix, and no figure depends on it).
 pub async fn by_kind(client: &Client) -> BTreeMap<String, f64> {
+    parse(&metrics(client).await)
+}
+
+/// The same, each kind split by response code (`POST leases 409`).
+pub async fn by_kind_and_code(client: &Client) -> BTreeMap<String, f64> {
+    tally(&metrics(client).await, true)
+}
+
+async fn metrics(client: &Client) -> String {
     let Ok(request) = http::Request::get("/metrics").body(Vec::new()) else {
-        return BTreeMap::new();
+        return String::new();
     };
-    match client.request_text(request).await {
-        Ok(text) => parse(&text),
-        Err(_) => BTreeMap::new(),
-    }
+    client.request_text(request).await.unwrap_or_default()
 }
 
 /// Sums `apiserver_request_total` samples by verb, resource and subresource (codes, scopes
 /// and components merged).
 pub fn parse(metrics: &str) -> BTreeMap<String, f64> {
+    tally(metrics, false)
+}
+
+fn tally(metrics: &str, with_code: bool) -> BTreeMap<String, f64> {
     let mut out = BTreeMap::new();
     for l in metrics
         .lines()
@@ -38,16 +48,15 @@ pub fn parse(metrics: &str) -> BTreeMap<String, f64> {
                 .unwrap_or_default()
         };
         let sub = label("subresource");
-        let kind = format!(
-            "{} {}{}",
-            label("verb"),
-            label("resource"),
-            if sub.is_empty() {
-                String::new()
-            } else {
-                format!("/{sub}")
-            }
-        );
+        let mut kind = format!("{} {}", label("verb"), label("resource"));
+        if !sub.is_empty() {
+            kind.push('/');
+            kind.push_str(&sub);
+        }
+        if with_code {
+            kind.push(' ');
+            kind.push_str(&label("code"));
+        }
         *out.entry(kind).or_default() += value.trim().parse::<f64>().unwrap_or(0.0);
     }
     out
@@ -95,6 +104,11 @@ other_metric{resource="pods"} 99"#,
         assert_eq!(before.get("POST pods"), Some(&10.0));
         assert_eq!(before.get("POST pods/binding"), Some(&4.0));
         assert_eq!(before.len(), 2);
+        let coded = tally(
+            r#"apiserver_request_total{code="409",resource="leases",subresource="",verb="POST"} 3"#,
+            true,
+        );
+        assert_eq!(coded.get("POST leases 409"), Some(&3.0));
         let after = parse(
             r#"apiserver_request_total{code="201",component="apiserver",resource="pods",scope="resource",subresource="",verb="POST"} 30
 apiserver_request_total{code="409",component="apiserver",resource="pods",scope="resource",subresource="",verb="POST"} 4

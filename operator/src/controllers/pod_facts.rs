@@ -330,21 +330,7 @@ pub(crate) mod tests {
     #[test]
     fn terminating_gpu_pods_are_counted_per_node() {
         let gpu = |name: &str, node: &str, deleting: bool| {
-            let mut p = pod(name, name, Some(node), "Running");
-            p.spec.as_mut().unwrap().containers = vec![Container {
-                name: "main".into(),
-                resources: Some(k8s_openapi::api::core::v1::ResourceRequirements {
-                    limits: Some(
-                        [(
-                            "nvidia.com/gpu".to_string(),
-                            k8s_openapi::apimachinery::pkg::api::resource::Quantity("1".into()),
-                        )]
-                        .into(),
-                    ),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }];
+            let mut p = wanting_a_gpu(pod(name, name, Some(node), "Running"));
             if deleting {
                 p.metadata.deletion_timestamp = Some(Time(Timestamp::UNIX_EPOCH));
             }
