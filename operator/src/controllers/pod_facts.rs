@@ -118,23 +118,30 @@ impl Inner {
         self.pods.remove(key);
     }
 
-    /// Keeps `pod` whole while it wants GPUs and has not started (nor is going away), within
-    /// [`PENDING_CAPACITY`].
-    fn track_pending(&mut self, key: &ReservationKey, pod: &Pod, facts: &PodFacts) {
-        let pending = facts.wants_gpus
-            && !facts.finished
-            && !facts.terminating
-            && pod_phase(pod) == Some("Pending");
-        if !pending {
-            self.pending.remove(key);
-        } else if self.pending.contains_key(key) || self.pending.len() < PENDING_CAPACITY {
-            self.pending.insert(key.clone(), Arc::new(pod.clone()));
+    /// Keeps `whole` (a pending GPU pod, see [`pending_copy`]) within [`PENDING_CAPACITY`], or
+    /// forgets `key` when the pod is no longer pending.
+    fn track_pending(&mut self, key: &ReservationKey, whole: Option<Arc<Pod>>) {
+        match whole {
+            None => {
+                self.pending.remove(key);
+            }
+            Some(pod)
+                if self.pending.contains_key(key) || self.pending.len() < PENDING_CAPACITY =>
+            {
+                self.pending.insert(key.clone(), pod);
+            }
+            Some(_) => {}
         }
     }
 }
 
-fn pod_phase(pod: &Pod) -> Option<&str> {
-    pod.status.as_ref().and_then(|s| s.phase.as_deref())
+/// A copy of `pod` to keep whole when it wants GPUs and has not started (nor is going away).
+fn pending_copy(pod: &Pod, facts: &PodFacts) -> Option<Arc<Pod>> {
+    let pending = facts.wants_gpus
+        && !facts.finished
+        && !facts.terminating
+        && pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Pending");
+    pending.then(|| Arc::new(pod.clone()))
 }
 
 /// [`PodFacts`] of every pod, keyed like reservations (namespace and pod name).
@@ -169,10 +176,26 @@ impl PodFactsCache {
     /// Feeds one event of the pod watch.
     pub fn apply(&self, event: &Event<Pod>) {
         let config = &self.config.get();
+        // An update's facts and copy are made before the lock: bind, refit and filter read
+        // this cache while the watch writes it.
+        let update = match event {
+            Event::Apply(pod) => {
+                let facts = PodFacts::of(pod, config);
+                let whole = pending_copy(pod, &facts);
+                Some((key_of(pod), facts, whole))
+            }
+            _ => None,
+        };
         let first_sync = {
             let mut inner = self.write();
             let was_synced = inner.synced;
-            Self::apply_locked(&mut inner, event, config);
+            match update {
+                Some((key, facts, whole)) => {
+                    inner.track_pending(&key, whole);
+                    inner.insert(key, facts);
+                }
+                None => Self::apply_locked(&mut inner, event, config),
+            }
             (!was_synced && inner.synced).then(|| inner.pods.len())
         };
         if let Some(pods) = first_sync {
@@ -182,12 +205,8 @@ impl PodFactsCache {
 
     fn apply_locked(inner: &mut Inner, event: &Event<Pod>, config: &PodApiConfig) {
         match event {
-            Event::Apply(pod) => {
-                let key = key_of(pod);
-                let facts = PodFacts::of(pod, config);
-                inner.track_pending(&key, pod, &facts);
-                inner.insert(key, facts);
-            }
+            // Updates are applied by `apply`, with what it prepared outside the lock.
+            Event::Apply(_) => {}
             Event::Delete(pod) => inner.remove(&key_of(pod)),
             // A relist may hide deletions: forget the whole pods (the listed ones are not kept:
             // a cold start lists every pod of the cluster, and few are pending at any time).
@@ -270,7 +289,8 @@ pub(crate) mod tests {
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
     use k8s_openapi::jiff::Timestamp;
 
-    fn pod(name: &str, uid: &str, node: Option<&str>, phase: &str) -> Pod {
+    /// A pod in namespace `ns` (also used by the bind and refit tests).
+    pub(crate) fn pod(name: &str, uid: &str, node: Option<&str>, phase: &str) -> Pod {
         Pod {
             metadata: ObjectMeta {
                 name: Some(name.into()),
@@ -370,7 +390,7 @@ pub(crate) mod tests {
     }
 
     /// `p` with one container asking for one GPU.
-    fn wanting_a_gpu(mut p: Pod) -> Pod {
+    pub(crate) fn wanting_a_gpu(mut p: Pod) -> Pod {
         p.spec.as_mut().unwrap().containers = vec![Container {
             name: "main".into(),
             resources: Some(k8s_openapi::api::core::v1::ResourceRequirements {

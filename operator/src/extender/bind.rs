@@ -618,3 +618,71 @@ async fn undo(ctx: &Context, reservation: &GpuReservation, holder: Option<&str>)
         tracing::warn!(error = %e, "undo: could not delete the reservation");
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use gpuledger_crds::{GpuNode, GpuReservationSpec};
+    use kube::runtime::{reflector, watcher};
+
+    use super::*;
+    use crate::controllers::pod_facts::tests::{pod, wanting_a_gpu};
+    use crate::ledger::LedgerIndex;
+
+    /// A synced leader whose client reaches nothing: a read from the API server fails at once,
+    /// so a test sees whether the pod came from the watch.
+    fn context() -> Context {
+        let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
+        let client = kube::Client::try_from(config).unwrap();
+        let index = Arc::new(LedgerIndex::new());
+        index.apply_event(watcher::Event::Init);
+        index.apply_event(watcher::Event::InitDone);
+        let (gpunodes, _writer) = reflector::store::<GpuNode>();
+        Context::detached(client, index, gpunodes, true)
+    }
+
+    fn args(uid: &str) -> ExtenderBindingArgs {
+        ExtenderBindingArgs {
+            pod_name: "p".into(),
+            pod_namespace: "ns".into(),
+            pod_uid: uid.into(),
+            node: "n1".into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn only_a_watched_unbound_pod_of_that_uid_without_a_reservation_skips_the_read() {
+        let ctx = context();
+        let watch = |p: Pod| {
+            ctx.caches.pods.apply(&watcher::Event::Init);
+            ctx.caches.pods.apply(&watcher::Event::InitDone);
+            ctx.caches.pods.apply(&watcher::Event::Apply(p));
+        };
+        watch(wanting_a_gpu(pod("p", "u1", None, "Pending")));
+        let taken = pod_to_bind(&ctx, &args("u1")).await.unwrap();
+        assert_eq!(taken.metadata.uid.as_deref(), Some("u1"));
+        // Another pod under the name (recreated since kube-scheduler chose it): read instead.
+        let read = pod_to_bind(&ctx, &args("u0")).await;
+        assert!(matches!(read, Err(BindError::Api { .. })), "{read:?}");
+        // Bound already (a retry after an earlier bind): read instead.
+        watch(wanting_a_gpu(pod("p", "u1", Some("n2"), "Pending")));
+        let read = pod_to_bind(&ctx, &args("u1")).await;
+        assert!(matches!(read, Err(BindError::Api { .. })), "{read:?}");
+        // Unbound in the watch, but the ledger holds its reservation (the watch lags the
+        // Binding of an earlier bind): read instead.
+        watch(wanting_a_gpu(pod("p", "u1", None, "Pending")));
+        let mut booked = GpuReservation::new(
+            "p",
+            GpuReservationSpec {
+                pod_name: "p".into(),
+                pod_uid: "u1".into(),
+                node_name: "n1".into(),
+                ..Default::default()
+            },
+        );
+        booked.metadata.namespace = Some("ns".into());
+        booked.metadata.resource_version = Some("5".into());
+        ctx.ledger.index.apply_event(watcher::Event::Apply(booked));
+        let read = pod_to_bind(&ctx, &args("u1")).await;
+        assert!(matches!(read, Err(BindError::Api { .. })), "{read:?}");
+    }
+}

@@ -621,6 +621,37 @@ mod tests {
         r
     }
 
+    #[tokio::test]
+    async fn the_pod_comes_from_the_watch_only_when_uid_and_node_match() {
+        use crate::controllers::pod_facts::tests::{pod, wanting_a_gpu};
+        use kube::runtime::{reflector, watcher};
+        // A client that reaches nothing: a read from the API server fails at once.
+        let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
+        let client = kube::Client::try_from(config).unwrap();
+        let index = Arc::new(crate::ledger::LedgerIndex::new());
+        let (gpunodes, _writer) = reflector::store::<gpuledger_crds::GpuNode>();
+        let ctx = Context::detached(client, index, gpunodes, true);
+        ctx.caches.pods.apply(&watcher::Event::Init);
+        ctx.caches.pods.apply(&watcher::Event::InitDone);
+        ctx.caches
+            .pods
+            .apply(&watcher::Event::Apply(wanting_a_gpu(pod(
+                "p",
+                "u",
+                Some("n1"),
+                "Pending",
+            ))));
+        let mut spec = stamped(None, Timestamp::now()).spec;
+        let pod = read_pod(&ctx, "ns", &spec).await.unwrap().unwrap();
+        assert_eq!(pod.metadata.uid.as_deref(), Some("u"));
+        // Another pod under the name, or a request from another node: read instead.
+        spec.pod_uid = "other".into();
+        assert!(read_pod(&ctx, "ns", &spec).await.is_err());
+        spec.pod_uid = "u".into();
+        spec.node_name = "n2".into();
+        assert!(read_pod(&ctx, "ns", &spec).await.is_err());
+    }
+
     #[test]
     fn a_garbled_forged_or_late_stamp_moves_only_the_clock_gauge() {
         let t0: Timestamp = "2026-01-01T00:00:00Z".parse().unwrap();
