@@ -621,24 +621,12 @@ async fn undo(ctx: &Context, reservation: &GpuReservation, holder: Option<&str>)
 
 #[cfg(test)]
 mod tests {
-    use gpuledger_crds::{GpuNode, GpuReservationSpec};
-    use kube::runtime::{reflector, watcher};
+    use gpuledger_crds::GpuReservationSpec;
+    use kube::runtime::watcher;
 
     use super::*;
     use crate::controllers::pod_facts::tests::{pod, wanting_a_gpu};
-    use crate::ledger::LedgerIndex;
-
-    /// A synced leader whose client reaches nothing: a read from the API server fails at once,
-    /// so a test sees whether the pod came from the watch.
-    fn context() -> Context {
-        let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
-        let client = kube::Client::try_from(config).unwrap();
-        let index = Arc::new(LedgerIndex::new());
-        index.apply_event(watcher::Event::Init);
-        index.apply_event(watcher::Event::InitDone);
-        let (gpunodes, _writer) = reflector::store::<GpuNode>();
-        Context::detached(client, index, gpunodes, true)
-    }
+    use crate::controllers::refit::commit::tests::context;
 
     fn args(uid: &str) -> ExtenderBindingArgs {
         ExtenderBindingArgs {

@@ -169,7 +169,7 @@ pub async fn commit(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::sync::Arc;
 
     use gpuledger_crds::GpuNode;
@@ -180,8 +180,9 @@ mod tests {
     use super::*;
     use crate::ledger::LedgerIndex;
 
-    /// A synced leader whose client reaches nothing: the refit must give up before any call.
-    fn context() -> Context {
+    /// A synced leader whose client reaches nothing: any API call fails at once (also used by
+    /// the bind and refit tests, to see what was decided without one).
+    pub(crate) fn context() -> Context {
         let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
         let client = kube::Client::try_from(config).unwrap();
         let index = Arc::new(LedgerIndex::new());

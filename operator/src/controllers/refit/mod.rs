@@ -624,13 +624,9 @@ mod tests {
     #[tokio::test]
     async fn the_pod_comes_from_the_watch_only_when_uid_and_node_match() {
         use crate::controllers::pod_facts::tests::{pod, wanting_a_gpu};
-        use kube::runtime::{reflector, watcher};
+        use kube::runtime::watcher;
         // A client that reaches nothing: a read from the API server fails at once.
-        let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
-        let client = kube::Client::try_from(config).unwrap();
-        let index = Arc::new(crate::ledger::LedgerIndex::new());
-        let (gpunodes, _writer) = reflector::store::<gpuledger_crds::GpuNode>();
-        let ctx = Context::detached(client, index, gpunodes, true);
+        let ctx = commit::tests::context();
         ctx.caches.pods.apply(&watcher::Event::Init);
         ctx.caches.pods.apply(&watcher::Event::InitDone);
         ctx.caches
