@@ -15,6 +15,19 @@ pub fn strip_managed_fields<K: Resource>(obj: &mut K) {
     obj.meta_mut().managed_fields = None;
 }
 
+/// `obj` without its managedFields, every list in it allocated at its length: what an object
+/// kept for the life of the process should cost.
+///
+/// serde cannot tell from JSON how long a list is, so it grows each `Vec` by doubling from
+/// four slots: a reservation's one container, one device and one allocation entry are decoded
+/// into room for four each, most of the decoded object's size after its managedFields. A clone
+/// allocates every `Vec` at its length. (A reflector's store clones what it keeps already; the
+/// ledger index keeps the decoded object itself, so it calls this.)
+pub fn compacted<K: Resource + Clone>(mut obj: K) -> K {
+    strip_managed_fields(&mut obj);
+    obj.clone()
+}
+
 /// Reports each item of a watch stream to `health` under `name` (a flowing watch, or one
 /// failing since when), and that the stream ended when it does; the items pass unchanged.
 pub fn tracked<S, T>(

@@ -27,6 +27,7 @@ use super::lifecycle::{Step, next_step};
 use super::pod_facts::{PodFacts, PodFactsCache};
 use crate::context::{Context, pod_ref_by_name};
 use crate::lease::allocation as lease;
+use crate::ledger::feed::SharedReservation;
 use crate::ledger::render::{devices_summary, numa_summary};
 use crate::ledger::writer::OperatorStatus;
 use crate::ledger::{ReservationKey, WriteError};
@@ -80,13 +81,13 @@ pub struct Lifecycle {
 }
 
 /// Runs the controller until the process ends. `reservations` is the GpuReservation watch
-/// after it fed the ledger index ([`crate::ledger::feed::feed_index`]): key-only objects, in
-/// the order the index saw them.
+/// after it fed the ledger index ([`crate::ledger::feed::feed_index`]): the index's objects,
+/// shared, in the order the index saw them.
 pub async fn run<S>(ctx: Arc<Context>, reservations: S)
 where
-    S: Stream<Item = Result<watcher::Event<GpuReservation>, watcher::Error>> + Send + 'static,
+    S: Stream<Item = Result<watcher::Event<SharedReservation>, watcher::Error>> + Send + 'static,
 {
-    let (keys, writer) = reflector::store::<GpuReservation>();
+    let (keys, writer) = reflector::store::<SharedReservation>();
     let trigger = reservations.reflect(writer).touched_objects();
     let facts = ctx.caches.pods.clone();
     // Bound GPU pods without a reservation are found in the same pod cache.
@@ -118,7 +119,7 @@ where
     Controller::for_stream(trigger, keys)
         .watches_stream(pods, |pod: Pod| {
             let ns = pod.namespace().unwrap_or_default();
-            Some(ObjectRef::<GpuReservation>::new(&pod.name_any()).within(&ns))
+            Some(ObjectRef::<SharedReservation>::new(&pod.name_any()).within(&ns))
         })
         .with_config(ControllerConfig::default().concurrency(CONCURRENCY))
         .run(reconcile, error_policy, lifecycle)
@@ -130,12 +131,12 @@ where
         .await;
 }
 
-fn error_policy(r: Arc<GpuReservation>, e: &ReconcileError, lc: Arc<Lifecycle>) -> Action {
+fn error_policy(r: Arc<SharedReservation>, e: &ReconcileError, lc: Arc<Lifecycle>) -> Action {
     if matches!(e, ReconcileError::Ledger(WriteError::Conflict { .. })) {
         lc.ctx.metrics.conflicts.inc();
         return Action::requeue(Duration::from_millis(200));
     }
-    let key = ReservationKey::of(&r).to_string();
+    let key = ReservationKey::of(&r.0).to_string();
     lc.ctx
         .metrics
         .reconcile_failed("reservations", e.kind(), &key, e);
@@ -181,7 +182,7 @@ async fn decide(
 }
 
 pub(super) async fn reconcile(
-    obj: Arc<GpuReservation>,
+    obj: Arc<SharedReservation>,
     lc: Arc<Lifecycle>,
 ) -> Result<Action, ReconcileError> {
     let ctx = lc.ctx.as_ref();
@@ -191,9 +192,9 @@ pub(super) async fn reconcile(
     if !lc.pods.is_synced() {
         return Ok(Action::requeue(PODS_UNSYNCED_RECHECK));
     }
-    let key = ReservationKey::of(&obj);
-    // The index holds the one full copy (the controller's store has keys only), and it is
-    // never older than the event that triggered this reconcile: the same stream fed it first.
+    let key = ReservationKey::of(&obj.0);
+    // The index is never older than the event that triggered this reconcile (the same stream
+    // fed it first), and may be newer: it holds the operator's own writes before their events.
     let Some(r) = ctx.ledger.index.get(&key) else {
         return Ok(Action::await_change());
     };

@@ -21,6 +21,7 @@ use kube::ResourceExt;
 use super::lifecycle::{Step, next_step};
 use super::reservation::{Lifecycle, reconcile};
 use crate::ledger::ReservationKey;
+use crate::ledger::feed::SharedReservation;
 
 /// How often every reservation is looked at. A step must stay due this long, unchanged, before
 /// the sweep takes it: far longer than the controller needs, even with a backlog under load.
@@ -51,7 +52,7 @@ pub(super) async fn run(lc: Arc<Lifecycle>) {
             lc.ctx.metrics.lifecycle_resyncs.inc();
             tracing::warn!(reservation = %key, ?step,
                 "lifecycle step due since the last sweep and not taken; taking it now");
-            if let Err(e) = reconcile(r, lc.clone()).await {
+            if let Err(e) = reconcile(Arc::new(SharedReservation(r)), lc.clone()).await {
                 let object = key.to_string();
                 lc.ctx
                     .metrics
@@ -127,7 +128,7 @@ mod tests {
             decided("d", "4", Step::WaitFor(Duration::from_secs(3))),
         ];
         let (due, stuck) = still_due(&due, second);
-        let taken: Vec<&str> = stuck.iter().map(|(k, _, _)| k.name.as_str()).collect();
+        let taken: Vec<&str> = stuck.iter().map(|(k, _, _)| &*k.name).collect();
         assert_eq!(taken, ["a"]);
         assert_eq!(
             due.get(&ReservationKey::new("ns", "b")).map(String::as_str),

@@ -1,24 +1,28 @@
 //! The one watch on GpuReservations, and what it feeds.
 //!
-//! The ledger index keeps the only full copy of each reservation. The lifecycle controller is
-//! triggered by the same events, in the same order, but its own store keeps [`key_only`]
-//! copies: it reads the reservation from the index when it reconciles. Two full copies of
-//! 20 000 reservations were most of the operator's memory; the index is also newer than any
-//! controller cache, since it holds the operator's own writes before the watch echoes them.
+//! The ledger index keeps the only copy of each reservation. The lifecycle controller is
+//! triggered by the same events, in the same order, and its store shares the index's objects
+//! ([`SharedReservation`]); it reads the reservation from the index when it reconciles, since
+//! the index is newer than any controller cache: it holds the operator's own writes before the
+//! watch echoes them. Two copies of 20 000 reservations were most of the operator's memory.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
-use gpuledger_crds::{GpuReservation, GpuReservationSpec};
+use std::borrow::Cow;
+
+use gpuledger_crds::GpuReservation;
+use k8s_openapi::NamespaceResourceScope;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::Api;
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
+use kube::{Api, Resource};
+use serde::{Deserialize, Deserializer};
 use tokio::sync::Notify;
 
 use super::LedgerIndex;
-use super::index::ECHO_TIMEOUT;
+use super::index::{ECHO_TIMEOUT, shared};
 use crate::telemetry::Metrics;
 
 /// How often the watchdog looks.
@@ -68,41 +72,72 @@ pub async fn watchdog(index: Arc<LedgerIndex>, restart: Arc<Notify>, metrics: Ar
     }
 }
 
-/// A copy of `r` that carries only what a controller needs to identify it: name, namespace,
-/// uid and resourceVersion.
-pub fn key_only(r: &GpuReservation) -> GpuReservation {
-    GpuReservation {
-        metadata: ObjectMeta {
-            name: r.metadata.name.clone(),
-            namespace: r.metadata.namespace.clone(),
-            uid: r.metadata.uid.clone(),
-            resource_version: r.metadata.resource_version.clone(),
-            ..Default::default()
-        },
-        spec: GpuReservationSpec::default(),
-        status: None,
+/// A reservation as the lifecycle controller's store keeps it: the ledger index's own copy,
+/// shared. A kube-runtime controller needs a store of its objects to hand each reconcile one;
+/// a second copy of every reservation in it (even a key-only one: an `ObjectMeta` alone is
+/// hundreds of bytes) would be a large part of the operator's memory at 100 000 reservations.
+/// With this, the store adds a pointer per reservation.
+#[derive(Clone, Debug)]
+pub struct SharedReservation(pub Arc<GpuReservation>);
+
+impl Resource for SharedReservation {
+    type DynamicType = ();
+    type Scope = NamespaceResourceScope;
+
+    fn kind(dt: &()) -> Cow<'_, str> {
+        GpuReservation::kind(dt)
+    }
+
+    fn group(dt: &()) -> Cow<'_, str> {
+        GpuReservation::group(dt)
+    }
+
+    fn version(dt: &()) -> Cow<'_, str> {
+        GpuReservation::version(dt)
+    }
+
+    fn plural(dt: &()) -> Cow<'_, str> {
+        GpuReservation::plural(dt)
+    }
+
+    fn meta(&self) -> &ObjectMeta {
+        &self.0.metadata
+    }
+
+    fn meta_mut(&mut self) -> &mut ObjectMeta {
+        // Copies the reservation if the index still shares it: the controller never edits
+        // what its store holds, so this is not on any path the operator takes.
+        &mut Arc::make_mut(&mut self.0).metadata
     }
 }
 
-/// Applies each event of `events` to `index`, then passes it on with [`key_only`] objects.
+impl<'de> Deserialize<'de> for SharedReservation {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        GpuReservation::deserialize(d).map(|r| Self(Arc::new(r)))
+    }
+}
+
+/// Applies each event of `events` to `index`, then passes it on with the same objects, shared
+/// ([`SharedReservation`]).
 pub fn feed_index<S>(
     index: Arc<LedgerIndex>,
     events: S,
-) -> impl Stream<Item = Result<Event<GpuReservation>, watcher::Error>> + Send
+) -> impl Stream<Item = Result<Event<SharedReservation>, watcher::Error>> + Send
 where
     S: Stream<Item = Result<Event<GpuReservation>, watcher::Error>> + Send,
 {
     events.map(move |item| {
         item.map(|event| {
-            let keys = match &event {
-                Event::Apply(r) => Event::Apply(key_only(r)),
-                Event::Delete(r) => Event::Delete(key_only(r)),
-                Event::InitApply(r) => Event::InitApply(key_only(r)),
+            let event = shared(event);
+            let out = match &event {
+                Event::Apply(r) => Event::Apply(SharedReservation(r.clone())),
+                Event::Delete(r) => Event::Delete(SharedReservation(r.clone())),
+                Event::InitApply(r) => Event::InitApply(SharedReservation(r.clone())),
                 Event::Init => Event::Init,
                 Event::InitDone => Event::InitDone,
             };
-            index.apply_event(event);
-            keys
+            index.apply_shared(event);
+            out
         })
     })
 }
@@ -111,6 +146,9 @@ where
 mod tests {
     use super::*;
     use crate::ledger::ReservationKey;
+    use gpuledger_crds::{ContainerReservation, GpuReservationSpec};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
+    use kube::runtime::reflector::ObjectRef;
 
     fn res(name: &str, rv: &str) -> GpuReservation {
         let mut r = GpuReservation::new(
@@ -128,30 +166,47 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn the_index_gets_the_object_the_controller_the_key() {
+    async fn the_controller_shares_the_index_copy_trimmed_to_its_size() {
         let index = Arc::new(LedgerIndex::new());
+        let mut b = res("b", "6");
+        // As serde decodes one container: room for four.
+        let mut containers = Vec::with_capacity(4);
+        containers.push(ContainerReservation::default());
+        b.spec.containers = containers;
+        b.metadata.managed_fields = Some(vec![ManagedFieldsEntry::default()]);
         let events: Vec<Result<Event<GpuReservation>, watcher::Error>> = vec![
             Ok(Event::Init),
             Ok(Event::InitApply(res("a", "5"))),
             Ok(Event::InitDone),
-            Ok(Event::Apply(res("b", "6"))),
+            Ok(Event::Apply(b)),
         ];
         let out: Vec<_> = feed_index(index.clone(), futures::stream::iter(events))
             .collect()
             .await;
         assert_eq!(out.len(), 4);
-        let Some(Ok(Event::Apply(b))) = out.last() else {
+        let Some(Ok(Event::Apply(SharedReservation(b)))) = out.last() else {
             panic!("{out:?}");
         };
-        assert_eq!(b.metadata.name.as_deref(), Some("b"));
-        assert_eq!(b.metadata.resource_version.as_deref(), Some("6"));
-        assert!(
-            b.spec.node_name.is_empty(),
-            "the controller's copy has no spec"
-        );
         assert!(index.is_synced());
-        let full = index.get(&ReservationKey::new("ns", "b")).unwrap();
-        assert_eq!(full.spec.node_name, "n1");
+        let kept = index.get(&ReservationKey::new("ns", "b")).unwrap();
+        assert!(Arc::ptr_eq(b, &kept), "one copy, shared");
+        assert_eq!(kept.spec.node_name, "n1");
+        assert_eq!(kept.spec.containers.capacity(), 1, "no room kept for more");
+        assert!(kept.metadata.managed_fields.is_none());
         assert_eq!(index.on_node("n1").len(), 2);
+    }
+
+    #[test]
+    fn a_pod_event_finds_the_shared_reservation_of_its_name() {
+        // The lifecycle controller maps a pod event to the reservation of the pod's name; the
+        // store files each reservation under the ref of the object itself.
+        let shared = SharedReservation(Arc::new(res("p", "7")));
+        let from_pod = ObjectRef::<SharedReservation>::new("p").within("ns");
+        assert_eq!(ObjectRef::from(&shared), from_pod);
+        assert_eq!(SharedReservation::plural(&()), "gpureservations");
+        let decoded: SharedReservation =
+            serde_json::from_value(serde_json::to_value(&*shared.0).unwrap()).unwrap();
+        assert_eq!(decoded.0.spec, shared.0.spec);
+        assert_eq!(decoded.0.metadata, shared.0.metadata);
     }
 }

@@ -25,7 +25,7 @@ use kube::runtime::watcher::Event;
 use tokio::sync::watch;
 
 use super::usage::{NodeUsage, sum_usage};
-use crate::watches::strip_managed_fields;
+use crate::watches::compacted;
 
 /// How long an own write survives a relist that does not (yet) contain it, and how long a
 /// deletion shadows older watch events.
@@ -37,20 +37,23 @@ const LOCAL_WRITE_GRACE: Duration = Duration::from_secs(30);
 pub const ECHO_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Namespace and name of a reservation.
+///
+/// The index files every reservation under its key three times (by key, node and namespace)
+/// and the pod cache once more; shared strings make each copy two pointers.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ReservationKey {
     /// Namespace (the pod's).
-    pub namespace: String,
+    pub namespace: Arc<str>,
     /// Name (the pod's).
-    pub name: String,
+    pub name: Arc<str>,
 }
 
 impl ReservationKey {
     /// Key of `namespace/name`.
-    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
+    pub fn new(namespace: impl AsRef<str>, name: impl AsRef<str>) -> Self {
         Self {
-            namespace: namespace.into(),
-            name: name.into(),
+            namespace: Arc::from(namespace.as_ref()),
+            name: Arc::from(name.as_ref()),
         }
     }
 
@@ -73,7 +76,7 @@ struct Inner {
     /// scan of every reservation per node would make one filter call O(nodes × reservations).
     by_node: HashMap<String, HashSet<ReservationKey>>,
     /// The keys of `live`, by namespace: a quota check sums one namespace's reservations.
-    by_namespace: HashMap<String, HashSet<ReservationKey>>,
+    by_namespace: HashMap<Arc<str>, HashSet<ReservationKey>>,
     /// Deleted keys, with the resourceVersion of the deletion (when known) and when it happened.
     tombstones: HashMap<ReservationKey, (Option<u64>, Instant)>,
     /// Keys the operator wrote itself, and when.
@@ -104,6 +107,19 @@ pub struct LedgerIndex {
 impl Default for LedgerIndex {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+/// `event` with its object [`compacted`] and shared: the form the index keeps.
+pub fn shared(event: Event<GpuReservation>) -> Event<Arc<GpuReservation>> {
+    let keep = |obj| Arc::new(compacted(obj));
+    match event {
+        Event::Apply(obj) => Event::Apply(keep(obj)),
+        // Only its key and version are read.
+        Event::Delete(obj) => Event::Delete(Arc::new(obj)),
+        Event::InitApply(obj) => Event::InitApply(keep(obj)),
+        Event::Init => Event::Init,
+        Event::InitDone => Event::InitDone,
     }
 }
 
@@ -205,8 +221,7 @@ impl Inner {
         }
     }
 
-    fn upsert(&mut self, mut obj: GpuReservation) {
-        strip_managed_fields(&mut obj);
+    fn upsert(&mut self, obj: Arc<GpuReservation>) {
         let key = ReservationKey::of(&obj);
         if self.shadowed_by_tombstone(&key, &obj) {
             return;
@@ -214,7 +229,7 @@ impl Inner {
         self.tombstones.remove(&key);
         match self.live.get(&key) {
             Some(cur) if !supersedes(&obj, cur) => {}
-            _ => self.put_live(key, Arc::new(obj)),
+            _ => self.put_live(key, obj),
         }
     }
 
@@ -304,6 +319,12 @@ impl LedgerIndex {
 
     /// Feeds one watch event.
     pub fn apply_event(&self, event: Event<GpuReservation>) {
+        self.apply_shared(shared(event));
+    }
+
+    /// Feeds one watch event whose object is shared with the lifecycle controller's store
+    /// (see [`shared`]): both keep the same allocation.
+    pub fn apply_shared(&self, event: Event<Arc<GpuReservation>>) {
         let mut inner = self.write();
         match event {
             Event::Apply(obj) => {
@@ -317,11 +338,10 @@ impl LedgerIndex {
                 inner.remove(key, deleted_rv);
             }
             Event::Init => inner.relist = Some(HashMap::new()),
-            Event::InitApply(mut obj) => {
-                strip_managed_fields(&mut obj);
+            Event::InitApply(obj) => {
                 let key = ReservationKey::of(&obj);
                 if let Some(buf) = inner.relist.as_mut() {
-                    buf.insert(key, Arc::new(obj));
+                    buf.insert(key, obj);
                 }
             }
             Event::InitDone => {
@@ -348,7 +368,7 @@ impl LedgerIndex {
         inner.local_writes.insert(key.clone(), Instant::now());
         // Our own write happened after any deletion we know of, so it ends the tombstone.
         inner.tombstones.remove(&key);
-        inner.upsert(obj);
+        inner.upsert(Arc::new(compacted(obj)));
     }
 
     /// Records a deletion the operator just made; `deleted_rv` is the version of the deleted
@@ -507,6 +527,20 @@ mod tests {
 
     fn version_of(idx: &LedgerIndex, name: &str) -> Option<String> {
         idx.get(&key(name)).and_then(|r| r.resource_version())
+    }
+
+    #[test]
+    fn an_own_write_is_kept_trimmed_to_its_size() {
+        let idx = LedgerIndex::new();
+        let mut o = obj("a", "10", "n1");
+        let mut containers = Vec::with_capacity(4);
+        containers.push(gpuledger_crds::ContainerReservation::default());
+        o.spec.containers = containers;
+        o.metadata.managed_fields = Some(vec![Default::default()]);
+        idx.record_write(o);
+        let kept = idx.get(&key("a")).unwrap();
+        assert_eq!(kept.spec.containers.capacity(), 1);
+        assert!(kept.metadata.managed_fields.is_none());
     }
 
     #[test]
