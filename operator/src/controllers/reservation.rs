@@ -64,11 +64,8 @@ impl ReconcileError {
     }
 }
 
-/// How often a follower looks again (it reconciles nothing until it leads).
-const FOLLOWER_RECHECK: Duration = Duration::from_secs(5);
-
-/// How soon to look again while the pod watch has not listed every pod yet.
-const PODS_UNSYNCED_RECHECK: Duration = Duration::from_millis(500);
+/// How often [`able_to_decide`] looks whether this replica may decide.
+const ABLE_POLL: Duration = Duration::from_millis(250);
 
 /// Reconciles running at once. Each may read a pod and write a reservation; unbounded, a cold
 /// start with 20 000 reservations would put 20 000 requests in flight at once.
@@ -78,6 +75,33 @@ const CONCURRENCY: u16 = 16;
 pub struct Lifecycle {
     pub(super) ctx: Arc<Context>,
     pub(super) pods: Arc<PodFactsCache>,
+}
+
+impl Lifecycle {
+    /// Whether a reconcile may decide now: this replica leads, and both the ledger index and
+    /// the pod cache hold a full list.
+    fn may_decide(&self) -> bool {
+        self.ctx.may_write() && self.pods.is_synced()
+    }
+}
+
+/// Yields each time `lc` becomes able to decide ([`Lifecycle::may_decide`] turns true): at
+/// start once both lists are in, and on every leadership taken. The controller then
+/// reconciles every reservation, including those whose events came while it could not decide.
+fn able_to_decide(lc: Arc<Lifecycle>) -> impl Stream<Item = ()> + Send {
+    futures::stream::unfold((lc, false), |(lc, was_able)| async move {
+        let mut tick = tokio::time::interval(ABLE_POLL);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut was = was_able;
+        loop {
+            tick.tick().await;
+            let able = lc.may_decide();
+            if able && !was {
+                return Some(((), (lc, true)));
+            }
+            was = able;
+        }
+    })
 }
 
 /// Runs the controller until the process ends. `reservations` is the GpuReservation watch
@@ -94,7 +118,8 @@ where
     tokio::spawn(super::unreserved::run(ctx.clone(), facts.clone()));
     // Pods are listed once the ledger index is: readiness waits on the reservations alone, and
     // the two largest lists of a big cluster neither share the API server nor this process's
-    // memory at the same moment. Nothing reconciles before both are in (`is_synced`).
+    // memory at the same moment. Nothing is decided before both are in ([`Lifecycle::may_decide`]);
+    // then every reservation is reconciled once ([`able_to_decide`]).
     let pod_events = {
         let facts = facts.clone();
         let index = ctx.ledger.index.clone();
@@ -121,6 +146,7 @@ where
             let ns = pod.namespace().unwrap_or_default();
             Some(ObjectRef::<SharedReservation>::new(&pod.name_any()).within(&ns))
         })
+        .reconcile_all_on(able_to_decide(lifecycle.clone()))
         .with_config(ControllerConfig::default().concurrency(CONCURRENCY))
         .run(reconcile, error_policy, lifecycle)
         .for_each(|res| async move {
@@ -186,11 +212,12 @@ pub(super) async fn reconcile(
     lc: Arc<Lifecycle>,
 ) -> Result<Action, ReconcileError> {
     let ctx = lc.ctx.as_ref();
-    if !ctx.may_write() {
-        return Ok(Action::requeue(FOLLOWER_RECHECK));
-    }
-    if !lc.pods.is_synced() {
-        return Ok(Action::requeue(PODS_UNSYNCED_RECHECK));
+    if !lc.may_decide() {
+        // Every reservation is reconciled again once this replica may decide
+        // ([`able_to_decide`]); a requeue here would cycle each of them through the queue
+        // until then: 100 000 every half second while a cold start lists the pods, and on a
+        // follower for as long as it follows.
+        return Ok(Action::await_change());
     }
     let key = ReservationKey::of(&obj.0);
     // The index is never older than the event that triggered this reconcile (the same stream
@@ -339,4 +366,51 @@ async fn shrink_init(ctx: &Context, key: &ReservationKey) -> Result<(), Reconcil
     ctx.ledger.writer.replace(&updated).await?;
     tracing::info!(reservation = %key, "init containers finished; their GPU usage released");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::controllers::refit::commit::tests::context;
+    use futures::FutureExt;
+
+    /// Lets the poll run: a quarter second of (paused) time, twice.
+    async fn let_it_look() {
+        for _ in 0..2 {
+            tokio::time::advance(ABLE_POLL).await;
+            tokio::task::yield_now().await;
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn every_reservation_is_reconciled_again_each_time_the_replica_may_decide() {
+        let ctx = Arc::new(context());
+        let pods = ctx.caches.pods.clone();
+        let lc = Arc::new(Lifecycle {
+            ctx: ctx.clone(),
+            pods: pods.clone(),
+        });
+        let mut edges = Box::pin(able_to_decide(lc));
+        // Leading with the ledger listed, but the pods not listed yet: no pass.
+        let_it_look().await;
+        assert!(edges.next().now_or_never().is_none());
+        pods.apply(&watcher::Event::Init);
+        pods.apply(&watcher::Event::InitDone);
+        let_it_look().await;
+        assert_eq!(edges.next().now_or_never(), Some(Some(())), "both lists in");
+        // Still able: no second pass.
+        let_it_look().await;
+        assert!(edges.next().now_or_never().is_none());
+        // Leadership lost and taken again: one more pass.
+        ctx.health.set_leader(false);
+        let_it_look().await;
+        assert!(edges.next().now_or_never().is_none());
+        ctx.health.set_leader(true);
+        let_it_look().await;
+        assert_eq!(
+            edges.next().now_or_never(),
+            Some(Some(())),
+            "leadership taken"
+        );
+    }
 }
