@@ -714,6 +714,12 @@ async fn misallocation_is_recorded_and_a_stuck_admission_times_out_freeing_the_n
     .await;
     assert_eq!(held(&r), 2000);
     assert_eq!(phase(&r), "Allocated");
+    // The release wrote the spec only: what the operator's index does not keep is still there.
+    assert_eq!(
+        gpuledger_e2e::sim::pods::missing_bind_metadata(&r),
+        Vec::<&str>::new(),
+        "{r:?}"
+    );
 
     // Health and metrics endpoints.
     let (code, body) = http(op.metrics_port, "GET", "/healthz", "").await.unwrap();

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use gpuledger_crds::annotations::{NUMA_ALIGNMENT, USE_GPU_UUID};
-use gpuledger_crds::names::reservation_name;
+use gpuledger_crds::names::{NODE_LABEL, RESERVATION_FINALIZER, reservation_name};
 use gpuledger_crds::resources::{GPU, GPU_CORES, GPU_MEM, GPU_MEM_PERCENTAGE};
 use gpuledger_crds::{GpuReservation, RefitRequest};
 use k8s_openapi::api::core::v1::{Container, Event, Pod, PodSpec, ResourceRequirements};
@@ -335,6 +335,35 @@ pub fn reserved_uuids(r: &GpuReservation) -> Vec<String> {
         .iter()
         .flat_map(|c| c.devices.iter().map(|d| d.uuid.clone()))
         .collect()
+}
+
+/// What `r` lacks of the metadata bind gives every reservation: its node's label, its pod as
+/// owner, the operator's finalizer. Empty when all is there. (The operator's index keeps
+/// reservations without labels and owners; a write built from that copy would erase them.)
+pub fn missing_bind_metadata(r: &GpuReservation) -> Vec<&'static str> {
+    let mut missing = Vec::new();
+    if r.metadata.labels.as_ref().and_then(|l| l.get(NODE_LABEL)) != Some(&r.spec.node_name) {
+        missing.push("node label");
+    }
+    let owned = r
+        .metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .any(|o| o.kind == "Pod" && o.name == r.spec.pod_name && o.uid == r.spec.pod_uid);
+    if !owned {
+        missing.push("owner pod");
+    }
+    if !r
+        .metadata
+        .finalizers
+        .iter()
+        .flatten()
+        .any(|f| f == RESERVATION_FINALIZER)
+    {
+        missing.push("finalizer");
+    }
+    missing
 }
 
 #[cfg(test)]

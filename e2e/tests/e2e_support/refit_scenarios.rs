@@ -10,7 +10,7 @@ use gpuledger_crds::{
 };
 use gpuledger_e2e::sim::admission::UNEXPECTED_ADMISSION_ERROR;
 use gpuledger_e2e::sim::pods::{
-    GpuPod, refit_requests, reserved_uuids, wait_event, wait_pod_phase,
+    GpuPod, missing_bind_metadata, refit_requests, reserved_uuids, wait_event, wait_pod_phase,
 };
 use gpuledger_e2e::sim::{AdmissionOutcome, SimCluster};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, LabelSelectorRequirement};
@@ -52,6 +52,8 @@ pub async fn best_effort_refit(cluster: &SimCluster) {
     );
     assert!(condition_true(&r, REFITTED), "{r:?}");
     assert!(!misaligned(&r), "{r:?}");
+    // The refit wrote the spec only: what the operator's index does not keep is still there.
+    assert_eq!(missing_bind_metadata(&r), Vec::<&str>::new(), "{r:?}");
     assert_env(env_of(&admitted, "main"), &uuids, 8192, 25);
     assert_eq!(gpus_of_replicas(&admitted[0].device_ids), uuids);
 

@@ -361,9 +361,9 @@ async fn shrink_init(ctx: &Context, key: &ReservationKey) -> Result<(), Reconcil
     if current.spec.init_released {
         return Ok(());
     }
-    let mut updated = current.as_ref().clone();
-    updated.spec.init_released = true;
-    ctx.ledger.writer.replace(&updated).await?;
+    let mut spec = current.spec.clone();
+    spec.init_released = true;
+    ctx.ledger.writer.write_spec(&current, &spec).await?;
     tracing::info!(reservation = %key, "init containers finished; their GPU usage released");
     Ok(())
 }

@@ -8,13 +8,13 @@ use std::sync::Arc;
 
 use gpuledger_crds::names::{OPERATOR_MANAGER, RESERVATION_FINALIZER};
 use gpuledger_crds::protocol::status::apply_body;
-use gpuledger_crds::{GpuReservation, ReservationPhase, kstatus};
+use gpuledger_crds::{GpuReservation, GpuReservationSpec, ReservationPhase, kstatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::{Client, ResourceExt};
 use serde::Serialize;
-use serde_json::json;
+use serde_json::{Value, json};
 
 use super::index::{LedgerIndex, ReservationKey};
 
@@ -46,6 +46,15 @@ pub enum WriteError {
         #[source]
         source: kube::Error,
     },
+    /// The spec could not be encoded as a patch.
+    #[error("encode the spec of reservation {key}: {source}")]
+    Encode {
+        /// The reservation.
+        key: ReservationKey,
+        /// The encoding error.
+        #[source]
+        source: serde_json::Error,
+    },
 }
 
 impl WriteError {
@@ -55,6 +64,7 @@ impl WriteError {
             WriteError::Conflict { .. } => "conflict",
             WriteError::NotFound { .. } => "not_found",
             WriteError::Api { .. } => "api",
+            WriteError::Encode { .. } => "encode",
         }
     }
 }
@@ -132,6 +142,21 @@ fn operator_writes() -> PostParams {
     }
 }
 
+/// The merge patch that makes a reservation's spec `spec`, guarded by `rv`. A merge patch keeps
+/// every field it leaves out, so an optional field `spec` does not have is sent as `null`.
+fn spec_patch(spec: &GpuReservationSpec, rv: Option<&str>) -> Result<Value, serde_json::Error> {
+    let mut fields = serde_json::to_value(spec)?;
+    if let Value::Object(fields) = &mut fields {
+        for optional in SPEC_OPTIONAL_FIELDS {
+            fields.entry(*optional).or_insert(Value::Null);
+        }
+    }
+    Ok(json!({ "metadata": { "resourceVersion": rv }, "spec": fields }))
+}
+
+/// The spec's fields that are left out when empty.
+const SPEC_OPTIONAL_FIELDS: &[&str] = &["alignmentSource"];
+
 /// Writes reservations and keeps the index in step.
 #[derive(Clone)]
 pub struct LedgerWriter {
@@ -166,18 +191,32 @@ impl LedgerWriter {
         Ok(created)
     }
 
-    /// Replaces the spec (and metadata) of `r`, which must carry the resourceVersion it was
-    /// read at.
-    pub async fn replace(&self, r: &GpuReservation) -> Result<GpuReservation, WriteError> {
-        let key = ReservationKey::of(r);
-        let rv = r.resource_version();
-        let replaced = self
+    /// Writes `spec` as the spec of `current`, guarded by the resourceVersion `current` was
+    /// read at. Only the spec is sent (a merge patch): the index keeps a trimmed copy of each
+    /// reservation (see [`super::index::trimmed`]), so the object the caller holds must never be
+    /// written back whole, or the labels and owner it lacks would be erased.
+    pub async fn write_spec(
+        &self,
+        current: &GpuReservation,
+        spec: &GpuReservationSpec,
+    ) -> Result<GpuReservation, WriteError> {
+        let key = ReservationKey::of(current);
+        let rv = current.resource_version();
+        let patch = spec_patch(spec, rv.as_deref()).map_err(|source| WriteError::Encode {
+            key: key.clone(),
+            source,
+        })?;
+        let params = PatchParams {
+            field_manager: Some(OPERATOR_MANAGER.to_string()),
+            ..PatchParams::default()
+        };
+        let written = self
             .api(&key.namespace)
-            .replace(&key.name, &operator_writes(), r)
+            .patch(&key.name, &params, &Patch::Merge(&patch))
             .await
-            .map_err(|e| WriteError::from_kube("replace", &key, rv.as_deref(), e))?;
-        self.index.record_write(replaced.clone());
-        Ok(replaced)
+            .map_err(|e| WriteError::from_kube("write the spec of", &key, rv.as_deref(), e))?;
+        self.index.record_write(written.clone());
+        Ok(written)
     }
 
     /// Server-side applies the operator's status fields on `current`, guarded by its
@@ -345,5 +384,37 @@ impl LedgerWriter {
             }
             Err(e) => Err(WriteError::from_kube("read", key, None, e)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys(v: &Value) -> Vec<String> {
+        let mut keys: Vec<String> = v.as_object().unwrap().keys().cloned().collect();
+        keys.sort();
+        keys
+    }
+
+    #[test]
+    fn a_spec_patch_names_every_field_so_nothing_old_survives_it() {
+        let full = GpuReservationSpec {
+            alignment_source: Some("default".into()),
+            ..GpuReservationSpec::default()
+        };
+        let every_field = keys(&serde_json::to_value(&full).unwrap());
+        let bare = GpuReservationSpec::default();
+        let patch = spec_patch(&bare, Some("42")).unwrap();
+        assert_eq!(keys(&patch["spec"]), every_field, "{patch}");
+        assert_eq!(patch["spec"]["alignmentSource"], Value::Null);
+        assert_eq!(patch["metadata"]["resourceVersion"], "42");
+        assert_eq!(
+            keys(&patch),
+            ["metadata", "spec"],
+            "labels and owners are not touched"
+        );
+        let kept = spec_patch(&full, Some("42")).unwrap();
+        assert_eq!(kept["spec"]["alignmentSource"], "default");
     }
 }

@@ -139,9 +139,8 @@ pub async fn commit(
         if expired(spec, Timestamp::now()) {
             return Ok((Answer::expired(), None));
         }
-        let mut updated = current.as_ref().clone();
-        updated.spec = new_spec;
-        match bounded("replace reservation", ctx.ledger.writer.replace(&updated)).await? {
+        let write = ctx.ledger.writer.write_spec(&current, &new_spec);
+        match bounded("write the reservation's spec", write).await? {
             Ok(written) => {
                 let answer = Answer::moved(to.clone());
                 let moved = Moved {
