@@ -249,7 +249,7 @@ fn phase_step(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::controllers::pod_facts::tests::terminated;
     use gpuledger_crds::{
@@ -269,7 +269,7 @@ mod tests {
         next_step(&written(r), facts.as_ref(), now, timeout)
     }
 
-    fn written(r: &GpuReservation) -> GpuReservation {
+    pub(crate) fn written(r: &GpuReservation) -> GpuReservation {
         let mut r = r.clone();
         if let Some(s) = r.status.as_mut() {
             s.observed_generation = r.metadata.generation;
@@ -373,7 +373,7 @@ mod tests {
         }
     }
 
-    fn reservation(phase: Option<ReservationPhase>, since: i64) -> GpuReservation {
+    pub(crate) fn reservation(phase: Option<ReservationPhase>, since: i64) -> GpuReservation {
         let mut r = GpuReservation::new(
             "p",
             GpuReservationSpec {
@@ -408,7 +408,7 @@ mod tests {
         r
     }
 
-    fn pod(uid: &str, node: Option<&str>, phase: &str) -> Pod {
+    pub(crate) fn pod(uid: &str, node: Option<&str>, phase: &str) -> Pod {
         let mut p = Pod::default();
         p.metadata.name = Some("p".into());
         p.metadata.uid = Some(uid.into());
@@ -427,7 +427,7 @@ mod tests {
         p
     }
 
-    fn allocate(r: &mut GpuReservation, index: u32, uuids: &[&str]) {
+    pub(crate) fn allocate(r: &mut GpuReservation, index: u32, uuids: &[&str]) {
         let s = r.status.get_or_insert_with(Default::default);
         s.allocation.push(ContainerAllocation {
             index,
