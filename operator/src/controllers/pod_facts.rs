@@ -244,12 +244,18 @@ impl PodFactsCache {
         self.read().pending.get(key).cloned()
     }
 
-    /// Every bound pod that wants GPUs and has not finished, with its facts.
-    pub fn bound_gpu_pods(&self) -> Vec<(ReservationKey, PodFacts)> {
+    /// The bound pods that want GPUs, have not finished, and pass `keep`, with their facts.
+    /// Only those are copied: the unreserved sweep looks at every bound pod every two seconds
+    /// and keeps almost none, and a copy of all of them was, at 100 000 pods, a transient
+    /// 20 MB at each look.
+    pub fn bound_gpu_pods_where(
+        &self,
+        keep: impl Fn(&ReservationKey, &PodFacts) -> bool,
+    ) -> Vec<(ReservationKey, PodFacts)> {
         self.read()
             .pods
             .iter()
-            .filter(|(_, f)| f.wants_gpus && f.node_name.is_some() && !f.finished)
+            .filter(|(k, f)| f.wants_gpus && f.node_name.is_some() && !f.finished && keep(k, f))
             .map(|(k, f)| (k.clone(), f.clone()))
             .collect()
     }

@@ -59,15 +59,14 @@ enum Repair {
 
 /// The bound GPU pods whose reservation is missing from the index or names another node or pod.
 fn unreserved(ctx: &Context, pods: &PodFactsCache) -> Vec<(ReservationKey, PodFacts)> {
-    pods.bound_gpu_pods()
-        .into_iter()
-        .filter(|(key, facts)| {
-            !ctx.ledger.index.get(key).is_some_and(|r| {
-                r.spec.pod_uid == facts.uid
-                    && Some(r.spec.node_name.as_str()) == facts.node_name.as_deref()
-            })
+    // The index's lock is taken inside the pod cache's (a read in a read); nothing takes them
+    // the other way round.
+    pods.bound_gpu_pods_where(|key, facts| {
+        !ctx.ledger.index.get(key).is_some_and(|r| {
+            r.spec.pod_uid == facts.uid
+                && Some(r.spec.node_name.as_str()) == facts.node_name.as_deref()
         })
-        .collect()
+    })
 }
 
 /// Runs the sweep until the process ends.
