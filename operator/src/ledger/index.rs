@@ -500,21 +500,6 @@ impl LedgerIndex {
             .map(|r| r.as_ref());
         sum_usage(others)
     }
-
-    /// Usage of every node, computed in one pass.
-    pub fn usage_by_node(&self) -> HashMap<String, NodeUsage> {
-        let mut by_node: HashMap<String, Vec<Arc<GpuReservation>>> = HashMap::new();
-        for r in self.all() {
-            by_node.entry(r.spec.node_name.clone()).or_default().push(r);
-        }
-        by_node
-            .into_iter()
-            .map(|(node, rs)| {
-                let usage = sum_usage(rs.iter().map(|r| r.as_ref()));
-                (node, usage)
-            })
-            .collect()
-    }
 }
 
 #[cfg(test)]
@@ -807,7 +792,6 @@ mod tests {
         assert_eq!(all.get("gpu").map(|u| u.sharers), Some(2));
         let without_a = idx.node_usage("n1", Some("uid-a-1"));
         assert_eq!(without_a.get("gpu").map(|u| u.sharers), Some(1));
-        assert_eq!(idx.usage_by_node().len(), 2);
     }
 
     fn names_on(idx: &LedgerIndex, node: &str) -> Vec<String> {
