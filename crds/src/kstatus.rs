@@ -83,14 +83,29 @@ impl Summary {
     }
 
     /// Whether `conditions` already say this, for `generation`.
+    ///
+    /// The same question as whether [`Self::record`] would change anything, answered without
+    /// copying the conditions: the lifecycle's sweeps ask it of every reservation.
     pub fn is_recorded(&self, conditions: &[Condition], generation: Option<i64>) -> bool {
-        // Change detection ignores the transition time, so any time will do.
-        let mut copy = conditions.to_vec();
-        !self.record(
-            &mut copy,
-            generation,
-            Time(k8s_openapi::jiff::Timestamp::UNIX_EPOCH),
-        )
+        [
+            (types::READY, Health::Ready),
+            (RECONCILING, Health::Reconciling),
+            (STALLED, Health::Stalled),
+        ]
+        .into_iter()
+        .all(|(type_, health)| {
+            let status = if self.health == health {
+                "True"
+            } else {
+                "False"
+            };
+            find(conditions, type_).is_some_and(|c| {
+                c.status == status
+                    && c.reason == self.reason
+                    && c.message == self.message
+                    && c.observed_generation == generation
+            })
+        })
     }
 }
 
@@ -231,6 +246,48 @@ mod tests {
             !s.is_recorded(&conds, Some(3)),
             "a newer spec is not yet observed"
         );
+    }
+
+    #[test]
+    fn recorded_means_a_record_would_change_nothing() {
+        use ReservationPhase::*;
+        let mut lists: Vec<Vec<Condition>> = vec![Vec::new()];
+        for (phase, generation) in [(Allocating, Some(1)), (Allocated, Some(1)), (Failed, None)] {
+            let mut conds = Vec::new();
+            reservation(Some(phase), &[]).record(&mut conds, generation, t(1));
+            lists.push(conds.clone());
+            // One field of one condition off at a time, and one condition missing.
+            for i in 0..conds.len() {
+                for edit in 0..5 {
+                    let mut c = conds.clone();
+                    match edit {
+                        0 => c[i].status = "Unknown".into(),
+                        1 => c[i].reason = "Other".into(),
+                        2 => c[i].message = "other".into(),
+                        3 => c[i].observed_generation = Some(9),
+                        _ => drop(c.remove(i)),
+                    }
+                    lists.push(c);
+                }
+            }
+        }
+        let misaligned = [cond(types::MISALIGNED, "reserved [a]")];
+        for conds in &lists {
+            for phase in [Reserved, Allocating, Allocated, Released, Failed] {
+                for others in [&[][..], &misaligned[..]] {
+                    let s = reservation(Some(phase), others);
+                    for generation in [None, Some(1)] {
+                        let mut copy = conds.clone();
+                        let would_change = s.record(&mut copy, generation, t(5));
+                        assert_eq!(
+                            s.is_recorded(conds, generation),
+                            !would_change,
+                            "{phase:?} {generation:?} {conds:?}"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     #[test]
