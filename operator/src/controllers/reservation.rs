@@ -89,7 +89,20 @@ impl Lifecycle {
 /// those whose step is due ([`due_now`]), including those whose events came while it could not
 /// decide.
 fn due_when_able(lc: Arc<Lifecycle>) -> impl Stream<Item = ObjectRef<SharedReservation>> + Send {
-    able_to_decide(lc.clone()).flat_map(move |()| futures::stream::iter(due_now(&lc)))
+    able_to_decide(lc.clone())
+        .then(move |()| {
+            // A look at every reservation: off the runtime's workers, which serve filter.
+            let lc = lc.clone();
+            tokio::task::spawn_blocking(move || due_now(&lc))
+        })
+        .flat_map(|due| {
+            let due = due.unwrap_or_else(|e| {
+                // The resync sweep takes what this pass would have queued.
+                tracing::error!(error = %e, "looking for due reservations failed");
+                Vec::new()
+            });
+            futures::stream::iter(due)
+        })
 }
 
 /// The reservations whose step, decided now on the cached pod facts, is not [`Step::Idle`]:

@@ -39,13 +39,18 @@ pub(super) async fn run(lc: Arc<Lifecycle>) {
             due_before.clear();
             continue;
         }
-        let now = Timestamp::now();
-        let steps = lc.ctx.ledger.index.all().into_iter().map(|r| {
-            let key = ReservationKey::of(&r);
-            let facts = lc.pods.get(&key);
-            let step = next_step(&r, facts.as_ref(), now, lc.ctx.timing.allocating_timeout);
-            (key, step, r)
-        });
+        // Deciding 100 000 steps takes a while: off the runtime's workers, which serve filter.
+        let decide = {
+            let lc = lc.clone();
+            tokio::task::spawn_blocking(move || due_steps(&lc))
+        };
+        let steps = match decide.await {
+            Ok(steps) => steps,
+            Err(e) => {
+                tracing::error!(error = %e, "deciding the sweep's steps failed");
+                continue;
+            }
+        };
         let (due_now, stuck) = still_due(&due_before, steps);
         due_before = due_now;
         for (key, step, r) in stuck {
@@ -62,6 +67,28 @@ pub(super) async fn run(lc: Arc<Lifecycle>) {
     }
 }
 
+/// Every reservation in the index whose step, decided now on the cached pod facts, is due.
+fn due_steps(lc: &Lifecycle) -> Vec<Decided> {
+    let now = Timestamp::now();
+    let timeout = lc.ctx.timing.allocating_timeout;
+    lc.ctx
+        .ledger
+        .index
+        .all()
+        .into_iter()
+        .filter_map(|r| {
+            let key = ReservationKey::of(&r);
+            let step = next_step(&r, lc.pods.get(&key).as_ref(), now, timeout);
+            is_due(&step).then_some((key, step, r))
+        })
+        .collect()
+}
+
+/// Whether `step` is something to do now (not nothing, not a timer).
+fn is_due(step: &Step) -> bool {
+    !matches!(step, Step::Idle | Step::WaitFor(_))
+}
+
 /// A reservation with its key and the step decided for it now.
 type Decided = (ReservationKey, Step, Arc<GpuReservation>);
 
@@ -74,7 +101,7 @@ fn still_due(
     let mut due_now = HashMap::new();
     let mut stuck = Vec::new();
     for (key, step, r) in steps {
-        if matches!(step, Step::Idle | Step::WaitFor(_)) {
+        if !is_due(&step) {
             continue;
         }
         let version = r.resource_version().unwrap_or_default();

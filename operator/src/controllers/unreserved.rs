@@ -84,7 +84,19 @@ pub async fn run(ctx: Arc<Context>, pods: Arc<PodFactsCache>) {
             continue;
         }
         let now = Instant::now();
-        let found = unreserved(&ctx, &pods);
+        // A look at every bound pod (100 000 in a large cluster): off the runtime's workers,
+        // which serve filter.
+        let look = {
+            let (ctx, pods) = (ctx.clone(), pods.clone());
+            tokio::task::spawn_blocking(move || unreserved(&ctx, &pods))
+        };
+        let found = match look.await {
+            Ok(found) => found,
+            Err(e) => {
+                tracing::error!(error = %e, "looking for unreserved pods failed");
+                continue;
+            }
+        };
         let uids: HashSet<&str> = found.iter().map(|(_, f)| f.uid.as_str()).collect();
         missing_since.retain(|uid, _| uids.contains(uid.as_str()));
         reported.retain(|uid| uids.contains(uid.as_str()));
