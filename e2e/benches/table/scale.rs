@@ -19,20 +19,25 @@
 //!
 //! Everything is written through the API server with admission on: Nodes (no heartbeats, no
 //! controller manager: nothing but this bench loads the API server), GpuNodes with the plugin's
-//! status, pods created with `spec.nodeName`, reservations and their status.
+//! status, pods created with `spec.nodeName`, reservations and their status as the operator and
+//! the plugin leave them (so the operator starts on a settled ledger, as after a restart).
 
 use std::time::{Duration, Instant};
 
+use gpuledger_crds::alignment::{AlignmentSource, ResolvedAlignment};
 use gpuledger_crds::names::DEFAULT_NAMESPACE;
 use gpuledger_crds::{
-    Alignment, ContainerReservation, GpuReservation, GpuReservationSpec, ReservedDevice,
+    Alignment, ContainerReservation, GpuReservation, ReservationPhase, ReservedDevice, kstatus,
 };
 use gpuledger_e2e::bench::fleet::{devices, run_parallel};
 use gpuledger_e2e::bench::{
     ChildOperator, Fleet, GpuShape, OperatorOptions, Row, gpu_pod, spawn_allocator,
 };
 use gpuledger_e2e::cluster::process::rss_kib;
+use gpuledger_operator::ledger::render::{numa_summary, reservation_for};
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
 use kube::Client;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
@@ -269,8 +274,11 @@ async fn grow(
     Ok(fleet)
 }
 
-/// Pod `scale-r<slot>` bound to its node, its reservation of one share of one GPU, and the
-/// reservation's status as after a completed allocation.
+/// Pod `scale-r<slot>` bound to its node, and its reservation of one share of one GPU as a
+/// running cluster holds it: written by the operator's own rendering (node label, the pod as
+/// owner, the finalizer), then its status as after a completed allocation (the operator's
+/// phase, summaries and GitOps conditions, the plugin's allocation record). A started operator
+/// then finds nothing to write, as after a restart.
 async fn pod_and_reservation(
     client: &Client,
     slot: usize,
@@ -293,34 +301,45 @@ async fn pod_and_reservation(
         .await
         .map_err(|e| format!("create pod {name}: {e}"))?;
     let device = &devices(&node, shape)[gpu as usize];
-    let spec = GpuReservationSpec {
-        pod_name: name.clone(),
-        pod_uid: created.metadata.uid.unwrap_or_default(),
-        node_name: node.clone(),
-        alignment: Alignment::None,
-        alignment_source: Some("default".into()),
-        containers: vec![ContainerReservation {
-            index: 0,
-            name: "main".into(),
-            init: false,
-            devices: vec![ReservedDevice {
-                uuid: device.uuid.clone(),
-                memory_mib: 8192,
-                cores: 10,
-                numa_node: device.numa_node,
-            }],
+    let containers = vec![ContainerReservation {
+        index: 0,
+        name: "main".into(),
+        init: false,
+        devices: vec![ReservedDevice {
+            uuid: device.uuid.clone(),
+            memory_mib: 8192,
+            cores: 10,
+            numa_node: device.numa_node,
         }],
-        init_released: false,
+    }];
+    let alignment = ResolvedAlignment {
+        alignment: Alignment::None,
+        source: AlignmentSource::Default,
     };
     let api: Api<GpuReservation> = Api::namespaced(client.clone(), NS);
-    api.create(&pp, &GpuReservation::new(&name, spec))
+    let r = reservation_for(&created, &node, containers, &alignment);
+    let r = api
+        .create(&pp, &r)
         .await
         .map_err(|e| format!("create reservation {name}: {e}"))?;
-    // Phase as the operator would have written it, allocation as the plugin would have.
+    let phase = ReservationPhase::Allocated;
+    let now = Time(Timestamp::now());
+    let mut conditions = Vec::new();
+    kstatus::reservation(Some(phase), &[]).record(
+        &mut conditions,
+        r.metadata.generation,
+        now.clone(),
+    );
+    let devices = format!("{}:8192/10", device.index);
     let status = json!({"status": {
-        "phase": "Allocated",
+        "observedGeneration": r.metadata.generation,
+        "phase": phase,
+        "phaseSince": now,
+        "devices": devices,
+        "numa": numa_summary(&r),
+        "conditions": conditions,
         "allocation": [{"index": 0, "name": "main", "replicaIds": [format!("{}-{replica}", device.uuid)],
-                        "devices": [device.uuid.clone()]}],
+                        "devices": [device.uuid.clone()], "allocatedAt": now}],
     }});
     api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))
         .await
