@@ -52,7 +52,7 @@ pub fn usage_of(node: &GpuNode, usage: &NodeUsage, reservations: u32) -> GpuNode
 /// new `Arc` for every change) and the ledger index's version of its reservations.
 ///
 /// A pass looks again only at the nodes where either changed. Summing every node each pass
-/// (5000 GpuNodes, 100 000 reservations) held a worker thread for tens of milliseconds, which
+/// (5000 GpuNodes, 100 000 reservations) walked every reservation on a worker thread, which
 /// filter calls queued behind, and copied every reservation into a map by node.
 #[derive(Default)]
 struct Seen(HashMap<String, (Arc<GpuNode>, u64)>);

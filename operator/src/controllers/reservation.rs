@@ -77,7 +77,29 @@ pub struct Lifecycle {
     pub(super) pods: Arc<PodFactsCache>,
 }
 
+/// A reservation with its key and the step decided for it.
+pub(super) type Decided = (ReservationKey, Step, Arc<GpuReservation>);
+
 impl Lifecycle {
+    /// Every reservation in the index whose step, decided now on the cached pod facts (pure, no
+    /// API call), passes `keep`: the pass when able and the resync sweep look this way at all
+    /// of them.
+    pub(super) fn decided_now(&self, keep: impl Fn(&Step) -> bool) -> Vec<Decided> {
+        let now = Timestamp::now();
+        let timeout = self.ctx.timing.allocating_timeout;
+        self.ctx
+            .ledger
+            .index
+            .all()
+            .into_iter()
+            .filter_map(|r| {
+                let key = ReservationKey::of(&r);
+                let step = next_step(&r, self.pods.get(&key).as_ref(), now, timeout);
+                keep(&step).then_some((key, step, r))
+            })
+            .collect()
+    }
+
     /// Whether a reconcile may decide now: this replica leads, and both the ledger index and
     /// the pod cache hold a full list.
     fn may_decide(&self) -> bool {
@@ -111,18 +133,9 @@ fn due_when_able(lc: Arc<Lifecycle>) -> impl Stream<Item = ObjectRef<SharedReser
 /// restart on a settled cluster of 100 000 reservations would otherwise queue all 100 000 at
 /// once (the queue's entries were a fifth of the operator's peak memory).
 fn due_now(lc: &Lifecycle) -> Vec<ObjectRef<SharedReservation>> {
-    let now = Timestamp::now();
-    let timeout = lc.ctx.timing.allocating_timeout;
-    lc.ctx
-        .ledger
-        .index
-        .all()
+    lc.decided_now(|step| *step != Step::Idle)
         .into_iter()
-        .filter_map(|r| {
-            let key = ReservationKey::of(&r);
-            let step = next_step(&r, lc.pods.get(&key).as_ref(), now, timeout);
-            (step != Step::Idle).then(|| ObjectRef::new(&key.name).within(&key.namespace))
-        })
+        .map(|(key, _, _)| ObjectRef::new(&key.name).within(&key.namespace))
         .collect()
 }
 

@@ -14,12 +14,10 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpuledger_crds::GpuReservation;
-use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 
-use super::lifecycle::{Step, next_step};
-use super::reservation::{Lifecycle, reconcile};
+use super::lifecycle::Step;
+use super::reservation::{Decided, Lifecycle, reconcile};
 use crate::ledger::ReservationKey;
 use crate::ledger::feed::SharedReservation;
 
@@ -42,7 +40,7 @@ pub(super) async fn run(lc: Arc<Lifecycle>) {
         // Deciding 100 000 steps takes a while: off the runtime's workers, which serve filter.
         let decide = {
             let lc = lc.clone();
-            tokio::task::spawn_blocking(move || due_steps(&lc))
+            tokio::task::spawn_blocking(move || lc.decided_now(is_due))
         };
         let steps = match decide.await {
             Ok(steps) => steps,
@@ -67,30 +65,10 @@ pub(super) async fn run(lc: Arc<Lifecycle>) {
     }
 }
 
-/// Every reservation in the index whose step, decided now on the cached pod facts, is due.
-fn due_steps(lc: &Lifecycle) -> Vec<Decided> {
-    let now = Timestamp::now();
-    let timeout = lc.ctx.timing.allocating_timeout;
-    lc.ctx
-        .ledger
-        .index
-        .all()
-        .into_iter()
-        .filter_map(|r| {
-            let key = ReservationKey::of(&r);
-            let step = next_step(&r, lc.pods.get(&key).as_ref(), now, timeout);
-            is_due(&step).then_some((key, step, r))
-        })
-        .collect()
-}
-
 /// Whether `step` is something to do now (not nothing, not a timer).
 fn is_due(step: &Step) -> bool {
     !matches!(step, Step::Idle | Step::WaitFor(_))
 }
-
-/// A reservation with its key and the step decided for it now.
-type Decided = (ReservationKey, Step, Arc<GpuReservation>);
 
 /// Of `steps`, the ones due now (by key, with their resourceVersion: the next look's
 /// `due_before`), and those that were already due for the same resourceVersion at the last look.
@@ -116,7 +94,7 @@ fn still_due(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpuledger_crds::{GpuReservationSpec, ReservationPhase};
+    use gpuledger_crds::{GpuReservation, GpuReservationSpec, ReservationPhase};
 
     fn res(name: &str, rv: &str) -> Arc<GpuReservation> {
         let mut r = GpuReservation::new(name, GpuReservationSpec::default());

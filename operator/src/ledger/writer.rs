@@ -142,6 +142,14 @@ fn operator_writes() -> PostParams {
     }
 }
 
+/// Merge patches, under the operator's field manager like [`operator_writes`].
+fn operator_patches() -> PatchParams {
+    PatchParams {
+        field_manager: Some(OPERATOR_MANAGER.to_string()),
+        ..PatchParams::default()
+    }
+}
+
 /// The merge patch that makes a reservation's spec `spec`, guarded by `rv`. A merge patch keeps
 /// every field it leaves out, so an optional field `spec` does not have is sent as `null`.
 fn spec_patch(spec: &GpuReservationSpec, rv: Option<&str>) -> Result<Value, serde_json::Error> {
@@ -206,10 +214,7 @@ impl LedgerWriter {
             key: key.clone(),
             source,
         })?;
-        let params = PatchParams {
-            field_manager: Some(OPERATOR_MANAGER.to_string()),
-            ..PatchParams::default()
-        };
+        let params = operator_patches();
         let written = self
             .api(&key.namespace)
             .patch(&key.name, &params, &Patch::Merge(&patch))
@@ -327,10 +332,7 @@ impl LedgerWriter {
         let key = ReservationKey::of(current);
         let rv = current.resource_version();
         let patch = json!({ "metadata": { "finalizers": finalizers, "resourceVersion": rv } });
-        let params = PatchParams {
-            field_manager: Some(OPERATOR_MANAGER.to_string()),
-            ..PatchParams::default()
-        };
+        let params = operator_patches();
         self.api(&key.namespace)
             .patch(&key.name, &params, &Patch::Merge(&patch))
             .await
