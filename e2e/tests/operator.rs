@@ -318,6 +318,59 @@ async fn pods_land_where_the_fit_says_and_the_ledger_follows_their_lives() {
             .any(|f| f.manager.as_deref() == Some(OPERATOR_MANAGER))
     );
 
+    // An admin cordons a GPU on its GpuNode: filter stops offering the node at once, though
+    // none of its reservations changed (its cached view follows the GpuNode too), and offers it
+    // again once uncordoned.
+    let _l4 = gpu_node(
+        &client,
+        "cordon-node",
+        &gpus("l4", 1, "NVIDIA L4", 20000),
+        4,
+    )
+    .await;
+    let offers = |expect: bool| {
+        let probe = serde_json::json!({
+            "Pod": {
+                "metadata": {"name": "cordon-probe", "namespace": NS, "uid": "cordon-probe-uid"},
+                "spec": {"containers": [{"name": "main", "resources": {"limits": {
+                    "nvidia.com/gpu": "1", "nvidia.com/gpumem": "1000", "nvidia.com/gpucores": "10"}}}]},
+            },
+            "NodeNames": ["cordon-node"],
+        })
+        .to_string();
+        let port = op.extender_port;
+        wait_for("filter to follow the GpuNode's cordon", WAIT, move || {
+            let probe = probe.clone();
+            async move {
+                let (code, body) = http(port, "POST", "/filter", &probe).await?;
+                assert_eq!(code, 200, "{body}");
+                let answer: serde_json::Value = serde_json::from_str(&body).unwrap();
+                let offered = answer["NodeNames"] == serde_json::json!(["cordon-node"]);
+                Ok::<_, std::io::Error>((offered == expect).then_some(()))
+            }
+        })
+    };
+    offers(true).await.unwrap();
+    // Asked again: the view is cached now, and nothing about the node changes but the cordon.
+    offers(true).await.unwrap();
+    let cordon = |uuids: Vec<&str>| {
+        let api: Api<GpuNode> = Api::all(client.clone());
+        let patch = serde_json::json!({"spec": {"cordoned": uuids}});
+        async move {
+            api.patch(
+                "cordon-node",
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(&patch),
+            )
+            .await
+            .unwrap();
+        }
+    };
+    cordon(vec!["GPU-l4-0"]).await;
+    offers(false).await.unwrap();
+    cordon(vec![]).await;
+    offers(true).await.unwrap();
+
     let (_, problems) = over_commits(&client).await;
     assert!(problems.is_empty(), "{problems:?}");
     op.stop().await;

@@ -18,7 +18,7 @@ use crate::events::{EventQueue, reporter};
 use crate::lease::turns::Turns;
 use crate::ledger::in_flight::BindsInFlight;
 use crate::ledger::{Holds, LedgerIndex, LedgerWriter, NodeLocks};
-use crate::schedule::{self, NodeViewCache, PlaceError, Placement, Policy};
+use crate::schedule::{self, FitView, NodeViewCache, PlaceError, Placement, Policy};
 use crate::telemetry::{Health, Metrics};
 
 /// Shared state of one operator process, grouped by concern.
@@ -195,21 +195,20 @@ impl Context {
         self.caches.gpunodes.get(&ObjectRef::new(node))
     }
 
-    /// The GpuNodes of `names` from the cache, in order, and the names that have none. A
-    /// filter asks for thousands at once; one lookup key serves them all (a key per name was
-    /// an allocation and a free each).
-    pub fn gpunodes_named(&self, names: Vec<String>) -> (Vec<Arc<GpuNode>>, Vec<String>) {
-        let mut key = ObjectRef::<GpuNode>::new("");
-        let mut found = Vec::with_capacity(names.len());
-        let mut missing = Vec::new();
-        for name in names {
-            key.name = name;
-            match self.caches.gpunodes.get(&key) {
-                Some(node) => found.push(node),
-                None => missing.push(std::mem::take(&mut key.name)),
-            }
-        }
-        (found, missing)
+    /// The fit views of the nodes `names` (their GpuNodes with the ledger's usage applied), in
+    /// order, and the names that have no GpuNode. Views are cached between calls
+    /// ([`NodeViewCache`]); a node's view is rebuilt only after its reservations or its GpuNode
+    /// changed.
+    pub fn node_views<'n>(&self, names: &[&'n str]) -> (Vec<Arc<FitView>>, Vec<&'n str>) {
+        let index = &self.ledger.index;
+        self.caches.views.views(
+            names,
+            |node| index.node_clock(node),
+            |node| {
+                let gpunode = self.gpunode(node)?;
+                Some(schedule::node_view(&gpunode, &index.node_usage(node, None)))
+            },
+        )
     }
 
     /// The pod's GPU request, `None` for pods without GPUs. A request the kubelet would never

@@ -171,7 +171,7 @@ proptest! {
         prop_assert_eq!(&out.error, "");
         let survivors: BTreeSet<String> = match (&out.node_names, &out.nodes) {
             (Some(n), None) => n.iter().cloned().collect(),
-            (None, Some(list)) => list.names().into_iter().collect(),
+            (None, Some(list)) => list.names().into_iter().map(String::from).collect(),
             other => panic!("answer not in the request's shape: {other:?}"),
         };
         let mut refused: BTreeMap<String, String> = out.failed_nodes.clone();

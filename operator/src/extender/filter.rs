@@ -81,7 +81,7 @@ pub async fn filter(ctx: &Context, args: ExtenderArgs) -> ExtenderFilterResult {
             let failed: BTreeMap<String, String> = args
                 .candidate_names()
                 .into_iter()
-                .map(|n| (n, reason.clone()))
+                .map(|n| (n.to_string(), reason.clone()))
                 .collect();
             ctx.pod_event(&pod_ref(&args.pod), true, "FilteringFailed", reason);
             ctx.metrics.decision("filter", "invalid", started);
@@ -97,7 +97,7 @@ pub async fn filter(ctx: &Context, args: ExtenderArgs) -> ExtenderFilterResult {
     let candidates = args.candidate_names();
     let own = own_reservation_node(ctx, &args.pod);
     if let Some(own) = &own
-        && candidates.contains(own)
+        && candidates.contains(&own.as_str())
         && ctx.fit_on(&args.pod, &req, own).is_ok()
     {
         ctx.metrics.decision("filter", "own_reservation", started);
@@ -105,30 +105,25 @@ pub async fn filter(ctx: &Context, args: ExtenderArgs) -> ExtenderFilterResult {
     }
     // Like HAMi, filter answers with the one node the fit engine chooses under the node
     // policy: kube-scheduler's own scoring cannot then override binpack/spread.
-    let (inventory, without) = ctx.gpunodes_named(candidates);
+    let (mut views, without) = ctx.node_views(&candidates);
     let mut failed: BTreeMap<String, String> = without
         .into_iter()
-        .map(|node| (node, schedule::PlaceError::NoInventory.to_string()))
+        .map(|node| {
+            (
+                node.to_string(),
+                schedule::PlaceError::NoInventory.to_string(),
+            )
+        })
         .collect();
-    let versions = ctx.ledger.index.node_versions(
-        inventory
-            .iter()
-            .map(|n| n.metadata.name.as_deref().unwrap_or_default()),
-    );
-    let candidates: Vec<_> = inventory.into_iter().zip(versions).collect();
-    let mut views = ctx
-        .caches
-        .views
-        .views(&candidates, |node| ctx.ledger.index.node_usage(node, None));
     // A pod that already holds a reservation (a retried bind) must not compete with itself:
     // its node's view is built without it, outside the cache.
     let uid = args.pod.metadata.uid.as_deref();
-    if let Some(own) = own {
-        for (view, (gpunode, _)) in views.iter_mut().zip(&candidates) {
-            if gpunode.metadata.name.as_deref() == Some(own.as_str()) {
-                let usage = ctx.ledger.index.node_usage(&own, uid);
-                *view = Arc::new(FitView::new(node_view(gpunode, &usage)));
-            }
+    if let Some(own) = &own
+        && let Some(gpunode) = ctx.gpunode(own)
+    {
+        for view in views.iter_mut().filter(|v| v.name() == own) {
+            let usage = ctx.ledger.index.node_usage(own, uid);
+            *view = Arc::new(FitView::new(node_view(&gpunode, &usage)));
         }
     }
     // Count what earlier answers promised and their binds have not written yet (holds).
@@ -247,16 +242,19 @@ pub async fn prioritize(ctx: &Context, args: ExtenderArgs) -> Vec<HostPriority> 
             ctx.metrics.decision("prioritize", "passthrough", started);
             return names
                 .into_iter()
-                .map(|host| HostPriority { host, score: 0 })
+                .map(|host| HostPriority {
+                    host: host.to_string(),
+                    score: 0,
+                })
                 .collect();
         }
     };
     let mut scored = Vec::new();
     let mut zero = Vec::new();
     for node in names {
-        match ctx.fit_on(&args.pod, &req, &node) {
-            Ok(p) => scored.push((node, p.score)),
-            Err(_) => zero.push(node),
+        match ctx.fit_on(&args.pod, &req, node) {
+            Ok(p) => scored.push((node.to_string(), p.score)),
+            Err(_) => zero.push(node.to_string()),
         }
     }
     let mut out: Vec<HostPriority> = scale_scores(&scored)

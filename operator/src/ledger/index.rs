@@ -16,6 +16,7 @@
 //! takes the incoming object (the watch is then the source of truth, as in a plain reflector).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -69,6 +70,25 @@ impl std::fmt::Display for ReservationKey {
     }
 }
 
+/// One node's version, shared with the caches derived from the node (see
+/// [`LedgerIndex::node_clock`]): it moves whenever the node's reservations or its GpuNode
+/// change, and a cache holding it checks it with one atomic read instead of a lookup by name.
+#[derive(Debug, Default)]
+pub struct NodeClock(AtomicU64);
+
+impl NodeClock {
+    /// The node's version now.
+    pub fn version(&self) -> u64 {
+        // Acquire pairs with the Release in `set`: whoever sees the new version also sees the
+        // change it was set after (a reservation in the index, a GpuNode in its store).
+        self.0.load(Ordering::Acquire)
+    }
+
+    fn set(&self, version: u64) {
+        self.0.store(version, Ordering::Release);
+    }
+}
+
 #[derive(Default)]
 struct Inner {
     live: HashMap<ReservationKey, Arc<GpuReservation>>,
@@ -91,9 +111,9 @@ struct Inner {
     echoes: BTreeMap<u64, Instant>,
     /// The newest resourceVersion the watch has delivered.
     watch_seen: u64,
-    /// Per node, the `clock` value of the last change to its reservations: a cache of
-    /// anything derived from a node's reservations is valid while this stays the same.
-    node_versions: HashMap<String, u64>,
+    /// Per node, the `clock` value of the last change to its reservations or its GpuNode: a
+    /// cache of anything derived from them is valid while this stays the same.
+    node_versions: HashMap<String, Arc<NodeClock>>,
     /// Counts changes; never goes back, so a version is never reused.
     clock: u64,
 }
@@ -154,10 +174,11 @@ impl Inner {
     /// Marks `node`'s reservations as changed.
     fn touch(&mut self, node: &str) {
         self.clock += 1;
-        match self.node_versions.get_mut(node) {
-            Some(v) => *v = self.clock,
+        match self.node_versions.get(node) {
+            Some(v) => v.set(self.clock),
             None => {
-                self.node_versions.insert(node.to_string(), self.clock);
+                let v = NodeClock(AtomicU64::new(self.clock));
+                self.node_versions.insert(node.to_string(), Arc::new(v));
             }
         }
     }
@@ -449,20 +470,44 @@ impl LedgerIndex {
         self.read().live.values().cloned().collect()
     }
 
-    /// The version of `node`'s reservations: it changes whenever one of them is added, changed
-    /// or removed (0 for a node that never had any).
+    /// The version of `node`: it changes whenever one of its reservations is added, changed
+    /// or removed, and whenever its GpuNode changes ([`Self::inventory_changed`]); 0 for a node
+    /// that never had either.
     pub fn node_version(&self, node: &str) -> u64 {
-        self.read().node_versions.get(node).copied().unwrap_or(0)
+        self.read()
+            .node_versions
+            .get(node)
+            .map_or(0, |v| v.version())
     }
 
-    /// [`Self::node_version`] of each of `nodes`, read together (one lock for a whole filter
-    /// call instead of one per candidate).
-    pub fn node_versions<'a>(&self, nodes: impl IntoIterator<Item = &'a str>) -> Vec<u64> {
-        let inner = self.read();
-        nodes
-            .into_iter()
-            .map(|node| inner.node_versions.get(node).copied().unwrap_or(0))
-            .collect()
+    /// `node`'s version as a shared cell, for a cache that keeps something derived from the
+    /// node and checks it on every use (filter's node views: one name lookup per candidate
+    /// instead of three).
+    pub fn node_clock(&self, node: &str) -> Arc<NodeClock> {
+        if let Some(clock) = self.read().node_versions.get(node) {
+            return clock.clone();
+        }
+        self.write()
+            .node_versions
+            .entry(node.to_string())
+            .or_default()
+            .clone()
+    }
+
+    /// `node`'s GpuNode changed (the GpuNode watch calls this after its store took the
+    /// change): what was derived from the old one is stale.
+    pub fn inventory_changed(&self, node: &str) {
+        self.write().touch(node);
+    }
+
+    /// Every GpuNode may have changed (the GpuNode watch listed them again).
+    pub fn every_inventory_changed(&self) {
+        let mut inner = self.write();
+        inner.clock += 1;
+        let now = inner.clock;
+        for v in inner.node_versions.values() {
+            v.set(now);
+        }
     }
 
     /// Every reservation in `namespace`.
@@ -607,6 +652,29 @@ mod tests {
         idx.apply_event(Event::InitApply(obj("c", "9", "n3")));
         idx.apply_event(Event::InitDone);
         assert!(idx.node_version("n2") > m2 && idx.node_version("n3") > 0);
+    }
+
+    #[test]
+    fn a_node_clock_moves_with_its_reservations_and_its_gpunode_and_is_shared() {
+        let idx = LedgerIndex::new();
+        // Asked for before the node has anything: it starts where node_version does.
+        let n1 = idx.node_clock("n1");
+        assert_eq!(n1.version(), 0);
+        assert!(Arc::ptr_eq(&n1, &idx.node_clock("n1")), "one cell per node");
+        idx.apply_event(Event::Apply(obj("a", "1", "n1")));
+        let v = n1.version();
+        assert!(v > 0, "the cell handed out sees the reservation");
+        assert_eq!(v, idx.node_version("n1"));
+        let n2 = idx.node_clock("n2");
+        idx.inventory_changed("n2");
+        assert!(n2.version() > 0);
+        assert_eq!(n1.version(), v, "another node's GpuNode leaves n1 alone");
+        idx.inventory_changed("n1");
+        let w = n1.version();
+        assert!(w > v);
+        let before = n2.version();
+        idx.every_inventory_changed();
+        assert!(n1.version() > w && n2.version() > before);
     }
 
     #[test]

@@ -13,7 +13,7 @@ pub mod usage;
 pub mod writer;
 
 pub use holds::{Held, Holds};
-pub use index::{LedgerIndex, ReservationKey};
+pub use index::{LedgerIndex, NodeClock, ReservationKey};
 pub use node_lock::NodeLocks;
 pub use usage::{DeviceUsage, NodeUsage};
 pub use writer::{LedgerWriter, WriteError};

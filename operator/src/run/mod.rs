@@ -15,13 +15,13 @@ use axum::serve::ListenerExt;
 use gpuledger_crds::kubeclient::{self, ClientError};
 
 use crate::controllers::pod_facts::PodFactsCache;
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
 use gpuledger_crds::{GpuConfig, GpuNode, GpuReservation, NumaPolicy};
 use k8s_openapi::api::core::v1::{Namespace, ResourceQuota};
-use kube::Client;
 use kube::api::{Api, ObjectMeta, PostParams};
 use kube::runtime::events::Recorder;
 use kube::runtime::{WatchStreamExt, reflector, watcher};
+use kube::{Client, ResourceExt};
 use tokio::net::TcpListener;
 
 use crate::context::{Caches, Context, Defaults, Ledger, PodApiSetting, Timing};
@@ -140,13 +140,23 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         )
     };
     let (gpunodes, writer) = reflector::store::<GpuNode>();
+    let node_clocks = index.clone();
     let stream = watcher(
         Api::<GpuNode>::all(client.clone()),
         watcher::Config::default(),
     )
     .default_backoff()
     .modify(strip_managed_fields)
-    .reflect(writer);
+    .reflect(writer)
+    // After the store took each change: filter's cached views of the node are then stale.
+    .inspect_ok(move |event| match event {
+        watcher::Event::Apply(node) | watcher::Event::Delete(node) => {
+            node_clocks.inventory_changed(&node.name_any());
+        }
+        // A relist replaces the whole store at its end.
+        watcher::Event::InitDone => node_clocks.every_inventory_changed(),
+        watcher::Event::Init | watcher::Event::InitApply(_) => {}
+    });
     tasks.spawn(drive("gpunodes", stream, health.clone()));
     let (policies, writer) = reflector::store::<NumaPolicy>();
     let stream = watcher(

@@ -1,6 +1,8 @@
 //! The adapter between the ledger's objects and the engine: usage reaches the engine, node
 //! choice follows the policy, cached views and remembered outcomes are reused only while valid.
 
+use std::collections::HashMap;
+
 use super::views::REMEMBERED;
 use super::*;
 use gpuledger_crds::podapi::{ContainerRequest, GpuRequest, MemoryRequest};
@@ -135,32 +137,69 @@ fn node_choice_follows_the_node_policy() {
 }
 
 #[test]
-fn cached_views_follow_the_gpunode_and_the_ledger_version() {
+fn cached_views_follow_the_node_clock_of_its_gpunode_and_reservations() {
     let cache = NodeViewCache::default();
-    let a = Arc::new(node("a", 2));
-    let calls = std::cell::Cell::new(0);
-    let usage = |_: &str| {
-        calls.set(calls.get() + 1);
-        used("GPU-a-0", 1000 * calls.get())
+    let index = crate::ledger::LedgerIndex::new();
+    let gpunodes = std::cell::RefCell::new(HashMap::from([("a", node("a", 2))]));
+    let builds = std::cell::Cell::new(0);
+    let views = |names: &[&'static str]| {
+        cache.views(
+            names,
+            |n| index.node_clock(n),
+            |n| {
+                let g = gpunodes.borrow().get(n).cloned()?;
+                builds.set(builds.get() + 1);
+                Some(node_view(&g, &used("GPU-a-0", 1000 * builds.get())))
+            },
+        )
     };
-    let first = cache.views(&[(a.clone(), 1)], usage);
+    let (first, without) = views(&["a", "gone"]);
+    assert_eq!(first.len(), 1);
+    assert_eq!(without, ["gone"], "a node without a GpuNode has no view");
     assert_eq!(first[0].view().usage[0].memory_mib, 1000);
-    // Same GpuNode object, same version: the same view, no usage read.
-    let again = cache.views(&[(a.clone(), 1)], usage);
+    // Nothing changed: the same view, not built again.
+    let (again, _) = views(&["a"]);
     assert!(Arc::ptr_eq(&first[0], &again[0]));
-    assert_eq!(calls.get(), 1);
-    // The ledger moved on: rebuilt with the new usage.
-    let moved = cache.views(&[(a.clone(), 2)], usage);
+    assert_eq!(builds.get(), 1);
+    // The node's reservations changed: rebuilt with the new usage.
+    let mut r = gpuledger_crds::GpuReservation::new(
+        "r",
+        gpuledger_crds::GpuReservationSpec {
+            node_name: "a".into(),
+            ..Default::default()
+        },
+    );
+    r.metadata.namespace = Some("ns".into());
+    r.metadata.resource_version = Some("1".into());
+    index.apply_event(kube::runtime::watcher::Event::Apply(r));
+    let (moved, _) = views(&["a"]);
     assert_eq!(moved[0].view().usage[0].memory_mib, 2000);
-    // A new GpuNode object (its status changed), even with equal content: rebuilt.
-    let a2 = Arc::new(node("a", 3));
-    let resized = cache.views(&[(a2.clone(), 2)], usage);
+    // Its GpuNode changed (the store took the new one, then the watch said so): rebuilt from it.
+    gpunodes.borrow_mut().insert("a", node("a", 3));
+    let (stale, _) = views(&["a"]);
+    assert!(Arc::ptr_eq(&moved[0], &stale[0]), "not told yet");
+    index.inventory_changed("a");
+    let (resized, _) = views(&["a"]);
     assert_eq!(resized[0].view().devices.len(), 3);
-    assert_eq!(calls.get(), 3);
+    // A relist of the GpuNodes may have changed any of them.
+    index.every_inventory_changed();
+    let (relisted, _) = views(&["a"]);
+    assert!(!Arc::ptr_eq(&resized[0], &relisted[0]));
+    assert_eq!(builds.get(), 4);
+    // A GpuNode deleted: no view, and none kept.
+    gpunodes.borrow_mut().remove("a");
+    index.inventory_changed("a");
+    assert_eq!(views(&["a"]).1, ["a"]);
+    assert!(cache.is_empty());
+    views(&["a", "gone"]);
+    gpunodes.borrow_mut().insert("a", node("a", 2));
+    index.inventory_changed("a");
+    views(&["a"]);
     assert_eq!(cache.len(), 1);
     cache.retain(|n| n != "a");
     assert!(cache.is_empty());
 }
+
 #[test]
 fn remembered_outcomes_are_per_request_and_per_view() {
     let a = node("a", 1);
