@@ -15,10 +15,12 @@ use gpuledger_e2e::bench::GpuShape;
 use gpuledger_e2e::bench::fleet::devices;
 use gpuledger_operator::context::Context;
 use gpuledger_operator::extender::filter::filter;
+use gpuledger_operator::extender::server::router;
 use gpuledger_operator::extender::wire::ExtenderArgs;
 use gpuledger_operator::ledger::LedgerIndex;
 use kube::runtime::{reflector, watcher};
 use serde_json::json;
+use tower::ServiceExt;
 
 const NODES: usize = 1000;
 /// GPUs per node, as in [`GpuShape::default`].
@@ -85,16 +87,20 @@ fn context(names: &[String]) -> Arc<Context> {
     Arc::new(Context::detached(client, index, gpunodes, true))
 }
 
-fn args(names: &[String]) -> ExtenderArgs {
-    serde_json::from_value(json!({
+/// The request kube-scheduler sends, as JSON.
+fn args_json(names: &[String]) -> serde_json::Value {
+    json!({
         "Pod": {
             "metadata": {"name": "probe", "namespace": "default", "uid": "probe-uid"},
             "spec": {"containers": [{"name": "main", "resources": {"limits": {
                 "nvidia.com/gpu": "1", "nvidia.com/gpumem": "8192", "nvidia.com/gpucores": "20"}}}]},
         },
         "NodeNames": names,
-    }))
-    .unwrap()
+    })
+}
+
+fn args(names: &[String]) -> ExtenderArgs {
+    serde_json::from_value(args_json(names)).unwrap()
 }
 
 fn filter_nodes(c: &mut Criterion) {
@@ -121,6 +127,21 @@ fn filter_on(c: &mut Criterion, nodes: usize) {
     c.bench_function(&label, |b| {
         b.iter(|| rt.block_on(filter(black_box(&ctx), black_box(args.clone()))))
     });
+    // The same call through the HTTP handler's router: the request body decoded, the answer
+    // encoded, without a socket.
+    let body = args_json(&names).to_string();
+    let router = router(ctx.clone());
+    let call = || {
+        let request = axum::http::Request::post("/filter")
+            .header("content-type", "application/json")
+            .body(axum::body::Body::from(body.clone()))
+            .unwrap();
+        let answer = rt.block_on(router.clone().oneshot(request)).unwrap();
+        assert!(answer.status().is_success());
+        answer
+    };
+    drop(call());
+    c.bench_function(&format!("{label}, through the router"), |b| b.iter(call));
 }
 
 criterion_group!(benches, filter_nodes);
