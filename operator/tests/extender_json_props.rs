@@ -508,6 +508,42 @@ fn the_server_answers_every_body_on_every_verb() {
     assert_eq!(code, 200);
 }
 
+/// A body of the wrong shape is refused with a 400 that names where it is wrong: the fast
+/// decode's own error gives only a line and column, so a refused body is decoded again with
+/// its path tracked.
+#[test]
+fn a_malformed_body_is_refused_naming_the_field() {
+    let rt = runtime();
+    let _in_runtime = rt.enter();
+    let ctx = context(true);
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let port = listener.local_addr().unwrap().port();
+    rt.spawn(async move { axum::serve(listener, router(ctx)).await });
+    let cases: [(&str, &[u8], &str); 3] = [
+        (
+            "/filter",
+            br#"{"Pod": {"metadata": {"name": 5}}, "NodeNames": ["gpu-a"]}"#,
+            "Pod.metadata.name",
+        ),
+        (
+            "/prioritize",
+            br#"{"Pod": {"metadata": {"name": "p"}}, "NodeNames": ["gpu-a", 7]}"#,
+            "NodeNames[1]",
+        ),
+        ("/bind", br#"{"PodName": ["p"]}"#, "PodName"),
+    ];
+    for (verb, body, path) in cases {
+        let (code, answer) = rt.block_on(post(port, verb, body));
+        assert_eq!(code, 422, "{verb}: {answer}");
+        assert!(
+            answer.contains(path),
+            "{verb}: {answer} does not name {path}"
+        );
+    }
+}
+
 /// GPU memory without `nvidia.com/gpu`: the kubelet would never allocate it, so filter refuses
 /// every node with a reason that says what to add, instead of reserving capacity (and the
 /// node's allocation Lease) for a container that never asks the device plugin for it.

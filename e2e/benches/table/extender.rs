@@ -35,7 +35,7 @@ use kube::api::{Api, PostParams};
 use kube::runtime::watcher;
 use kube::{Client, ResourceExt};
 use serde_json::json;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
 
 const NS: &str = "default";
 /// How long the 1000 pods may take to be bound before the run is cut short.
@@ -706,17 +706,20 @@ pub(crate) async fn direct_filter(
         "POST /filter HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     );
-    let mut conn = tokio::net::TcpStream::connect(("127.0.0.1", port))
+    let conn = tokio::net::TcpStream::connect(("127.0.0.1", port))
         .await
         .map_err(|e| e.to_string())?;
     // As kube-scheduler's client (Go sets TCP_NODELAY on every TCP connection). Without it, the
     // tail of a request sent in several segments can be held back by Nagle until the operator
     // acknowledges the first ones, and the row would time that wait.
     conn.set_nodelay(true).map_err(|e| e.to_string())?;
+    // Buffered, as Go's HTTP client reads its answers: the head is not one system call a byte.
+    let mut conn = tokio::io::BufReader::new(conn);
     let mut samples = Vec::with_capacity(calls);
     for i in 0..calls + 10 {
         let t = Instant::now();
-        conn.write_all(request.as_bytes())
+        conn.get_mut()
+            .write_all(request.as_bytes())
             .await
             .map_err(|e| e.to_string())?;
         let answer = read_answer(&mut conn).await?;
@@ -731,15 +734,18 @@ pub(crate) async fn direct_filter(
 }
 
 /// Reads one HTTP answer with a Content-Length body; returns the body.
-async fn read_answer(conn: &mut tokio::net::TcpStream) -> Result<String, String> {
+async fn read_answer(
+    conn: &mut tokio::io::BufReader<tokio::net::TcpStream>,
+) -> Result<String, String> {
     let mut head = Vec::new();
-    let mut byte = [0u8; 1];
     while !head.ends_with(b"\r\n\r\n") {
-        let n = conn.read(&mut byte).await.map_err(|e| e.to_string())?;
+        let n = conn
+            .read_until(b'\n', &mut head)
+            .await
+            .map_err(|e| e.to_string())?;
         if n == 0 {
             return Err("connection closed".into());
         }
-        head.push(byte[0]);
     }
     let head = String::from_utf8_lossy(&head).to_string();
     let len: usize = head
