@@ -209,6 +209,23 @@ fn parse_vm_rss(status: &str) -> Option<u64> {
         .and_then(|kib| kib.parse().ok())
 }
 
+/// CPU time a process has used (user and system), in seconds, from `/proc/<pid>/stat`.
+pub fn cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    parse_cpu_seconds(&stat)
+}
+
+/// `/proc/<pid>/stat`'s utime and stime (fields 14 and 15, after the command name, which may
+/// hold spaces and parentheses) in seconds; the kernel reports them in USER_HZ, 100 per second.
+fn parse_cpu_seconds(stat: &str) -> Option<f64> {
+    const USER_HZ: f64 = 100.0;
+    let (_, rest) = stat.rsplit_once(')')?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    Some((utime + stime) as f64 / USER_HZ)
+}
+
 /// Whether `pid` names a live (not zombie) process.
 pub fn is_alive(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/status")) {
@@ -238,6 +255,15 @@ mod tests {
         let status = "Name:\tetcd\nVmPeak:\t  100 kB\nVmRSS:\t   27512 kB\nThreads: 9\n";
         assert_eq!(parse_vm_rss(status), Some(27512));
         assert_eq!(parse_vm_rss("Name: x\n"), None);
+    }
+
+    #[test]
+    fn parses_cpu_seconds() {
+        let stat =
+            "4242 (kube (api) server) S 1 4242 4242 0 -1 4194560 500 0 0 0 250 75 0 0 20 0 9";
+        assert_eq!(parse_cpu_seconds(stat), Some(3.25));
+        assert_eq!(parse_cpu_seconds("4242 (short) S 1"), None);
+        assert!(cpu_seconds(std::process::id()).is_some());
     }
 
     #[test]
