@@ -142,6 +142,49 @@ fn filter_on(c: &mut Criterion, nodes: usize) {
     };
     drop(call());
     c.bench_function(&format!("{label}, through the router"), |b| b.iter(call));
+    // And over a loopback socket, one kept-alive connection (as `make bench`'s direct row, but
+    // without a cluster beside it): what the socket adds to the router.
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let port = listener.local_addr().unwrap().port();
+    rt.spawn(async move { axum::serve(listener, router).await });
+    let request = format!(
+        "POST /filter HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut conn = rt.block_on(async {
+        let conn = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap();
+        conn.set_nodelay(true).unwrap();
+        tokio::io::BufReader::new(conn)
+    });
+    c.bench_function(&format!("{label}, over loopback HTTP"), |b| {
+        b.iter(|| rt.block_on(exchange(&mut conn, request.as_bytes())))
+    });
+}
+
+/// Sends one request and reads its answer (head, then a Content-Length body).
+async fn exchange(conn: &mut tokio::io::BufReader<tokio::net::TcpStream>, request: &[u8]) -> usize {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+    conn.get_mut().write_all(request).await.unwrap();
+    let mut head = Vec::new();
+    while !head.ends_with(b"\r\n\r\n") {
+        assert!(conn.read_until(b'\n', &mut head).await.unwrap() > 0);
+    }
+    let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    let len: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let mut answer = vec![0u8; len];
+    conn.read_exact(&mut answer).await.unwrap();
+    len
 }
 
 criterion_group!(benches, filter_nodes);
