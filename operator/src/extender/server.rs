@@ -1,7 +1,7 @@
 //! HTTP server of the extender: `POST /filter`, `/prioritize`, `/bind` (kube-scheduler appends
 //! the verb to its `urlPrefix`). kube-scheduler treats any non-200 answer as an error, so
 //! decisions, including failures, travel in the JSON body with status 200; only an
-//! undecodable body gets a 400 naming where it is wrong.
+//! undecodable body gets a 400 (not JSON) or 422 (JSON of the wrong shape) naming where it is wrong.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -55,7 +55,7 @@ async fn timed(State(ctx): State<Arc<Context>>, req: Request, next: Next) -> Res
 ///
 /// axum's `Json` records the path of every value it decodes, for its error message; on a
 /// 5000-name filter that bookkeeping was about a tenth of the call. Here a body is decoded
-/// plainly first, and only one that fails is decoded again through `Json`, so the 400 still
+/// plainly first, and only one that fails is decoded again through `Json`, so the 400 or 422 still
 /// names the field that is wrong.
 pub struct WireBody<T>(pub T);
 
