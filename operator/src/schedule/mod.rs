@@ -5,6 +5,7 @@
 //! it writes (reservation containers) or answers (the chosen node, the reasons others fail).
 //! Nothing here does I/O; [`views`] keeps the engine's per-node views between filter calls.
 
+mod by_name;
 pub mod views;
 
 use std::cell::Cell;

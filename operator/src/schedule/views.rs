@@ -2,7 +2,6 @@
 //! engine's `NodeView`, cached between filter calls and remembering the last outcomes fitted on
 //! it.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use gpuledger_crds::GpuNode;
@@ -11,6 +10,8 @@ use gpuledger_fit::{FitFailure, NodeView, Usage};
 
 use crate::ledger::NodeClock;
 use crate::ledger::usage::NodeUsage;
+
+use super::by_name::ByName;
 
 /// Sharers per GPU when a GpuNode does not say (HAMi's `deviceSplitCount` default).
 pub const DEFAULT_SPLIT_COUNT: u32 = 10;
@@ -160,10 +161,11 @@ struct CachedView {
 /// node's clock shows the version it was built at. Checking that is one lookup of the node's
 /// name here and one atomic read: at 5000 candidates, looking each one up in the GpuNode
 /// store and the index as well (three lookups by name, each mostly cache misses at that size)
-/// took three quarters of the call.
+/// took three quarters of the call. The lookup itself is laid out for a cold cache: see
+/// [`ByName`].
 #[derive(Default)]
 pub struct NodeViewCache {
-    entries: Mutex<HashMap<String, CachedView>>,
+    entries: Mutex<ByName<CachedView>>,
     keys: FitKeys,
 }
 
@@ -186,13 +188,29 @@ impl NodeViewCache {
         build: impl Fn(&str) -> Option<NodeView>,
     ) -> (Vec<Arc<FitView>>, Vec<&'n str>) {
         let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        // The current views, found in passes that each do one thing: every lookup, then every
+        // clock, then every count taken on a view. A clock and a view are allocations of their
+        // own, seldom still in the CPU's caches when the next filter comes; a loop that only
+        // reads clocks lets the CPU wait for many of them at once, where one doing all three
+        // waited for each in turn (and taking a count, an atomic write, lets nothing overtake
+        // it): 1.33 → 1.09 ms for 5000 candidates with the caches emptied before the call.
+        let current: Vec<Option<Arc<FitView>>> = {
+            let found = entries.get_all(names);
+            let fresh: Vec<bool> = found
+                .iter()
+                .map(|c| c.is_some_and(|c| c.version == c.clock.version()))
+                .collect();
+            found
+                .iter()
+                .zip(fresh)
+                .map(|(c, fresh)| c.filter(|_| fresh).map(|c| c.view.clone()))
+                .collect()
+        };
         let mut out = Vec::with_capacity(names.len());
         let mut without = Vec::new();
-        for &name in names {
-            if let Some(c) = entries.get(name)
-                && c.version == c.clock.version()
-            {
-                out.push(c.view.clone());
+        for (&name, current) in names.iter().zip(current) {
+            if let Some(view) = current {
+                out.push(view);
                 continue;
             }
             let clock = clock_of(name);
@@ -208,12 +226,7 @@ impl NodeViewCache {
                 version,
                 view: view.clone(),
             };
-            match entries.get_mut(name) {
-                Some(slot) => *slot = entry,
-                None => {
-                    entries.insert(name.to_string(), entry);
-                }
-            }
+            entries.insert(name, entry);
             out.push(view);
         }
         (out, without)
@@ -233,7 +246,10 @@ impl NodeViewCache {
 
     /// Whether no view is cached.
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.entries
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty()
     }
 }
 
