@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 
 /// Samples per path, and the number of candidate nodes of each `/filter` request.
@@ -109,9 +109,12 @@ impl Drop for TimingProxy {
     }
 }
 
-async fn serve(mut down: TcpStream, upstream_port: u16, samples: Samples) -> std::io::Result<()> {
+async fn serve(down: TcpStream, upstream_port: u16, samples: Samples) -> std::io::Result<()> {
     down.set_nodelay(true)?;
-    let mut up: Option<TcpStream> = None;
+    // Both sides are read through a buffer: read a byte at a time, an answer's head alone was
+    // a hundred-odd system calls inside the timed span, each a chance to be preempted.
+    let mut down = BufReader::new(down);
+    let mut up: Option<BufReader<TcpStream>> = None;
     loop {
         let Some((head, body)) = read_message(&mut down).await? else {
             return Ok(());
@@ -126,14 +129,14 @@ async fn serve(mut down: TcpStream, upstream_port: u16, samples: Samples) -> std
             None => {
                 let c = TcpStream::connect(("127.0.0.1", upstream_port)).await?;
                 c.set_nodelay(true)?;
-                up.insert(c)
+                up.insert(BufReader::new(c))
             }
         };
         // One write per message, without Nagle: a head and a body written separately would
         // wait for the peer's delayed ACK (up to 40 ms), a stall of the proxy, not the operator.
         let request = [head.as_bytes(), &body].concat();
         let started = Instant::now();
-        conn.write_all(&request).await?;
+        conn.get_mut().write_all(&request).await?;
         let Some((answer_head, answer_body)) = read_message(conn).await? else {
             return Ok(());
         };
@@ -144,31 +147,30 @@ async fn serve(mut down: TcpStream, upstream_port: u16, samples: Samples) -> std
             recorded.filter_sizes.extend(size.flatten());
             recorded.latency.entry(path).or_default().push(took);
         }
-        down.write_all(&[answer_head.as_bytes(), &answer_body].concat())
+        down.get_mut()
+            .write_all(&[answer_head.as_bytes(), &answer_body].concat())
             .await?;
     }
 }
 
 /// Reads one HTTP/1.1 message (head including the blank line, and a `Content-Length` body);
-/// `None` at a clean end of stream.
-async fn read_message<S: AsyncRead + AsyncWrite + Unpin>(
+/// `None` at a clean end of stream. Bytes past the message stay in `s`'s buffer for the next.
+async fn read_message<S: AsyncBufRead + Unpin>(
     s: &mut S,
 ) -> std::io::Result<Option<(String, Vec<u8>)>> {
-    let mut buf = Vec::with_capacity(4096);
-    let mut byte = [0u8; 1];
-    let head_end = loop {
-        if s.read(&mut byte).await? == 0 {
+    let mut buf = Vec::with_capacity(512);
+    loop {
+        if s.read_until(b'\n', &mut buf).await? == 0 {
             if buf.is_empty() {
                 return Ok(None);
             }
             return Err(std::io::ErrorKind::UnexpectedEof.into());
         }
-        buf.push(byte[0]);
         if buf.ends_with(b"\r\n\r\n") {
-            break buf.len();
+            break;
         }
-    };
-    let head = String::from_utf8_lossy(&buf[..head_end]).to_string();
+    }
+    let head = String::from_utf8_lossy(&buf).to_string();
     let length = content_length(&head);
     let mut body = vec![0u8; length];
     s.read_exact(&mut body).await?;
@@ -216,32 +218,54 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn messages_arriving_together_are_read_apart() {
+        // Two messages in one write, as a kept-alive peer may send them: the buffer holds the
+        // second while the first is returned.
+        let (mut tx, rx) = tokio::io::duplex(1024);
+        tx.write_all(b"POST /a HTTP/1.1\r\nContent-Length: 3\r\n\r\nabcPOST /b HTTP/1.1\r\n\r\n")
+            .await
+            .unwrap();
+        drop(tx);
+        let mut rx = BufReader::new(rx);
+        let (head, body) = read_message(&mut rx).await.unwrap().unwrap();
+        assert!(head.starts_with("POST /a"));
+        assert_eq!(body, b"abc");
+        let (head, body) = read_message(&mut rx).await.unwrap().unwrap();
+        assert!(head.starts_with("POST /b"));
+        assert!(body.is_empty());
+        assert!(read_message(&mut rx).await.unwrap().is_none(), "clean end");
+    }
+
+    #[tokio::test]
     async fn forwards_and_times_each_request_on_a_kept_alive_connection() {
         // An upstream that answers every request with "ok" after reading it.
         let upstream = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let up_port = upstream.local_addr().unwrap().port();
         tokio::spawn(async move {
-            let (mut c, _) = upstream.accept().await.unwrap();
+            let (c, _) = upstream.accept().await.unwrap();
+            let mut c = BufReader::new(c);
             while let Ok(Some((_, body))) = read_message(&mut c).await {
                 let answer = format!("echo:{}", String::from_utf8_lossy(&body));
                 let head = format!(
                     "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n",
                     answer.len()
                 );
-                c.write_all(head.as_bytes()).await.unwrap();
-                c.write_all(answer.as_bytes()).await.unwrap();
+                c.get_mut().write_all(head.as_bytes()).await.unwrap();
+                c.get_mut().write_all(answer.as_bytes()).await.unwrap();
             }
         });
         let proxy = TimingProxy::start(0, up_port).await.unwrap();
-        let mut c = TcpStream::connect(("127.0.0.1", proxy.port()))
-            .await
-            .unwrap();
+        let mut c = BufReader::new(
+            TcpStream::connect(("127.0.0.1", proxy.port()))
+                .await
+                .unwrap(),
+        );
         for body in ["a", "bc"] {
             let req = format!(
                 "POST /filter HTTP/1.1\r\nContent-Length: {}\r\n\r\n{body}",
                 body.len()
             );
-            c.write_all(req.as_bytes()).await.unwrap();
+            c.get_mut().write_all(req.as_bytes()).await.unwrap();
             let (head, answer) = read_message(&mut c).await.unwrap().unwrap();
             assert!(head.starts_with("HTTP/1.1 200"));
             assert_eq!(answer, format!("echo:{body}").into_bytes());
