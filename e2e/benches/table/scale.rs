@@ -42,7 +42,7 @@ use kube::Client;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 
-use crate::extender::{direct_filter, paced, scheduling_cluster, settled};
+use crate::extender::{direct_filter, log_filter_histograms, paced, scheduling_cluster, settled};
 
 const NS: &str = "default";
 /// The sizes measured, in nodes; the largest carries the targets.
@@ -261,9 +261,13 @@ async fn run() -> Result<Vec<Row>, String> {
     let op = last_op.ok_or("no operator running")?;
     let allocator = spawn_allocator(client.clone(), NS);
     proxy.take_ms("/filter");
+    // The operator's own histograms before and after (cumulative): their difference is the
+    // paced calls as the operator timed them, to hold against the proxy's.
+    log_filter_histograms(&op, "scale, before the paced pods").await;
     eprintln!("[bench] scale: {PACED_PODS} GPU pods at {PACED_RATE}/s through kube-scheduler");
     let phase = paced(&client, "scale", crate::scaled(PACED_PODS), PACED_RATE).await;
     allocator.abort();
+    log_filter_histograms(&op, "scale, after the paced pods").await;
     let scheduled_filter = proxy.take_ms("/filter");
     let names_per_call = proxy.take_filter_sizes();
     let after_mib = rss_kib(op.pid()).unwrap_or_default() as f64 / 1024.0;

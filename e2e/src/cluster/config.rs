@@ -193,12 +193,26 @@ pub fn scheduler_config(kubeconfig: &Path, extender: Option<&str>) -> Value {
     cfg
 }
 
-/// [`scheduler_config`] as YAML.
+/// A client-side rate limit of a Kubernetes component: sustained requests per second, and the
+/// burst allowed above it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ClientRate {
+    pub qps: f32,
+    pub burst: u32,
+}
+
+/// [`scheduler_config`] as YAML, with kube-scheduler's client held to `rate` when given.
 pub fn scheduler_config_yaml(
     kubeconfig: &Path,
     extender: Option<&str>,
+    rate: Option<ClientRate>,
 ) -> Result<String, serde_yaml::Error> {
-    serde_yaml::to_string(&scheduler_config(kubeconfig, extender))
+    let mut cfg = scheduler_config(kubeconfig, extender);
+    if let Some(rate) = rate {
+        cfg["clientConnection"]["qps"] = json!(rate.qps);
+        cfg["clientConnection"]["burst"] = json!(rate.burst);
+    }
+    serde_yaml::to_string(&cfg)
 }
 
 /// A kubeconfig with one cluster, one token user and one context, trusting `ca`.
@@ -328,9 +342,22 @@ mod tests {
         assert_eq!(ext["managedResources"][1]["name"], "nvidia.com/gpumem");
         assert_eq!(ext["managedResources"][3]["name"], "nvidia.com/gpucores");
         assert_eq!(ext["managedResources"][3]["ignoredByScheduler"], true);
-        let yaml = scheduler_config_yaml(Path::new("/k"), Some("http://x")).unwrap();
+        let yaml = scheduler_config_yaml(Path::new("/k"), Some("http://x"), None).unwrap();
         let back: Value = serde_yaml::from_str(&yaml).unwrap();
         assert_eq!(back["extenders"][0]["urlPrefix"], "http://x");
+        assert!(
+            back["clientConnection"].get("qps").is_none(),
+            "kube-scheduler's own default unless asked"
+        );
+        let rate = ClientRate {
+            qps: 1000.0,
+            burst: 2000,
+        };
+        let yaml = scheduler_config_yaml(Path::new("/k"), None, Some(rate)).unwrap();
+        let back: Value = serde_yaml::from_str(&yaml).unwrap();
+        assert_eq!(back["clientConnection"]["qps"], 1000.0);
+        assert_eq!(back["clientConnection"]["burst"], 2000);
+        assert_eq!(back["clientConnection"]["kubeconfig"], "/k");
         assert!(
             scheduler_config(Path::new("/k"), None)
                 .get("extenders")

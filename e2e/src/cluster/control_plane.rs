@@ -46,6 +46,9 @@ pub struct ControlPlaneOptions {
     pub startup_timeout: Duration,
     /// Executables; `None`: [`Binaries::locate`].
     pub binaries: Option<Binaries>,
+    /// kube-scheduler's own client rate limit; `None`: its default (50 requests/s, bursts of
+    /// 100), which is what the tests and the demo run with.
+    pub scheduler_client_rate: Option<config::ClientRate>,
 }
 
 impl Default for ControlPlaneOptions {
@@ -56,6 +59,7 @@ impl Default for ControlPlaneOptions {
             controller_manager: true,
             startup_timeout: DEFAULT_STARTUP_TIMEOUT,
             binaries: None,
+            scheduler_client_rate: None,
         }
     }
 }
@@ -189,7 +193,7 @@ impl ControlPlane {
             let sched_config = run_dir.join("scheduler.yaml");
             write_yaml(
                 &sched_config,
-                config::scheduler_config_yaml(&kubeconfig, extender),
+                config::scheduler_config_yaml(&kubeconfig, extender, opts.scheduler_client_rate),
             )?;
             procs.spawn(
                 "kube-scheduler",
