@@ -2,6 +2,7 @@
 //! controllers and the telemetry server together, and runs them until shutdown.
 
 pub mod config;
+mod extender_thread;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -11,7 +12,6 @@ use axum::Router;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::get;
-use axum::serve::ListenerExt;
 use gpuledger_crds::kubeclient::{self, ClientError};
 
 use crate::controllers::pod_facts::PodFactsCache;
@@ -289,30 +289,15 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         tasks.spawn(certs::keep_current(client.clone(), keeper, live, identity));
     }
     let ext_app = extender::server::router(ctx.clone()).merge(webhook::server::router(ctx.clone()));
-    match tls {
-        Some(acceptor) => {
-            let listener = extender::tls::TlsListener::new(ext_listener, acceptor);
-            tasks.spawn(async move {
-                if let Err(e) = axum::serve(listener, ext_app).await {
-                    tracing::error!(error = %e, "extender server failed");
-                }
-            });
-        }
-        None => {
-            // Answers go out as soon as they are written: with Nagle, a response written in
-            // parts can wait for the scheduler's delayed ACK.
-            let listener = ext_listener.tap_io(|tcp| {
-                if let Err(e) = tcp.set_nodelay(true) {
-                    tracing::debug!(error = %e, "could not disable Nagle");
-                }
-            });
-            tasks.spawn(async move {
-                if let Err(e) = axum::serve(listener, ext_app).await {
-                    tracing::error!(error = %e, "extender server failed");
-                }
-            });
-        }
-    }
+    // Kept until `run` returns or is dropped: the extender stops with the operator.
+    let (_extender, extender_stopped) = extender_thread::spawn(ext_listener, tls, ext_app)
+        .map_err(|source| RunError::Listen {
+            addr: config.extender_addr,
+            source,
+        })?;
+    tasks.spawn(async move {
+        let _ = extender_stopped.await;
+    });
     let tel_app = telemetry_router(ctx.clone());
     tasks.spawn(async move {
         if let Err(e) = axum::serve(tel_listener, tel_app).await {
