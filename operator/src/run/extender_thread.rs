@@ -19,17 +19,10 @@ use tokio_rustls::TlsAcceptor;
 
 use crate::extender::tls::TlsListener;
 
-/// The running extender thread; dropping it stops the server.
+/// The running extender thread; dropping it stops the server (the thread sees its end of the
+/// channel closed).
 pub struct ExtenderThread {
-    stop: Option<oneshot::Sender<()>>,
-}
-
-impl Drop for ExtenderThread {
-    fn drop(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-    }
+    _stop: oneshot::Sender<()>,
 }
 
 /// Serves `app` on `listener` (TLS when `tls` is given) from a new thread. The receiver
@@ -68,7 +61,7 @@ pub fn spawn(
             runtime.shutdown_background();
             drop(done);
         })?;
-    Ok((ExtenderThread { stop: Some(stop) }, stopped))
+    Ok((ExtenderThread { _stop: stop }, stopped))
 }
 
 async fn serve(listener: TcpListener, tls: Option<TlsAcceptor>, app: Router) {

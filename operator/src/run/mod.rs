@@ -58,6 +58,9 @@ pub enum RunError {
     /// The operator's own certificate could not be issued or read.
     #[error("serving certificate: {0}")]
     Cert(#[from] certs::CertError),
+    /// The extender's thread or its runtime could not be started.
+    #[error("starting the extender's thread: {0}")]
+    ExtenderThread(#[source] std::io::Error),
     /// A server or essential task ended.
     #[error("{0} stopped unexpectedly")]
     TaskEnded(&'static str),
@@ -290,11 +293,8 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
     }
     let ext_app = extender::server::router(ctx.clone()).merge(webhook::server::router(ctx.clone()));
     // Kept until `run` returns or is dropped: the extender stops with the operator.
-    let (_extender, extender_stopped) = extender_thread::spawn(ext_listener, tls, ext_app)
-        .map_err(|source| RunError::Listen {
-            addr: config.extender_addr,
-            source,
-        })?;
+    let (_extender, extender_stopped) =
+        extender_thread::spawn(ext_listener, tls, ext_app).map_err(RunError::ExtenderThread)?;
     tasks.spawn(async move {
         let _ = extender_stopped.await;
     });
