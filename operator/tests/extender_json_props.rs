@@ -25,6 +25,7 @@ use gpuledger_operator::context::Context;
 use gpuledger_operator::extender::filter::{filter, prioritize};
 use gpuledger_operator::extender::server::router;
 use gpuledger_operator::extender::wire::{ExtenderArgs, MAX_EXTENDER_PRIORITY};
+use gpuledger_operator::lease::turns::MAX_QUEUED;
 use gpuledger_operator::ledger::{LedgerIndex, ReservationKey};
 use kube::runtime::reflector;
 use kube::runtime::watcher;
@@ -359,18 +360,47 @@ fn filter_counts_answers_whose_bind_has_not_come_yet() {
     assert_eq!(chosen("p3", &["gpu-a"]), ["gpu-a"]);
 }
 
-/// Once binds have shown how fast turns pass, filter leaves out a node whose bind queue is
-/// full (its next bind would give up waiting), unless no other node fits.
+/// Filter leaves out a node whose bind queue is full (its next bind would wait past the ones
+/// before it, or give up), unless no other node fits: at most [`MAX_QUEUED`] binds, fewer once
+/// binds have shown that turns pass too slowly for that many within the wait.
 #[test]
 fn filter_passes_over_a_node_with_a_full_bind_queue() {
     let rt = runtime();
     let _in_runtime = rt.enter();
     let ctx = context(true);
     let chosen = |name: &str, nodes: &[&str]| chosen_for(&rt, &ctx, name, nodes, 1000);
-    // No pace measured yet: binpack sends both pods to the same node.
-    assert_eq!(chosen("p1", &GPU_NODES), ["gpu-a"]);
-    assert_eq!(chosen("p2", &GPU_NODES), ["gpu-a"]);
-    ctx.ledger.holds.release("uid-p2");
+    let skips = |ctx: &Context| {
+        let metrics = ctx.metrics.encode().unwrap();
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("gpuledger_extender_busy_node_skips_total "))
+            .and_then(|n| n.trim().parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    // No pace measured yet: binpack sends pods to the fullest node until its queue is full.
+    let queued: Vec<String> = (0..MAX_QUEUED).map(|i| format!("q{i}")).collect();
+    for name in &queued {
+        assert_eq!(chosen(name, &GPU_NODES), ["gpu-a"], "{name}");
+    }
+    assert_eq!(skips(&ctx), 0);
+    assert_eq!(
+        chosen("over", &GPU_NODES),
+        ["gpu-b"],
+        "{MAX_QUEUED} binds already wait for gpu-a"
+    );
+    assert_eq!(skips(&ctx), 1);
+    assert_eq!(
+        chosen("alone", &["gpu-a"]),
+        ["gpu-a"],
+        "a full queue is still better than no node"
+    );
+    for name in queued
+        .iter()
+        .skip(1)
+        .chain(["over".into(), "alone".into()].iter())
+    {
+        ctx.ledger.holds.release(&format!("uid-{name}"));
+    }
     // One turn took 60 ms; the detached context waits 50 ms for a Lease: one bind per node.
     let turn = rt
         .block_on(
@@ -380,22 +410,13 @@ fn filter_passes_over_a_node_with_a_full_bind_queue() {
         .unwrap();
     std::thread::sleep(Duration::from_millis(60));
     turn.passed();
-    assert_eq!(ctx.turns.queue_limit(ctx.timing.lease_wait), Some(1));
+    assert_eq!(ctx.turns.queue_limit(ctx.timing.lease_wait), 1);
     assert_eq!(
         chosen("p2", &GPU_NODES),
         ["gpu-b"],
-        "gpu-a already waits on p1's bind"
+        "gpu-a already waits on q0's bind"
     );
-    let metrics = ctx.metrics.encode().unwrap();
-    assert!(
-        metrics.contains("gpuledger_extender_busy_node_skips_total 1"),
-        "{metrics}"
-    );
-    assert_eq!(
-        chosen("p3", &["gpu-a"]),
-        ["gpu-a"],
-        "a full queue is still better than no node"
-    );
+    assert_eq!(skips(&ctx), 2);
 }
 
 /// One HTTP/1.1 request; `(status, body)`.

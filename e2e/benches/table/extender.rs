@@ -22,6 +22,7 @@ use futures::StreamExt;
 use gpuledger_crds::GpuNode;
 use gpuledger_crds::names::DEFAULT_NAMESPACE;
 use gpuledger_e2e::bench::api_requests;
+use gpuledger_e2e::bench::cpu::{self, CpuReading};
 use gpuledger_e2e::bench::fleet::run_parallel;
 use gpuledger_e2e::bench::{
     ChildOperator, Fleet, GpuShape, OperatorOptions, Row, Throttle, TimingProxy, gpu_pod,
@@ -52,6 +53,35 @@ const SCHEDULER_CLIENT_RATE: ClientRate = ClientRate {
 };
 /// How long the 1000 pods may take to be bound before the run is cut short.
 const SCHEDULING_LIMIT: Duration = Duration::from_secs(900);
+
+/// Set to a file name, the GPU burst writes an 8-second CPU profile of kube-apiserver taken
+/// from its start there (`go tool pprof -top <kube-apiserver binary> <file>` reads it): where
+/// the API server's share of a GPU pod's CPU goes.
+const PROFILE_ENV: &str = "GPULEDGER_BENCH_APISERVER_PROFILE";
+
+/// Fetches the API server's CPU profile into `out` on a thread of its own (through kubectl,
+/// which writes the binary body as it comes).
+fn profile_apiserver(b: &Bench, out: PathBuf) -> std::thread::JoinHandle<()> {
+    let kubeconfig = b.cp.kubeconfig().to_path_buf();
+    std::thread::spawn(move || {
+        let got = std::process::Command::new("kubectl")
+            .arg("--kubeconfig")
+            .arg(&kubeconfig)
+            .args(["get", "--raw", "/debug/pprof/profile?seconds=8"])
+            .output();
+        match got {
+            Ok(o) if o.status.success() => match std::fs::write(&out, &o.stdout) {
+                Ok(()) => eprintln!("[bench] kube-apiserver CPU profile: {}", out.display()),
+                Err(e) => eprintln!("[bench] writing {}: {e}", out.display()),
+            },
+            Ok(o) => eprintln!(
+                "[bench] kube-apiserver CPU profile: {}",
+                String::from_utf8_lossy(&o.stderr)
+            ),
+            Err(e) => eprintln!("[bench] kube-apiserver CPU profile: kubectl: {e}"),
+        }
+    })
+}
 
 fn free_port() -> u16 {
     gpuledger_e2e::cluster::free_port().expect("free port")
@@ -173,6 +203,7 @@ pub(crate) async fn scheduling_cluster(
     let opts = ControlPlaneOptions {
         controller_manager: false,
         scheduler_client_rate: Some(SCHEDULER_CLIENT_RATE),
+        apiserver_profiling: std::env::var_os(PROFILE_ENV).is_some(),
         ..ControlPlaneOptions::default().extender_url(format!("http://127.0.0.1:{}", proxy.port()))
     };
     let cp = ControlPlane::start(opts).await.map_err(|e| e.to_string())?;
@@ -224,6 +255,19 @@ async fn start_bench() -> Result<Bench, String> {
         allocator,
         _logs: logs,
     })
+}
+
+/// The processes whose CPU time a burst is charged: the control plane's, the operator, and this
+/// bench (creating the pods, watching them, the allocation stand-in and the timing proxy).
+fn burst_processes(b: &Bench) -> Vec<(String, u32)> {
+    let mut all: Vec<(String, u32)> =
+        b.cp.process_stats()
+            .into_iter()
+            .map(|p| (p.name, p.pid))
+            .collect();
+    all.push(("operator".into(), b.op.pid()));
+    all.push(("bench".into(), std::process::id()));
+    all
 }
 
 /// A sum over the series of the operator's metric `name` whose labels include `label`.
@@ -312,7 +356,9 @@ async fn run() -> Result<Vec<Row>, String> {
     // resources, so these are kube-scheduler alone.
     eprintln!("[bench] baseline: {pods} pods without GPUs at once, kube-scheduler alone");
     let before = api_requests::by_kind(&client).await;
+    let cpu_before = CpuReading::of(&burst_processes(&b));
     let plain = schedule_pods(&client, "plain", pods, plain_pod).await?;
+    let plain_cpu = cpu_before.per_unit_ms(&CpuReading::of(&burst_processes(&b)), pods);
     let plain_api = api_requests::per_unit(&before, &api_requests::by_kind(&client).await, pods);
     if plain.bound.len() < pods {
         return Err(format!("plain pods bound: {}/{pods}", plain.bound.len()));
@@ -330,8 +376,19 @@ async fn run() -> Result<Vec<Row>, String> {
     b.proxy.take_ms("/bind");
     eprintln!("[bench] creating {pods} GPU pods at once");
     let before = api_requests::by_kind(&client).await;
+    let cpu_before = CpuReading::of(&burst_processes(&b));
+    let profile = std::env::var_os(PROFILE_ENV).map(|out| profile_apiserver(&b, out.into()));
     let burst = schedule(&client, "tp", pods).await?;
+    if let Some(profile) = profile {
+        let _ = tokio::task::spawn_blocking(move || profile.join()).await;
+    }
+    let gpu_cpu = cpu_before.per_unit_ms(&CpuReading::of(&burst_processes(&b)), pods);
     let gpu_api = api_requests::per_unit(&before, &api_requests::by_kind(&client).await, pods);
+    eprintln!(
+        "[bench] CPU per pod, plain burst: {}; GPU burst: {}",
+        cpu::describe(&plain_cpu),
+        cpu::describe(&gpu_cpu)
+    );
     eprintln!(
         "[bench] API requests per pod, plain burst: {:.2} ({})",
         plain_api.0, plain_api.1
@@ -421,10 +478,11 @@ async fn run() -> Result<Vec<Row>, String> {
             "pods/s",
             &[plain.throughput()],
             format!(
-                "one run, {:.1} s; {:.1} API requests per pod ({})",
+                "one run, {:.1} s; {:.1} API requests per pod ({}); CPU per pod {}",
                 plain.wall.as_secs_f64(),
                 plain_api.0,
-                plain_api.1
+                plain_api.1,
+                cpu::describe(&plain_cpu)
             ),
         ),
         {
@@ -436,8 +494,10 @@ async fn run() -> Result<Vec<Row>, String> {
                 "ratio",
                 &[ratio],
                 format!(
-                    "target >= 0.5: {met}; {:.1} API requests per GPU pod ({})",
-                    gpu_api.0, gpu_api.1
+                    "target >= 0.5: {met}; {:.1} API requests per GPU pod ({}); CPU per GPU pod {}",
+                    gpu_api.0,
+                    gpu_api.1,
+                    cpu::describe(&gpu_cpu)
                 ),
             )
         },

@@ -5,6 +5,7 @@
 //! extender.
 
 pub mod api_requests;
+pub mod cpu;
 pub mod fleet;
 pub mod floor;
 pub mod operator;

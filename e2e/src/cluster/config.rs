@@ -117,6 +117,14 @@ pub fn apiserver_args(pki: &Pki, ports: &Ports, cert_dir: &Path) -> Vec<String> 
     ]
 }
 
+/// Turns on kube-apiserver's `/debug/pprof` endpoints in `args` (off by default, as in a
+/// hardened cluster): for a benchmark that profiles where the API server's CPU goes.
+pub fn enable_profiling(args: &mut [String]) {
+    for a in args.iter_mut().filter(|a| a.starts_with("--profiling=")) {
+        *a = flag("profiling", true);
+    }
+}
+
 /// Flags shared by the scheduler and the controller manager: health endpoints on loopback,
 /// delegated authn/authz through the admin kubeconfig, no leader election (one replica).
 fn component_args(kubeconfig: &Path, port: u16, cert_dir: &Path) -> Vec<String> {
@@ -293,6 +301,15 @@ mod tests {
         for a in all.iter().filter(network) {
             assert!(a.contains("127.0.0.1"), "{a}");
         }
+    }
+
+    #[test]
+    fn profiling_is_off_unless_asked_for() {
+        let mut args = apiserver_args(&pki(), &ports(), Path::new("/c"));
+        assert!(args.contains(&"--profiling=false".to_string()));
+        enable_profiling(&mut args);
+        let profiling: Vec<&String> = args.iter().filter(|a| a.contains("profiling")).collect();
+        assert_eq!(profiling, ["--profiling=true"]);
     }
 
     #[test]

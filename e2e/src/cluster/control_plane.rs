@@ -49,6 +49,8 @@ pub struct ControlPlaneOptions {
     /// kube-scheduler's own client rate limit; `None`: its default (50 requests/s, bursts of
     /// 100), which is what the tests and the demo run with.
     pub scheduler_client_rate: Option<config::ClientRate>,
+    /// Whether kube-apiserver serves `/debug/pprof` (a bench's CPU profile); off by default.
+    pub apiserver_profiling: bool,
 }
 
 impl Default for ControlPlaneOptions {
@@ -60,6 +62,7 @@ impl Default for ControlPlaneOptions {
             startup_timeout: DEFAULT_STARTUP_TIMEOUT,
             binaries: None,
             scheduler_client_rate: None,
+            apiserver_profiling: false,
         }
     }
 }
@@ -155,10 +158,15 @@ impl ControlPlane {
             &kubeconfig,
             config::kubeconfig_yaml(&server, &pki.ca_cert, ADMIN_USER, &pki.admin_token),
         )?;
+        let mut apiserver_args =
+            config::apiserver_args(&pki, &ports, &run_dir.join("apiserver-certs"));
+        if opts.apiserver_profiling {
+            config::enable_profiling(&mut apiserver_args);
+        }
         procs.spawn(
             "kube-apiserver",
             &bins.kube_apiserver,
-            &config::apiserver_args(&pki, &ports, &run_dir.join("apiserver-certs")),
+            &apiserver_args,
             &log("kube-apiserver"),
         )?;
         let client = client_from_kubeconfig(&kubeconfig, ADMIN_USER).await?;

@@ -34,7 +34,7 @@ fn own_reservation_node(ctx: &Context, pod: &Pod) -> Option<String> {
 /// `--lease-wait`, then among all: a node already waiting on more binds than pass its
 /// allocation Lease in that time would only see this one give up and be retried. That keeps a
 /// binpack burst packing (the fullest free node wins) without queueing past the wait on one
-/// node. Before the first bind has measured the pace, every node is free.
+/// node ([`crate::lease::turns::MAX_QUEUED`] says why the queue stays short).
 fn choose_among_free(
     ctx: &Context,
     req: &PodRequest,
@@ -42,9 +42,7 @@ fn choose_among_free(
     held: &HashMap<String, Held>,
     policies: Policy,
 ) -> NodeChoice {
-    let Some(limit) = ctx.turns.queue_limit(ctx.timing.lease_wait) else {
-        return schedule::choose(req, views, policies, ctx.caches.views.keys());
-    };
+    let limit = ctx.turns.queue_limit(ctx.timing.lease_wait);
     let queued = |view: &Arc<FitView>| held.get(view.name()).map_or(0, |h| h.pods);
     if views.iter().all(|v| queued(v) < limit) {
         return schedule::choose(req, views, policies, ctx.caches.views.keys());
