@@ -16,6 +16,7 @@ use kube::{Client, Resource, ResourceExt};
 use crate::controllers::pod_facts::PodFactsCache;
 use crate::events::{EventQueue, reporter};
 use crate::lease::turns::Turns;
+use crate::lease::watched::WatchedLeases;
 use crate::ledger::in_flight::BindsInFlight;
 use crate::ledger::{Holds, LedgerIndex, LedgerWriter, NodeLocks};
 use crate::schedule::{self, FitView, NodeViewCache, PlaceError, Placement, Policy};
@@ -76,6 +77,8 @@ pub struct Caches {
     pub quotas: Store<ResourceQuota>,
     /// GpuConfigs (the cluster-wide one sets [`Defaults::pod_api`]).
     pub configs: Store<GpuConfig>,
+    /// The allocation Leases of the operator's namespace, as watched.
+    pub leases: Arc<WatchedLeases>,
 }
 
 /// The pod-API defaults in effect: HAMi's chart values, overridden by the cluster-wide
@@ -163,6 +166,7 @@ impl Context {
                 pods: Arc::new(PodFactsCache::new(PodApiSetting::default())),
                 quotas,
                 configs,
+                leases: Arc::default(),
             },
             defaults: Defaults {
                 pod_api: PodApiSetting::default(),

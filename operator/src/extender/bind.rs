@@ -39,6 +39,7 @@ use gpuledger_crds::podapi::PodApiError;
 use gpuledger_crds::protocol::lease::Holder;
 use k8s_openapi::api::core::v1::{Binding, ObjectReference, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::api::{Api, PostParams};
 
@@ -46,6 +47,7 @@ use super::wire::{ExtenderBindingArgs, ExtenderBindingResult};
 use crate::context::{Context, pod_ref_by_name};
 use crate::lease::allocation::{self as lease, LeaseError};
 use crate::lease::turns::Turn;
+use crate::lease::watched::{Outlook, RECHECK_MAX};
 use crate::ledger::render::{devices_summary, reservation_for};
 use crate::ledger::usage::reservation_load;
 use crate::ledger::{ReservationKey, WriteError};
@@ -493,29 +495,70 @@ async fn wait_turn<'a>(
 
 /// Takes the Lease (the caller has the node's turn), waiting up to `--lease-wait` (never past
 /// the bind's deadline) for the previous pod's admission to finish.
+///
+/// It attempts when the Lease watch ([`crate::lease::watched`]) shows the node's Lease free
+/// (and, after a failed attempt, changed since), and whenever the watch has shown no change at
+/// all for 20 ms, doubling to [`RECHECK_MAX`]: a stalled watch costs attempts, never the Lease,
+/// and a holder whose pod is gone is found by an attempt's own check (or by the next bind's
+/// first attempt, when this one runs out of time first).
 async fn take_lease(
     ctx: &Context,
     node: &str,
     holder: &str,
     bind_deadline: Instant,
 ) -> Result<(), LeaseError> {
-    let deadline = (Instant::now() + ctx.timing.lease_wait).min(bind_deadline);
-    let mut pause = Duration::from_millis(20);
+    // Tokio's clock, which the waits below use (and tests can pause).
+    use tokio::time::Instant;
+    let deadline = (Instant::now() + ctx.timing.lease_wait).min(Instant::from_std(bind_deadline));
+    let watched = &ctx.caches.leases;
+    let mut changes = watched.subscribe();
+    let mut quiet = Duration::from_millis(20);
+    // The first attempt is made at once unless the watch shows another pod being admitted.
+    let mut due = false;
     let mut first = true;
+    let mut tried_at_change = None;
+    let mut refused = None;
     loop {
-        let attempt = lease::try_take(&ctx.client, &ctx.namespace, node, holder, first).await;
-        first = false;
-        match attempt {
-            Ok(_) => return Ok(()),
-            Err(LeaseError::Raced { .. }) => {}
-            Err(held @ LeaseError::Held { .. }) if Instant::now() + pause > deadline => {
-                return Err(held);
+        changes.borrow_and_update();
+        let node_changes = watched.changes_of(node);
+        let changed_free = tried_at_change != Some(node_changes)
+            && watched.outlook(node, holder, Timestamp::now()) == Outlook::Try;
+        if due || changed_free {
+            tried_at_change = Some(node_changes);
+            // Create straight away where the watch shows no Lease (or, before it has listed
+            // them, on the first attempt: the plugin deletes the Lease after each admission).
+            let likely_free = watched.absent(node).unwrap_or(first);
+            first = false;
+            match lease::try_take(&ctx.client, &ctx.namespace, node, holder, likely_free).await {
+                Ok(_) => return Ok(()),
+                Err(held @ LeaseError::Held { .. }) if Instant::now() + quiet > deadline => {
+                    return Err(held);
+                }
+                Err(e @ (LeaseError::Raced { .. } | LeaseError::Held { .. })) => refused = Some(e),
+                Err(e) => return Err(e),
             }
-            Err(LeaseError::Held { .. }) => {}
-            Err(e) => return Err(e),
         }
-        tokio::time::sleep(pause).await;
-        pause = (pause * 2).min(Duration::from_millis(100));
+        if Instant::now() >= deadline {
+            return Err(refused.unwrap_or_else(|| LeaseError::Queued {
+                node: node.to_string(),
+                waited: ctx.timing.lease_wait,
+            }));
+        }
+        // Until some Lease changes (then look again at this node's), or the watch has been
+        // quiet for a while (then attempt anyway). While the watch flows, as in a burst, it
+        // shows this node's release before any poll would have found it.
+        let until = (Instant::now() + quiet).min(deadline);
+        due = match tokio::time::timeout_at(until, changes.changed()).await {
+            Ok(Ok(())) => false,
+            quiet_for_a_while => {
+                if quiet_for_a_while.is_ok() {
+                    // The watch's sender is gone (never while the context lives): poll.
+                    tokio::time::sleep_until(until).await;
+                }
+                quiet = (quiet * 2).min(RECHECK_MAX);
+                true
+            }
+        };
     }
 }
 
@@ -672,5 +715,136 @@ mod tests {
         ctx.ledger.index.apply_event(watcher::Event::Apply(booked));
         let read = pod_to_bind(&ctx, &args("u1")).await;
         assert!(matches!(read, Err(BindError::Api { .. })), "{read:?}");
+    }
+
+    /// Waiting for a node's Lease against a scripted API server: the Lease watch decides when
+    /// an attempt is made, so a Lease the watch shows held costs no request until it shows it
+    /// released. (`--lease-wait` is 50 ms in the detached context; time is paused, so each step
+    /// below runs when every task has gone idle.)
+    mod lease_wait {
+        use std::sync::Arc;
+
+        use gpuledger_crds::GpuNode;
+        use gpuledger_crds::protocol::lease::allocation_lease_name;
+        use gpuledger_crds::scripted_api::{expect, scripted, status};
+        use http::Method;
+        use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+        use kube::runtime::{reflector, watcher::Event};
+        use serde_json::Value;
+
+        use super::*;
+        use crate::ledger::LedgerIndex;
+
+        const LEASES: &str = "/apis/coordination.k8s.io/v1/namespaces/gpuledger-system/leases";
+        const LEASE: &str =
+            "/apis/coordination.k8s.io/v1/namespaces/gpuledger-system/leases/gpuledger-alloc-n1";
+        const ME: &str = "ns/p/uid-me";
+        const OTHER: &str = "ns/q/uid-other";
+
+        fn lease(holder: &str) -> Lease {
+            let now = Timestamp::now();
+            Lease {
+                metadata: ObjectMeta {
+                    name: Some(allocation_lease_name("n1")),
+                    namespace: Some("gpuledger-system".into()),
+                    resource_version: Some("7".into()),
+                    ..Default::default()
+                },
+                spec: Some(LeaseSpec {
+                    holder_identity: Some(holder.into()),
+                    lease_duration_seconds: Some(300),
+                    acquire_time: Some(MicroTime(now)),
+                    renew_time: Some(MicroTime(now)),
+                    ..Default::default()
+                }),
+            }
+        }
+
+        fn json(l: &Lease) -> Value {
+            serde_json::to_value(l).unwrap()
+        }
+
+        /// A synced leader talking to `client`, whose Lease watch has listed `leases`.
+        fn context_with(client: kube::Client, leases: &[Lease]) -> Arc<Context> {
+            let index = Arc::new(LedgerIndex::new());
+            index.apply_event(watcher::Event::Init);
+            index.apply_event(watcher::Event::InitDone);
+            let (gpunodes, _writer) = reflector::store::<GpuNode>();
+            let ctx = Context::detached(client, index, gpunodes, true);
+            ctx.caches.leases.apply(&Event::Init);
+            for l in leases {
+                ctx.caches.leases.apply(&Event::InitApply(l.clone()));
+            }
+            ctx.caches.leases.apply(&Event::InitDone);
+            Arc::new(ctx)
+        }
+
+        fn take(ctx: &Arc<Context>) -> tokio::task::JoinHandle<Result<(), LeaseError>> {
+            let ctx = ctx.clone();
+            tokio::spawn(async move {
+                let deadline = Instant::now() + Duration::from_secs(5);
+                take_lease(&ctx, "n1", ME, deadline).await
+            })
+        }
+
+        /// Lets every task run until all wait on a timer or the watch.
+        async fn settle() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+
+        #[tokio::test(start_paused = true)]
+        async fn a_lease_the_watch_shows_held_is_created_once_the_watch_shows_it_gone() {
+            let (client, api) = scripted(vec![
+                expect(Method::POST, LEASES)
+                    .body_field("/spec/holderIdentity", ME.into())
+                    .reply(201, json(&lease(ME))),
+            ]);
+            let held = lease(OTHER);
+            let ctx = context_with(client, std::slice::from_ref(&held));
+            let bind = take(&ctx);
+            settle().await;
+            assert!(!bind.is_finished(), "waits without a request");
+            ctx.caches.leases.apply(&Event::Delete(held));
+            assert!(bind.await.unwrap().is_ok());
+            api.finish().await;
+        }
+
+        #[tokio::test(start_paused = true)]
+        async fn a_watch_that_lags_costs_an_attempt_and_then_is_followed() {
+            // The watch has not shown the other pod's Lease yet: the create conflicts, the read
+            // shows it held; then the watch shows it, and its deletion.
+            let held = lease(OTHER);
+            let (client, api) = scripted(vec![
+                expect(Method::POST, LEASES).reply(409, status(409, "AlreadyExists", "exists")),
+                expect(Method::GET, LEASE).reply(200, json(&held)),
+                expect(Method::POST, LEASES).reply(201, json(&lease(ME))),
+            ]);
+            let ctx = context_with(client, &[]);
+            let bind = take(&ctx);
+            settle().await;
+            ctx.caches.leases.apply(&Event::Apply(held.clone()));
+            settle().await;
+            assert!(!bind.is_finished());
+            ctx.caches.leases.apply(&Event::Delete(held));
+            assert!(bind.await.unwrap().is_ok());
+            api.finish().await;
+        }
+
+        #[tokio::test(start_paused = true)]
+        async fn a_holder_the_watch_never_shows_leaving_is_asked_about_until_the_wait_ends() {
+            // Held all along, and the watch shows no change: one attempt after 20 quiet ms (a
+            // read, as the watch shows the Lease there); the next would come after the 50 ms
+            // wait, so the bind gives up with the holder's name.
+            let held = lease(OTHER);
+            let (client, api) = scripted(vec![expect(Method::GET, LEASE).reply(200, json(&held))]);
+            let ctx = context_with(client, std::slice::from_ref(&held));
+            let got = take(&ctx).await.unwrap();
+            assert!(
+                matches!(&got, Err(LeaseError::Held { holder, .. }) if holder == OTHER),
+                "{got:?}"
+            );
+            api.finish().await;
+        }
     }
 }

@@ -17,6 +17,7 @@ use gpuledger_crds::kubeclient::{self, ClientError};
 use crate::controllers::pod_facts::PodFactsCache;
 use futures::{StreamExt, TryStreamExt};
 use gpuledger_crds::{GpuConfig, GpuNode, GpuReservation, NumaPolicy};
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, ResourceQuota};
 use kube::api::{Api, ObjectMeta, PostParams};
 use kube::runtime::events::Recorder;
@@ -28,6 +29,7 @@ use crate::context::{Caches, Context, Defaults, Ledger, PodApiSetting, Timing};
 use crate::events::EventQueue;
 use crate::events::reporter;
 use crate::lease::leader;
+use crate::lease::watched::WatchedLeases;
 use crate::ledger::feed::feed_index;
 use crate::ledger::usage::holds_capacity;
 use crate::ledger::{LedgerIndex, LedgerWriter, NodeLocks};
@@ -199,6 +201,19 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         }
     });
     tasks.spawn(drive("gpuconfigs", stream, health.clone()));
+    // The allocation Leases (and the leader Lease, which the feed leaves out) of our namespace:
+    // a bind waiting for a node's Lease waits for this watch to show it released.
+    let leases = Arc::new(WatchedLeases::default());
+    let stream = watcher(
+        Api::<Lease>::namespaced(client.clone(), &config.namespace),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .inspect_ok({
+        let leases = leases.clone();
+        move |event| leases.apply(event)
+    });
+    tasks.spawn(drive("leases", stream, health.clone()));
 
     if config.leader_elect {
         tasks.spawn(leader::run(
@@ -231,6 +246,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
             pods: Arc::new(PodFactsCache::new(pod_api.clone())),
             quotas: quotas.clone(),
             configs: configs.clone(),
+            leases,
         },
         defaults: Defaults {
             pod_api,
