@@ -47,7 +47,7 @@ use super::wire::{ExtenderBindingArgs, ExtenderBindingResult};
 use crate::context::{Context, pod_ref_by_name};
 use crate::lease::allocation::{self as lease, LeaseError};
 use crate::lease::turns::Turn;
-use crate::lease::watched::{Outlook, RECHECK_MAX};
+use crate::lease::watched::{Outlook, RECHECK_FIRST, RECHECK_MAX};
 use crate::ledger::render::{devices_summary, reservation_for};
 use crate::ledger::usage::reservation_load;
 use crate::ledger::{ReservationKey, WriteError};
@@ -498,7 +498,7 @@ async fn wait_turn<'a>(
 ///
 /// It attempts when the Lease watch ([`crate::lease::watched`]) shows the node's Lease free
 /// (and, after a failed attempt, changed since), and whenever the watch has shown no change at
-/// all for 20 ms, doubling to [`RECHECK_MAX`]: a stalled watch costs attempts, never the Lease,
+/// all for [`RECHECK_FIRST`], doubling to [`RECHECK_MAX`]: a stalled watch costs attempts, never the Lease,
 /// and a holder whose pod is gone is found by an attempt's own check (or by the next bind's
 /// first attempt, when this one runs out of time first).
 async fn take_lease(
@@ -512,7 +512,7 @@ async fn take_lease(
     let deadline = (Instant::now() + ctx.timing.lease_wait).min(Instant::from_std(bind_deadline));
     let watched = &ctx.caches.leases;
     let mut changes = watched.subscribe();
-    let mut quiet = Duration::from_millis(20);
+    let mut quiet = RECHECK_FIRST;
     // The first attempt is made at once unless the watch shows another pod being admitted.
     let mut due = false;
     let mut first = true;
@@ -531,17 +531,17 @@ async fn take_lease(
             first = false;
             match lease::try_take(&ctx.client, &ctx.namespace, node, holder, likely_free).await {
                 Ok(_) => return Ok(()),
-                Err(held @ LeaseError::Held { .. }) if Instant::now() + quiet > deadline => {
-                    return Err(held);
-                }
+                // Held: the watch says when to look again (or the wait ends).
                 Err(e @ (LeaseError::Raced { .. } | LeaseError::Held { .. })) => refused = Some(e),
                 Err(e) => return Err(e),
             }
         }
         if Instant::now() >= deadline {
-            return Err(refused.unwrap_or_else(|| LeaseError::Queued {
+            // Without an attempt of its own (the watch showed the Lease held throughout), the
+            // holder is the watch's.
+            return Err(refused.unwrap_or_else(|| LeaseError::Held {
                 node: node.to_string(),
-                waited: ctx.timing.lease_wait,
+                holder: watched.holder(node).unwrap_or_default(),
             }));
         }
         // Until some Lease changes (then look again at this node's), or the watch has been
@@ -833,9 +833,9 @@ mod tests {
 
         #[tokio::test(start_paused = true)]
         async fn a_holder_the_watch_never_shows_leaving_is_asked_about_until_the_wait_ends() {
-            // Held all along, and the watch shows no change: one attempt after 20 quiet ms (a
-            // read, as the watch shows the Lease there); the next would come after the 50 ms
-            // wait, so the bind gives up with the holder's name.
+            // Held all along, and the watch shows no change: one last attempt when the 50 ms
+            // wait ends (before the first quiet spell would; a read, as the watch shows the
+            // Lease there), and the bind gives up with the holder's name.
             let held = lease(OTHER);
             let (client, api) = scripted(vec![expect(Method::GET, LEASE).reply(200, json(&held))]);
             let ctx = context_with(client, std::slice::from_ref(&held));

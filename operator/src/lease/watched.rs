@@ -23,9 +23,15 @@ use kube::ResourceExt;
 use kube::runtime::watcher::Event;
 use tokio::sync::watch;
 
+/// How long the watch must show no change at all before a bind waiting for a Lease attempts
+/// anyway (a stalled watch, or a holder that may be gone: see [`HOLDER_CHECK_AFTER`]); doubled
+/// after each such attempt up to [`RECHECK_MAX`]. A flowing watch shows a release within
+/// milliseconds, so this is a safety net, not the way a release is found: at 20 ms it still
+/// cost a 1000-pod burst 1.3 Lease reads per pod in the short gaps between events.
+pub const RECHECK_FIRST: Duration = Duration::from_millis(100);
+
 /// The longest a bind waiting for a Lease goes without an attempt of its own when the watch
-/// shows no change (a lagging watch, or a holder that may be gone: see
-/// [`HOLDER_CHECK_AFTER`]).
+/// shows no change.
 pub const RECHECK_MAX: Duration = Duration::from_millis(250);
 
 /// What the watch says about taking a node's Lease.
@@ -151,6 +157,11 @@ impl WatchedLeases {
             .then(|| self.seen(node).spec.is_none())
     }
 
+    /// Who holds `node`'s Lease, as the watch last showed it.
+    pub fn holder(&self, node: &str) -> Option<String> {
+        self.seen(node).spec?.holder_identity
+    }
+
     /// How many changes of `node`'s Lease the watch has shown.
     pub fn changes_of(&self, node: &str) -> u64 {
         self.seen(node).changes
@@ -237,6 +248,8 @@ mod tests {
         let soon = t0() + SignedDuration::from_millis(300);
         assert_eq!(w.outlook("n1", "b", soon), Outlook::Wait);
         assert_eq!(w.outlook("n1", "a", soon), Outlook::Try, "its own");
+        assert_eq!(w.holder("n1").as_deref(), Some("a"));
+        assert_eq!(w.holder("n2"), None);
         assert_eq!(w.outlook("n2", "b", soon), Outlook::Try, "no Lease");
         assert_eq!((w.absent("n2"), w.absent("n1")), (Some(true), Some(false)));
         let check = t0() + HOLDER_CHECK_AFTER;
