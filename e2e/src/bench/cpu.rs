@@ -71,15 +71,25 @@ mod tests {
     }
 
     #[test]
-    fn this_process_is_read() {
+    fn this_process_is_read_and_its_cpu_time_grows_with_work() {
         let me = vec![("self".to_string(), std::process::id())];
+        let before = CpuReading::of(&me);
+        assert!(before.0.contains_key("self"));
+        // Work until the kernel's accounting (10 ms ticks) shows it, for at most 20 s of CPU.
         let mut spin = 0u64;
-        for i in 0..2_000_000u64 {
-            spin = spin.wrapping_add(i * i);
+        let mut grew = Vec::new();
+        for _ in 0..2000 {
+            for i in 0..1_000_000u64 {
+                spin = spin.wrapping_add(std::hint::black_box(i * i));
+            }
+            grew = before.per_unit_ms(&CpuReading::of(&me), 1);
+            if grew.first().is_some_and(|(_, ms)| *ms > 0.0) {
+                break;
+            }
         }
         assert!(spin > 0);
-        let r = CpuReading::of(&me);
-        assert!(r.0.get("self").is_some_and(|s| *s >= 0.0));
+        assert_eq!(grew.len(), 1, "{grew:?}");
+        assert!(grew[0].1 > 0.0, "{grew:?}");
         assert!(CpuReading::of(&[("none".into(), u32::MAX)]).0.is_empty());
     }
 }

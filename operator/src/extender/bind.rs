@@ -547,18 +547,13 @@ async fn take_lease(
         // Until some Lease changes (then look again at this node's), or the watch has been
         // quiet for a while (then attempt anyway). While the watch flows, as in a burst, it
         // shows this node's release before any poll would have found it.
+        // (The sender lives in `ctx`, which this borrows: `changed` cannot fail here.)
         let until = (Instant::now() + quiet).min(deadline);
-        due = match tokio::time::timeout_at(until, changes.changed()).await {
-            Ok(Ok(())) => false,
-            quiet_for_a_while => {
-                if quiet_for_a_while.is_ok() {
-                    // The watch's sender is gone (never while the context lives): poll.
-                    tokio::time::sleep_until(until).await;
-                }
-                quiet = (quiet * 2).min(RECHECK_MAX);
-                true
-            }
-        };
+        let changed = tokio::time::timeout_at(until, changes.changed()).await;
+        due = !matches!(changed, Ok(Ok(())));
+        if due {
+            quiet = (quiet * 2).min(RECHECK_MAX);
+        }
     }
 }
 
@@ -725,15 +720,15 @@ mod tests {
         use std::sync::Arc;
 
         use gpuledger_crds::GpuNode;
-        use gpuledger_crds::protocol::lease::allocation_lease_name;
         use gpuledger_crds::scripted_api::{expect, scripted, status};
         use http::Method;
-        use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
-        use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+        use k8s_openapi::api::coordination::v1::Lease;
+        use k8s_openapi::jiff::SignedDuration;
         use kube::runtime::{reflector, watcher::Event};
         use serde_json::Value;
 
         use super::*;
+        use crate::lease::allocation::scripted_tests::lease as lease_json;
         use crate::ledger::LedgerIndex;
 
         const LEASES: &str = "/apis/coordination.k8s.io/v1/namespaces/gpuledger-system/leases";
@@ -742,23 +737,10 @@ mod tests {
         const ME: &str = "ns/p/uid-me";
         const OTHER: &str = "ns/q/uid-other";
 
+        /// The allocation Lease of n1 held by `holder` since now (the fixture the Lease's own
+        /// scripted tests use).
         fn lease(holder: &str) -> Lease {
-            let now = Timestamp::now();
-            Lease {
-                metadata: ObjectMeta {
-                    name: Some(allocation_lease_name("n1")),
-                    namespace: Some("gpuledger-system".into()),
-                    resource_version: Some("7".into()),
-                    ..Default::default()
-                },
-                spec: Some(LeaseSpec {
-                    holder_identity: Some(holder.into()),
-                    lease_duration_seconds: Some(300),
-                    acquire_time: Some(MicroTime(now)),
-                    renew_time: Some(MicroTime(now)),
-                    ..Default::default()
-                }),
-            }
+            serde_json::from_value(lease_json(holder, SignedDuration::ZERO, "7")).unwrap()
         }
 
         fn json(l: &Lease) -> Value {

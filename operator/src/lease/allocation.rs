@@ -187,7 +187,7 @@ pub async fn release(
 }
 
 #[cfg(test)]
-mod scripted_tests;
+pub(crate) mod scripted_tests;
 
 #[cfg(test)]
 mod tests {

@@ -143,10 +143,11 @@ impl WatchedLeases {
         if !self.synced.load(Ordering::Acquire) {
             return Outlook::Try;
         }
-        match self.seen(node).spec {
-            Some(spec) if held_by_another(&spec, holder, now) => Outlook::Wait,
-            _ => Outlook::Try,
-        }
+        let held = self.with_seen(node, |seen| {
+            seen.and_then(|s| s.spec.as_ref())
+                .is_some_and(|spec| held_by_another(spec, holder, now))
+        });
+        if held { Outlook::Wait } else { Outlook::Try }
     }
 
     /// Whether the watch shows no Lease of `node` (so an attempt should create it straight
@@ -154,26 +155,28 @@ impl WatchedLeases {
     pub fn absent(&self, node: &str) -> Option<bool> {
         self.synced
             .load(Ordering::Acquire)
-            .then(|| self.seen(node).spec.is_none())
+            .then(|| self.with_seen(node, |seen| seen.and_then(|s| s.spec.as_ref()).is_none()))
     }
 
     /// Who holds `node`'s Lease, as the watch last showed it.
     pub fn holder(&self, node: &str) -> Option<String> {
-        self.seen(node).spec?.holder_identity
+        self.with_seen(node, |seen| seen?.spec.as_ref()?.holder_identity.clone())
     }
 
     /// How many changes of `node`'s Lease the watch has shown.
     pub fn changes_of(&self, node: &str) -> u64 {
-        self.seen(node).changes
+        self.with_seen(node, |seen| seen.map_or(0, |s| s.changes))
     }
 
-    fn seen(&self, node: &str) -> Seen {
-        self.by_node
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(node)
-            .cloned()
-            .unwrap_or_default()
+    /// `look` at what the watch shows of `node`'s Lease, under the lock (nothing is copied:
+    /// every waiting bind looks at each change).
+    fn with_seen<T>(&self, node: &str, look: impl FnOnce(Option<&Seen>) -> T) -> T {
+        look(
+            self.by_node
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(node),
+        )
     }
 
     /// A receiver that sees every change from now on.

@@ -22,7 +22,7 @@ const OTHER: &str = "ml/serve/uid-other";
 const OTHER_POD: &str = "/api/v1/namespaces/ml/pods/serve";
 
 /// The Lease held by `holder`, renewed `age` ago, at `rv`.
-fn lease(holder: &str, age: SignedDuration, rv: &str) -> Value {
+pub(crate) fn lease(holder: &str, age: SignedDuration, rv: &str) -> Value {
     let renewed = Timestamp::now() - age;
     serde_json::to_value(Lease {
         metadata: ObjectMeta {
