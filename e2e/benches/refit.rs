@@ -1,7 +1,10 @@
 //! Refit round trip through the real API server: the device plugin's refit call (create the
 //! RefitRequest, watch it) until the operator's answer arrives and is mapped to replica IDs —
-//! what GetPreferredAllocation waits for. 20 nodes, 600 refits in three passes of 200:
-//! - one at a time, round robin over the nodes: the latency a kubelet sees on a quiet cluster;
+//! what GetPreferredAllocation waits for. 20 nodes, 800 refits in four passes of 200:
+//! - one at a time, round robin over the nodes, back to back: each refit shares the API server
+//!   with the writes that follow the last one's answer;
+//! - one at a time, 25 ms apart: those writes have landed, the latency a kubelet sees on a
+//!   quiet cluster;
 //! - all 20 nodes at once, each node's next refit as soon as its last is answered (a kubelet
 //!   admits pods serially): the saturation throughput of this machine; with 20 always in flight
 //!   the latency is 20 / throughput (Little's law), a queue rather than a round trip;
@@ -12,11 +15,14 @@
 //! plugin uses its own node-bound ServiceAccount token under config/admission, the operator its
 //! own ServiceAccount: the same checks as in a cluster.
 //!
-//! The floor (`gpuledger_e2e::bench::floor`) is measured in the same run, right after the
-//! one-at-a-time and the steady pass and paced the same way: the same create → watch → status write → watch
-//! exchange with a RefitRequest's body under a kind the operator does not watch, answered by a
+//! The floor (`gpuledger_e2e::bench::floor`) is measured in the same run, after the
+//! one-at-a-time passes and the steady pass and paced the same way: the same create → watch →
+//! status write → watch exchange with a RefitRequest's body under a kind the operator does not watch, answered by a
 //! bare watch in this process. Its p99 is what this machine and API server cost before any
-//! operator logic; the table prints the refit's p99 over it (target ≤ 1.5×).
+//! operator logic; the table prints the refit's p99 over it (target ≤ 1.5×). Beside each
+//! one-at-a-time and the steady series it prints where the refit's time went: the operator's
+//! steps (its `gpuledger_refit_stage_seconds`), the rest (the request's create and the two watch
+//! deliveries), and the API server's own mean time per request kind.
 //!
 //! Run with `make bench` (or `cargo bench -p gpuledger-e2e --bench refit`); prints p50/p90/p99.
 //! HAMi's budget for the round trip is 2 s; the target here is p99 under 20 ms one at a time on a
@@ -43,8 +49,14 @@ use support::*;
 const NODES: usize = 20;
 /// Refits per node in each pass.
 const PASS: usize = 10;
-/// Pods per node: one pass one at a time, one steady, one with every node at once.
-const PER_NODE: usize = 3 * PASS;
+/// Pods per node: one pass one at a time back to back, one one at a time spaced [`APART`],
+/// one steady, one with every node at once.
+const PER_NODE: usize = 4 * PASS;
+/// The pause between refits in the spaced one-at-a-time pass: long enough for the writes that
+/// follow an answer (the reservation's `Refitted` status, the pod's event) to land before the
+/// next refit starts, so each meets an API server with nothing else to do. Back to back, every
+/// refit shares the API server with the last one's follow-up writes.
+const APART: Duration = Duration::from_millis(25);
 /// The steady pass runs at this share of the saturated pass's throughput (below saturation,
 /// whatever the machine).
 const STEADY_SHARE: f64 = 0.5;
@@ -55,7 +67,7 @@ const SETTLE: Duration = Duration::from_secs(5);
 /// Cores per pod: small enough for every pod of a node to fit on its NUMA 0 pair.
 const CORES: u32 = 5;
 /// Replicas per GPU on the benchmark's nodes: room for every refit on NUMA 0.
-const BENCH_SPLIT: u32 = 16;
+const BENCH_SPLIT: u32 = 20;
 
 struct Case {
     ctx: RefitContext,
@@ -129,16 +141,19 @@ async fn refit_once(hook: &RefitClient, case: Case) -> Duration {
     took
 }
 
-/// Round trips of the floor, one exchange per element of `bodies` in turn, `rounds` times.
+/// Round trips of the floor, one exchange per element of `bodies` in turn, `rounds` times,
+/// `gap` between one exchange's end and the next one's start.
 async fn floor_serial(
     admin: &Client,
     bodies: &[serde_json::Value],
     rounds: usize,
+    gap: Duration,
 ) -> Vec<Duration> {
     let mut took = Vec::new();
     for _ in 0..rounds {
         for body in bodies {
             took.push(floor::round_trip(admin, NS, body).await.unwrap());
+            tokio::time::sleep(gap).await;
         }
     }
     took
@@ -193,6 +208,63 @@ fn report(label: &str, took: &mut [Duration]) {
     );
 }
 
+/// The operator's mean time per refit in each step, from its `gpuledger_refit_stage_seconds`
+/// histograms scraped before and after a pass.
+struct Stages(Vec<(String, f64)>);
+
+impl Stages {
+    const STEPS: [&str; 5] = [
+        "pickup",
+        "queued",
+        "decide",
+        "reservation_write",
+        "answer_write",
+    ];
+
+    fn between(before: &str, after: &str) -> Self {
+        let read = |text: &str, step: &str, what: &str| {
+            let prefix = format!("gpuledger_refit_stage_seconds_{what}{{stage=\"{step}\"}} ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(prefix.as_str()))
+                .and_then(|v| v.trim().parse::<f64>().ok())
+                .unwrap_or(0.0)
+        };
+        Stages(
+            Self::STEPS
+                .iter()
+                .map(|step| {
+                    let sum = read(after, step, "sum") - read(before, step, "sum");
+                    let count = read(after, step, "count") - read(before, step, "count");
+                    let mean_ms = if count > 0.0 {
+                        sum / count * 1000.0
+                    } else {
+                        0.0
+                    };
+                    (step.to_string(), mean_ms)
+                })
+                .collect(),
+        )
+    }
+
+    /// Prints the steps' means beside the pass's mean round trip. `pickup` (the plugin's stamp
+    /// to the reconcile's start: create, watch delivery and the controller's queue) includes
+    /// `queued`, and the answer's write overlaps its watch delivery to the plugin, so the steps
+    /// are not summed.
+    fn report(&self, label: &str, took: &[Duration]) {
+        let mean =
+            took.iter().map(|d| d.as_secs_f64() * 1000.0).sum::<f64>() / took.len().max(1) as f64;
+        let steps: Vec<String> = self
+            .0
+            .iter()
+            .map(|(step, ms)| format!("{step} {ms:.1}"))
+            .collect();
+        println!(
+            "  where it goes, {label}: mean {mean:.1} ms; operator's steps, mean ms: {} (pickup includes queued)",
+            steps.join(", "),
+        );
+    }
+}
+
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
     sorted[i.min(sorted.len() - 1)]
@@ -227,6 +299,8 @@ async fn run() {
     tokio::time::sleep(Duration::from_secs(2)).await;
 
     // Pass 1: one at a time, round robin over the nodes.
+    let stages_before = op.metrics().await;
+    let server_before = api_requests::durations(&admin).await;
     let before = api_requests::by_kind(&admin).await;
     let mut serial = Vec::new();
     for _ in 0..PASS {
@@ -239,13 +313,41 @@ async fn run() {
     // while the next refit runs).
     let serial_api =
         api_requests::per_unit(&before, &api_requests::by_kind(&admin).await, serial.len());
+    let serial_stages = Stages::between(&stages_before, &op.metrics().await);
+    let server_after = api_requests::durations(&admin).await;
+    let serial_server =
+        api_requests::mean_ms(&server_before, &server_after, serial.len() as f64 / 2.0);
     let before = api_requests::by_kind(&admin).await;
-    let mut floor_one = floor_serial(&admin, &bodies, PASS).await;
+    let mut floor_one = floor_serial(&admin, &bodies, PASS, Duration::ZERO).await;
     let floor_api = api_requests::per_unit(
         &before,
         &api_requests::by_kind(&admin).await,
         floor_one.len(),
     );
+    let floor_server = api_requests::mean_ms(
+        &server_after,
+        &api_requests::durations(&admin).await,
+        floor_one.len() as f64 / 2.0,
+    );
+    // Pass 1b: one at a time again, each refit starting after the last one's follow-up
+    // writes have landed; the floor spaced the same way.
+    let stages_before = op.metrics().await;
+    let server_before = api_requests::durations(&admin).await;
+    let mut apart = Vec::new();
+    for _ in 0..PASS {
+        for node in &mut nodes {
+            let case = node.cases.remove(0);
+            apart.push(refit_once(&node.hook, case).await);
+            tokio::time::sleep(APART).await;
+        }
+    }
+    let apart_stages = Stages::between(&stages_before, &op.metrics().await);
+    let apart_server = api_requests::mean_ms(
+        &server_before,
+        &api_requests::durations(&admin).await,
+        apart.len() as f64 / 2.0,
+    );
+    let mut floor_apart = floor_serial(&admin, &bodies, PASS, APART).await;
     // Pass 2: all nodes at once, back to back: the saturation throughput of this machine.
     let started = Instant::now();
     let mut tasks = Vec::new();
@@ -289,35 +391,46 @@ async fn run() {
             took
         }));
     }
+    let stages_before = op.metrics().await;
     let mut steady = Vec::new();
     for t in tasks {
         steady.extend(t.await.unwrap());
     }
+    let steady_stages = Stages::between(&stages_before, &op.metrics().await);
     let mut floor_paced = floor_steady(&admin, &bodies, PASS, period).await;
     answerer.abort();
     println!(
         "refit round trip (plugin call -> answer) through the real API server, {} refits on {NODES} nodes:",
-        serial.len() + steady.len() + parallel.len()
+        serial.len() + apart.len() + steady.len() + parallel.len()
     );
     report("one at a time", &mut serial);
     println!(
         "  api one at a time: {:.2} requests per refit ({})",
         serial_api.0, serial_api.1
     );
+    serial_stages.report("one at a time", &serial);
+    println!("  server time one at a time: {serial_server}");
+    let apart_label = format!("one at a time {} ms apart", APART.as_millis());
+    report(&apart_label, &mut apart);
+    apart_stages.report(&apart_label, &apart);
+    println!("  server time {apart_label}: {apart_server}");
     report(&format!("steady {steady_rate:.0}/s"), &mut steady);
+    steady_stages.report(&format!("steady {steady_rate:.0}/s"), &steady);
     report(
         &format!("saturated, {NODES} in flight, {rate:.0} refits/s"),
         &mut parallel,
     );
     println!(
         "refit floor (create -> watch -> status write -> watch; a RefitRequest's body under a kind no operator watches, a bare watch answering), {} exchanges on {NODES} nodes:",
-        floor_one.len() + floor_paced.len()
+        floor_one.len() + floor_apart.len() + floor_paced.len()
     );
     report("floor one at a time", &mut floor_one);
     println!(
         "  api floor one at a time: {:.2} requests per exchange ({})",
         floor_api.0, floor_api.1
     );
+    println!("  server time floor one at a time: {floor_server}");
+    report(&format!("floor {apart_label}"), &mut floor_apart);
     report(
         &format!("floor steady {steady_rate:.0}/s"),
         &mut floor_paced,

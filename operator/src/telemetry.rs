@@ -60,6 +60,17 @@ pub struct OutcomeLabels {
     pub outcome: String,
 }
 
+/// Labels naming one step of a refit.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StageLabels {
+    /// `pickup` (the plugin's `requested-at` stamp to the reconcile's start: the create and
+    /// the watch, plus the clocks' offset across machines), `queued` (its part in the
+    /// controller's queue, watch delivery to reconcile), `decide` (reconcile start to move
+    /// planned: reads, node lock, plan), `reservation_write` (the moved spec), `answer_write`
+    /// (the request's status).
+    pub stage: String,
+}
+
 /// Labels naming one node.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct NodeLabels {
@@ -100,6 +111,8 @@ pub struct Metrics {
     pub refits: Family<OutcomeLabels, Counter>,
     /// Time from the refit controller picking up a RefitRequest to its answer in status.
     pub refit_latency: Histogram,
+    /// The same time split by step ([`StageLabels`]): where a refit's time goes.
+    pub refit_stages: Family<StageLabels, Histogram>,
     /// The operator's clock minus each node's plugin clock, measured on the last RefitRequest
     /// from that node (it includes the request's trip through the API server).
     pub refit_clock_offset: Family<NodeLabels, Gauge<f64, AtomicU64>>,
@@ -177,6 +190,14 @@ impl Metrics {
             "refit_latency_seconds",
             "NUMA refit decision and commit latency (request picked up to status answered)",
             refit_latency.clone(),
+        );
+        let refit_stages = Family::<StageLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(0.0005, 2.0, 14))
+        });
+        registry.register(
+            "refit_stage_seconds",
+            "NUMA refit latency by step: pickup (plugin stamp to reconcile, clock offset included), queued (watch to reconcile), decide, reservation_write, answer_write",
+            refit_stages.clone(),
         );
         let misaligned = Counter::default();
         registry.register(
@@ -270,6 +291,7 @@ impl Metrics {
             reservations,
             refits,
             refit_latency,
+            refit_stages,
             refit_clock_offset,
             refit_clock_skew_warnings,
             misaligned,
@@ -318,6 +340,15 @@ impl Metrics {
                 verb: verb.to_string(),
             })
             .observe(started.elapsed().as_secs_f64());
+    }
+
+    /// Observes one step of a refit that took `took`.
+    pub fn refit_stage(&self, stage: &'static str, took: Duration) {
+        self.refit_stages
+            .get_or_create(&StageLabels {
+                stage: stage.to_string(),
+            })
+            .observe(took.as_secs_f64());
     }
 
     /// Sets the reservations-by-phase gauges; phases with no reservations read 0.

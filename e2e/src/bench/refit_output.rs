@@ -82,18 +82,32 @@ pub fn parse(name: &str, text: &str) -> Vec<Row> {
         .and_then(|h| h.split(" on ").nth(1))
         .and_then(|s| s.split_whitespace().next())
         .unwrap_or("?");
-    // `api <series>: <what the API server served per exchange>`, added to that series' note.
-    let api: Vec<(&str, &str)> = text
+    // Lines about a series, added to its note: `api <series>: <requests per exchange>`,
+    // `where it goes, <series>: <the operator's steps>` and `server time <series>: <the API
+    // server's mean time per request kind>`.
+    let about: Vec<(&str, &str, &str)> = text
         .lines()
-        .filter_map(|l| l.trim().strip_prefix("api "))
-        .filter_map(|l| l.split_once(':'))
-        .map(|(label, mix)| (label.trim(), mix.trim()))
+        .filter_map(|l| {
+            let l = l.trim();
+            [
+                ("api ", "API server"),
+                ("where it goes, ", "where it goes"),
+                ("server time ", "API server time per request"),
+            ]
+            .into_iter()
+            .find_map(|(prefix, heading)| Some((heading, l.strip_prefix(prefix)?)))
+        })
+        .filter_map(|(heading, l)| {
+            let (label, said) = l.split_once(':')?;
+            Some((heading, label.trim(), said.trim()))
+        })
         .collect();
     let api_note = |label: &str| {
-        api.iter()
-            .find(|(l, _)| *l == label)
-            .map(|(_, mix)| format!("; API server: {mix}"))
-            .unwrap_or_default()
+        about
+            .iter()
+            .filter(|(_, l, _)| *l == label)
+            .map(|(heading, _, said)| format!("; {heading}: {said}"))
+            .collect::<String>()
     };
     let mut rows = Vec::new();
     for line in text
@@ -139,7 +153,7 @@ pub fn parse(name: &str, text: &str) -> Vec<Row> {
             summary,
             note: if label.starts_with("saturated") {
                 "queueing: in flight / throughput (Little's law), not a round trip".into()
-            } else if label == "one at a time" {
+            } else if label.starts_with("one at a time") {
                 let met = if p99 < ONE_AT_A_TIME_MS {
                     "met"
                 } else {
@@ -150,7 +164,7 @@ pub fn parse(name: &str, text: &str) -> Vec<Row> {
                     api_note(label)
                 )
             } else {
-                "see the ratio to the floor".into()
+                format!("see the ratio to the floor{}", api_note(label))
             },
             failure: None,
         });
@@ -220,6 +234,22 @@ mod tests {
                 .ends_with("; API server: 2.00 requests per exchange (POST floorexchanges 1.00)"),
             "{}",
             rows[1].note
+        );
+    }
+
+    #[test]
+    fn where_the_time_goes_joins_its_series_note() {
+        let text = "refit round trip (plugin call -> answer), 40 refits on 20 nodes:\n       one at a time: n= 20  p50   10.0 ms  p90   12.0 ms  p99   14.0 ms\n  where it goes, one at a time: mean 13.0 ms = operator 6.8 ms (decide 0.1) + create and watches 6.2 ms\n  server time one at a time: PATCH gpureservations 3.04 ms\n        steady 40/s: n= 20  p50   11.0 ms  p90   12.0 ms  p99   15.0 ms\n  where it goes, steady 40/s: mean 11.0 ms = operator 5.0 ms (decide 0.1) + create and watches 6.0 ms\n";
+        let rows = parse("refit", text);
+        assert_eq!(rows.len(), 2);
+        assert!(
+            rows[0].note.ends_with("; where it goes: mean 13.0 ms = operator 6.8 ms (decide 0.1) + create and watches 6.2 ms; API server time per request: PATCH gpureservations 3.04 ms"),
+            "{}",
+            rows[0].note
+        );
+        assert_eq!(
+            rows[1].note,
+            "see the ratio to the floor; where it goes: mean 11.0 ms = operator 5.0 ms (decide 0.1) + create and watches 6.0 ms"
         );
     }
 

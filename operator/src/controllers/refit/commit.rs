@@ -43,6 +43,8 @@ pub struct Moved {
     pub from: Vec<String>,
     /// GPUs after.
     pub to: Vec<String>,
+    /// How long the reservation's write took (the `reservation_write` step of the refit).
+    pub write_took: Duration,
 }
 
 async fn bounded<T>(
@@ -140,6 +142,7 @@ pub async fn commit(
             return Ok((Answer::expired(), None));
         }
         let write = ctx.ledger.writer.write_spec(&current, &new_spec);
+        let writing = std::time::Instant::now();
         match bounded("write the reservation's spec", write).await? {
             Ok(written) => {
                 let answer = Answer::moved(to.clone());
@@ -147,6 +150,7 @@ pub async fn commit(
                     reservation: written,
                     from,
                     to,
+                    write_took: writing.elapsed(),
                 };
                 return Ok((answer, Some(moved)));
             }

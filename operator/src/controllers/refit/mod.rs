@@ -24,7 +24,7 @@ pub mod validation;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
 use gpuledger_crds::conditions::{condition, set_condition, types};
 use gpuledger_crds::protocol;
 use gpuledger_crds::{RefitPhase, RefitRequest, RefitRequestSpec, RefitRequestStatus, kstatus};
@@ -33,7 +33,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, Preconditions};
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::watcher;
+use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube::{Resource, ResourceExt};
 use serde_json::json;
 
@@ -187,17 +187,42 @@ pub struct RefitContext {
     pub ttl: Duration,
     /// Which requests are known answered, so the cache's Pending can be trusted.
     pub answers: AnswerBook,
+    /// When the watch delivered each request.
+    pub arrivals: Arc<Arrivals>,
+}
+
+/// When the watch last delivered each request, until a reconcile of it starts: how long
+/// requests wait in the controller's queue (the refit's `queued` step; kube-runtime's scheduler
+/// hands even an immediate trigger over on its next timer tick, about a millisecond).
+#[derive(Default)]
+pub struct Arrivals(std::sync::Mutex<std::collections::HashMap<String, Instant>>);
+
+impl Arrivals {
+    /// The watch delivered `req` now.
+    pub fn record(&self, req: &RefitRequest) {
+        if let (Ok(mut seen), Some(uid)) = (self.0.lock(), req.uid()) {
+            seen.insert(uid, Instant::now());
+        }
+    }
+
+    /// How long ago the watch delivered request `uid`, forgetting it (every reconcile takes its
+    /// request's entry, so the map holds only requests waiting in the queue).
+    pub fn take(&self, uid: &str) -> Option<std::time::Duration> {
+        let delivered = self.0.lock().ok()?.remove(uid)?;
+        Some(delivered.elapsed())
+    }
 }
 
 impl RefitContext {
-    /// The controller's state for answered requests kept `ttl`.
-    pub fn new(ctx: Arc<Context>, ttl: Duration) -> Self {
+    /// The controller's state for answered requests kept `ttl`; `arrivals` is fed by its watch.
+    pub fn new(ctx: Arc<Context>, ttl: Duration, arrivals: Arc<Arrivals>) -> Self {
         // Records outlive the requests they are about (deleted `ttl` after their answer).
         let keep = ttl.saturating_mul(2).max(Duration::from_secs(60));
         RefitContext {
             ctx,
             ttl,
             answers: AnswerBook::new(keep),
+            arrivals,
         }
     }
 }
@@ -205,11 +230,17 @@ impl RefitContext {
 /// Runs the controller until the process ends.
 pub async fn run(ctx: Arc<Context>, ttl: Duration) {
     let requests: Api<RefitRequest> = Api::all(ctx.client.clone());
-    Controller::new(requests, watcher::Config::default())
+    let arrivals = Arc::new(Arrivals::default());
+    let seen = arrivals.clone();
+    let (reader, writer) = reflector::store();
+    let stream = reflector(writer, watcher(requests, watcher::Config::default()))
+        .applied_objects()
+        .inspect_ok(move |r| seen.record(r));
+    Controller::for_stream(stream, reader)
         .run(
             reconcile,
             error_policy,
-            Arc::new(RefitContext::new(ctx, ttl)),
+            Arc::new(RefitContext::new(ctx, ttl, arrivals)),
         )
         .for_each(|res| async move {
             if let Err(e) = res {
@@ -253,6 +284,7 @@ async fn reconcile(
     if !ctx.may_write() {
         return Ok(Action::requeue(Duration::from_secs(2)));
     }
+    let queued = rc.arrivals.take(&req.uid().unwrap_or_default());
     let status = req.status.clone().unwrap_or_default();
     if status.phase.is_some_and(RefitPhase::is_terminal) {
         return expire_answered(&req, &status, &rc).await;
@@ -274,6 +306,9 @@ async fn reconcile(
         _ => true,
     };
     measure_clock_offset(ctx, &req);
+    if let Some(queued) = queued {
+        ctx.metrics.refit_stage("queued", queued);
+    }
     // From here until the API server accepts an answer, a commit may have been written.
     rc.answers.deciding(&uid);
     let (answer, moved) = match decide(ctx, &req, read_request).await {
@@ -284,12 +319,21 @@ async fn reconcile(
         }
         Err(e) => return Err(e),
     };
+    let decided = started.elapsed();
+    let write_took = moved.as_ref().map(|m| m.write_took).unwrap_or_default();
+    let answering = Instant::now();
     if !write_answer(ctx, &req, &answer).await? {
         // The request changed since our cache saw it (answered by another replica, or our own
         // earlier answer): it stays uncertain, and the watch brings the fresh object.
         return Ok(Action::requeue(Duration::from_millis(100)));
     }
     rc.answers.answered(&uid);
+    ctx.metrics
+        .refit_stage("decide", decided.saturating_sub(write_took));
+    if moved.is_some() {
+        ctx.metrics.refit_stage("reservation_write", write_took);
+    }
+    ctx.metrics.refit_stage("answer_write", answering.elapsed());
     ctx.metrics
         .refit_latency
         .observe(started.elapsed().as_secs_f64());
@@ -323,6 +367,11 @@ fn measure_clock_offset(ctx: &Context, req: &RefitRequest) {
             node: req.spec.node_name.clone(),
         })
         .set(offset.as_secs_f64());
+    // The same reading as a step: on one clock (the bench) the request's create and its trip
+    // through the watch; across machines their clocks' offset as well.
+    if let Ok(pickup) = Duration::try_from(offset) {
+        ctx.metrics.refit_stage("pickup", pickup);
+    }
     if offset.abs() > tolerated {
         ctx.metrics.refit_clock_skew_warnings.inc();
         tracing::warn!(
@@ -646,6 +695,21 @@ mod tests {
         spec.pod_uid = "u".into();
         spec.node_name = "n2".into();
         assert!(read_pod(&ctx, "ns", &spec).await.is_err());
+    }
+
+    #[test]
+    fn a_delivery_is_timed_once_and_then_forgotten() {
+        let arrivals = Arrivals::default();
+        let mut req = stamped(None, Timestamp::now());
+        // A request without a UID (never from the API server) is not kept.
+        arrivals.record(&req);
+        assert!(arrivals.0.lock().unwrap().is_empty());
+        req.metadata.uid = Some("u1".into());
+        arrivals.record(&req);
+        assert!(arrivals.take("u1").is_some());
+        // Taken by the reconcile that followed: the next one has nothing to time.
+        assert_eq!(arrivals.take("u1"), None);
+        assert!(arrivals.0.lock().unwrap().is_empty());
     }
 
     #[test]
