@@ -197,12 +197,23 @@ pub struct RefitContext {
 #[derive(Default)]
 pub struct Arrivals(std::sync::Mutex<std::collections::HashMap<String, Instant>>);
 
+/// Past this many entries, [`Arrivals::record`] forgets those older than [`ARRIVALS_KEPT`]: a
+/// request deleted before its reconcile ran is never taken.
+const ARRIVALS_MAX: usize = 4096;
+
+/// How long an untaken arrival is worth keeping.
+const ARRIVALS_KEPT: Duration = Duration::from_secs(60);
+
 impl Arrivals {
     /// The watch delivered `req` now.
     pub fn record(&self, req: &RefitRequest) {
-        if let (Ok(mut seen), Some(uid)) = (self.0.lock(), req.uid()) {
-            seen.insert(uid, Instant::now());
+        let (Ok(mut seen), Some(uid)) = (self.0.lock(), req.uid()) else {
+            return;
+        };
+        if seen.len() >= ARRIVALS_MAX {
+            seen.retain(|_, at| at.elapsed() < ARRIVALS_KEPT);
         }
+        seen.insert(uid, Instant::now());
     }
 
     /// How long ago the watch delivered request `uid`, forgetting it (every reconcile takes its
@@ -281,10 +292,11 @@ async fn reconcile(
     rc: Arc<RefitContext>,
 ) -> Result<Action, ReconcileError> {
     let ctx = &rc.ctx;
+    // Taken first, whatever this reconcile does, so that the map holds only waiting requests.
+    let queued = rc.arrivals.take(&req.uid().unwrap_or_default());
     if !ctx.may_write() {
         return Ok(Action::requeue(Duration::from_secs(2)));
     }
-    let queued = rc.arrivals.take(&req.uid().unwrap_or_default());
     let status = req.status.clone().unwrap_or_default();
     if status.phase.is_some_and(RefitPhase::is_terminal) {
         return expire_answered(&req, &status, &rc).await;
@@ -710,6 +722,18 @@ mod tests {
         // Taken by the reconcile that followed: the next one has nothing to time.
         assert_eq!(arrivals.take("u1"), None);
         assert!(arrivals.0.lock().unwrap().is_empty());
+        // Requests deleted before a reconcile took them are forgotten once the map is full.
+        let long_ago = Instant::now()
+            .checked_sub(ARRIVALS_KEPT + Duration::from_secs(1))
+            .unwrap();
+        arrivals
+            .0
+            .lock()
+            .unwrap()
+            .extend((0..ARRIVALS_MAX).map(|i| (format!("gone-{i}"), long_ago)));
+        arrivals.record(&req);
+        assert_eq!(arrivals.0.lock().unwrap().len(), 1);
+        assert!(arrivals.take("u1").is_some());
     }
 
     #[test]
