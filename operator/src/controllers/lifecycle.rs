@@ -15,15 +15,16 @@ use super::pod_facts::PodFacts;
 /// one extender call (seconds); anything older is a leftover of a crashed bind.
 pub const BIND_GRACE: Duration = Duration::from_secs(60);
 
-/// How old a bound reservation must be before its phase is set to `Allocating` while the
-/// kubelet has not allocated yet. A kubelet usually allocates within a second of the Binding:
-/// the plugin's allocation record then takes the reservation from `Reserved` to `Allocated` in
-/// one phase write instead of two, and the `Allocating` write does not race the plugin's record
-/// (it is guarded by the resourceVersion it was decided on, and lost that race on more than half
-/// of the pods of a 1000-pod burst, each loss a refused write and a retry). Counted from the
-/// reservation's creation (bind writes it just before the Binding; the timestamp has whole
-/// seconds), so the wait after the Binding is between 1 and 2 s; `--allocating-timeout` counts
-/// from the `Allocating` write.
+/// How long after its pod was scheduled a bound reservation waits before its phase is set to
+/// `Allocating` while the kubelet has not allocated yet. A kubelet usually allocates within a
+/// second of the Binding: the plugin's allocation record then takes the reservation from
+/// `Reserved` to `Allocated` in one phase write instead of two, and the `Allocating` write does
+/// not race the plugin's record (it is guarded by the resourceVersion it was decided on, and
+/// lost that race on more than half of the pods of a 1000-pod burst, each loss a refused write
+/// and a retry). Counted from the later of the reservation's creation and the pod's
+/// `PodScheduled` transition (both whole seconds; bind creates the reservation before it takes
+/// the node's Lease, which in a burst can be seconds before the Binding), so the wait after the
+/// Binding is between 1 and 2 s; `--allocating-timeout` counts from the `Allocating` write.
 pub const ALLOCATING_AFTER: Duration = Duration::from_secs(2);
 
 /// The next step for one reservation.
@@ -216,7 +217,8 @@ fn phase_step(
                 // Without a creation time (never from the API server) there is nothing to wait
                 // from.
                 let created = r.metadata.creation_timestamp.as_ref().map(|t| t.0);
-                let age = created.map(|c| elapsed_since(Some(c), now));
+                let since = created.map(|c| pod.scheduled_at.map_or(c, |s| s.max(c)));
+                let age = since.map(|c| elapsed_since(Some(c), now));
                 match age {
                     Some(age) if age < ALLOCATING_AFTER => Step::WaitFor(ALLOCATING_AFTER - age),
                     _ => Step::Phase {
@@ -281,7 +283,7 @@ pub(crate) mod tests {
         ContainerAllocation, ContainerReservation, GpuReservationSpec, GpuReservationStatus,
         ReservedDevice,
     };
-    use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, PodStatus};
+    use k8s_openapi::api::core::v1::{Container, Pod, PodCondition, PodSpec, PodStatus};
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
     const TIMEOUT: Duration = Duration::from_secs(300);
@@ -591,6 +593,27 @@ pub(crate) mod tests {
             step(&r, Some(&unbound), t(1), TIMEOUT),
             Step::WaitFor(BIND_GRACE - Duration::from_secs(1))
         );
+        // Scheduled after the reservation was written (bind waited for the node's Lease): the
+        // moment counts from the Binding.
+        let r = reservation(None, 0);
+        let mut late = bound.clone();
+        late.status.get_or_insert_with(Default::default).conditions = Some(vec![PodCondition {
+            type_: "PodScheduled".into(),
+            status: "True".into(),
+            last_transition_time: Some(Time(t(3))),
+            ..Default::default()
+        }]);
+        assert_eq!(
+            step(&r, Some(&late), t(4), TIMEOUT),
+            Step::WaitFor(Duration::from_secs(1))
+        );
+        assert!(matches!(
+            step(&r, Some(&late), t(5), TIMEOUT),
+            Step::Phase {
+                phase: ReservationPhase::Allocating,
+                ..
+            }
+        ));
         // No creation time (not from the API server): nothing to wait from.
         let mut r = reservation(None, 0);
         r.metadata.creation_timestamp = None;

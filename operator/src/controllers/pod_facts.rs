@@ -19,6 +19,7 @@ use gpuledger_crds::podapi::PodApiConfig;
 use crate::context::PodApiSetting;
 use gpuledger_crds::protocol::pod::{pod_finished, pod_terminating, pod_wants_gpus};
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::runtime::watcher::Event;
 
@@ -39,6 +40,10 @@ pub struct PodFacts {
     pub init_done: bool,
     /// It holds GPU capacity once bound ([`pod_wants_gpus`], as the extender decides).
     pub wants_gpus: bool,
+    /// When the API server recorded it scheduled: the `PodScheduled` condition's last
+    /// transition to True, which the Binding sets (whole seconds). `None` for a pod bound
+    /// another way or not yet scheduled.
+    pub scheduled_at: Option<Timestamp>,
 }
 
 impl PodFacts {
@@ -51,8 +56,22 @@ impl PodFacts {
             terminating: pod_terminating(pod),
             init_done: init_containers_done(pod),
             wants_gpus: pod_wants_gpus(pod, config),
+            scheduled_at: scheduled_at(pod),
         }
     }
+}
+
+/// The last transition of `pod`'s `PodScheduled` condition to True.
+fn scheduled_at(pod: &Pod) -> Option<Timestamp> {
+    pod.status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == "PodScheduled" && c.status == "True")?
+        .last_transition_time
+        .as_ref()
+        .map(|t| t.0)
 }
 
 /// Whether every init container of `pod` has terminated with exit code 0.
@@ -313,6 +332,27 @@ pub(crate) mod tests {
                 ..Default::default()
             }),
         }
+    }
+
+    #[test]
+    fn scheduled_at_is_the_last_transition_to_scheduled() {
+        use k8s_openapi::api::core::v1::PodCondition;
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+        let at: Timestamp = "2026-12-04T07:00:03Z".parse().unwrap();
+        let mut p = pod("p", "u", Some("n1"), "Pending");
+        assert_eq!(scheduled_at(&p), None);
+        let condition = |status: &str| PodCondition {
+            type_: "PodScheduled".into(),
+            status: status.into(),
+            last_transition_time: Some(Time(at)),
+            ..Default::default()
+        };
+        // Unschedulable for now: not scheduled.
+        p.status.as_mut().unwrap().conditions = Some(vec![condition("False")]);
+        assert_eq!(scheduled_at(&p), None);
+        p.status.as_mut().unwrap().conditions = Some(vec![condition("True")]);
+        assert_eq!(scheduled_at(&p), Some(at));
+        assert_eq!(PodFacts::of(&p, &Default::default()).scheduled_at, Some(at));
     }
 
     /// The status of an init container named `init` that exited with `code` (also used by
