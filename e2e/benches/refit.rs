@@ -141,6 +141,62 @@ async fn refit_once(hook: &RefitClient, case: Case) -> Duration {
     took
 }
 
+/// [`PASS`] refits per node, one at a time, round robin over the nodes, `gap` between one's
+/// answer and the next one's call.
+async fn one_at_a_time(nodes: &mut [BenchNode], gap: Duration) -> Vec<Duration> {
+    let mut took = Vec::new();
+    for _ in 0..PASS {
+        for node in nodes.iter_mut() {
+            let case = node.cases.remove(0);
+            took.push(refit_once(&node.hook, case).await);
+            if !gap.is_zero() {
+                tokio::time::sleep(gap).await;
+            }
+        }
+    }
+    took
+}
+
+/// Round trips and what they cost the API server.
+struct Series {
+    took: Vec<Duration>,
+    /// Requests per round trip, in all and the busiest kinds in words.
+    requests: (f64, String),
+    /// The API server's mean time per request of each kind it served at least once per two
+    /// round trips (the exchange's own requests), in words.
+    server_time: String,
+}
+
+impl Series {
+    /// Prints the round trips' percentiles and what they cost the API server.
+    fn report(&mut self, label: &str, unit: &str) {
+        report(label, &mut self.took);
+        let (total, kinds) = &self.requests;
+        println!("  api {label}: {total:.2} requests per {unit} ({kinds})");
+        println!("  server time {label}: {}", self.server_time);
+    }
+}
+
+/// Runs `round_trips`, reading the API server's request counts and times around them.
+async fn measured(admin: &Client, round_trips: impl Future<Output = Vec<Duration>>) -> Series {
+    let (counts, times) = (
+        api_requests::by_kind(admin).await,
+        api_requests::durations(admin).await,
+    );
+    let took = round_trips.await;
+    let requests = api_requests::per_unit(&counts, &api_requests::by_kind(admin).await, took.len());
+    let server_time = api_requests::mean_ms(
+        &times,
+        &api_requests::durations(admin).await,
+        took.len() as f64 / 2.0,
+    );
+    Series {
+        took,
+        requests,
+        server_time,
+    }
+}
+
 /// Round trips of the floor, one exchange per element of `bodies` in turn, `rounds` times,
 /// `gap` between one exchange's end and the next one's start.
 async fn floor_serial(
@@ -153,7 +209,9 @@ async fn floor_serial(
     for _ in 0..rounds {
         for body in bodies {
             took.push(floor::round_trip(admin, NS, body).await.unwrap());
-            tokio::time::sleep(gap).await;
+            if !gap.is_zero() {
+                tokio::time::sleep(gap).await;
+            }
         }
     }
     took
@@ -298,56 +356,19 @@ async fn run() {
     // The operator sees every reservation before the clock starts.
     tokio::time::sleep(Duration::from_secs(2)).await;
 
-    // Pass 1: one at a time, round robin over the nodes.
+    // Pass 1: one at a time, round robin over the nodes, back to back; then its floor. What
+    // each refit cost the API server includes the writes after its answer: they land while the
+    // next refit runs.
     let stages_before = op.metrics().await;
-    let server_before = api_requests::durations(&admin).await;
-    let before = api_requests::by_kind(&admin).await;
-    let mut serial = Vec::new();
-    for _ in 0..PASS {
-        for node in &mut nodes {
-            let case = node.cases.remove(0);
-            serial.push(refit_once(&node.hook, case).await);
-        }
-    }
-    // What each refit cost the API server (the writes after the answer included: they land
-    // while the next refit runs).
-    let serial_api =
-        api_requests::per_unit(&before, &api_requests::by_kind(&admin).await, serial.len());
+    let mut serial = measured(&admin, one_at_a_time(&mut nodes, Duration::ZERO)).await;
     let serial_stages = Stages::between(&stages_before, &op.metrics().await);
-    let server_after = api_requests::durations(&admin).await;
-    let serial_server =
-        api_requests::mean_ms(&server_before, &server_after, serial.len() as f64 / 2.0);
-    let before = api_requests::by_kind(&admin).await;
-    let mut floor_one = floor_serial(&admin, &bodies, PASS, Duration::ZERO).await;
-    let floor_api = api_requests::per_unit(
-        &before,
-        &api_requests::by_kind(&admin).await,
-        floor_one.len(),
-    );
-    let floor_server = api_requests::mean_ms(
-        &server_after,
-        &api_requests::durations(&admin).await,
-        floor_one.len() as f64 / 2.0,
-    );
+    let mut floor_one = measured(&admin, floor_serial(&admin, &bodies, PASS, Duration::ZERO)).await;
     // Pass 1b: one at a time again, each refit starting after the last one's follow-up
     // writes have landed; the floor spaced the same way.
     let stages_before = op.metrics().await;
-    let server_before = api_requests::durations(&admin).await;
-    let mut apart = Vec::new();
-    for _ in 0..PASS {
-        for node in &mut nodes {
-            let case = node.cases.remove(0);
-            apart.push(refit_once(&node.hook, case).await);
-            tokio::time::sleep(APART).await;
-        }
-    }
+    let mut apart = measured(&admin, one_at_a_time(&mut nodes, APART)).await;
     let apart_stages = Stages::between(&stages_before, &op.metrics().await);
-    let apart_server = api_requests::mean_ms(
-        &server_before,
-        &api_requests::durations(&admin).await,
-        apart.len() as f64 / 2.0,
-    );
-    let mut floor_apart = floor_serial(&admin, &bodies, PASS, APART).await;
+    let mut floor_apart = measured(&admin, floor_serial(&admin, &bodies, PASS, APART)).await;
     // Pass 2: all nodes at once, back to back: the saturation throughput of this machine.
     let started = Instant::now();
     let mut tasks = Vec::new();
@@ -375,6 +396,7 @@ async fn run() {
     // over the period: latency under concurrent load the machine sustains.
     let period = Duration::from_secs_f64(NODES as f64 / (rate * STEADY_SHARE)).max(MIN_PERIOD);
     let steady_rate = NODES as f64 / period.as_secs_f64();
+    let stages_before = op.metrics().await;
     let mut tasks = Vec::new();
     let mut keep = Vec::new();
     for (n, BenchNode { _node, hook, cases }) in nodes.into_iter().enumerate() {
@@ -391,7 +413,6 @@ async fn run() {
             took
         }));
     }
-    let stages_before = op.metrics().await;
     let mut steady = Vec::new();
     for t in tasks {
         steady.extend(t.await.unwrap());
@@ -401,19 +422,13 @@ async fn run() {
     answerer.abort();
     println!(
         "refit round trip (plugin call -> answer) through the real API server, {} refits on {NODES} nodes:",
-        serial.len() + apart.len() + steady.len() + parallel.len()
+        serial.took.len() + apart.took.len() + steady.len() + parallel.len()
     );
-    report("one at a time", &mut serial);
-    println!(
-        "  api one at a time: {:.2} requests per refit ({})",
-        serial_api.0, serial_api.1
-    );
-    serial_stages.report("one at a time", &serial);
-    println!("  server time one at a time: {serial_server}");
+    serial.report("one at a time", "refit");
+    serial_stages.report("one at a time", &serial.took);
     let apart_label = format!("one at a time {} ms apart", APART.as_millis());
-    report(&apart_label, &mut apart);
-    apart_stages.report(&apart_label, &apart);
-    println!("  server time {apart_label}: {apart_server}");
+    apart.report(&apart_label, "refit");
+    apart_stages.report(&apart_label, &apart.took);
     report(&format!("steady {steady_rate:.0}/s"), &mut steady);
     steady_stages.report(&format!("steady {steady_rate:.0}/s"), &steady);
     report(
@@ -422,15 +437,10 @@ async fn run() {
     );
     println!(
         "refit floor (create -> watch -> status write -> watch; a RefitRequest's body under a kind no operator watches, a bare watch answering), {} exchanges on {NODES} nodes:",
-        floor_one.len() + floor_apart.len() + floor_paced.len()
+        floor_one.took.len() + floor_apart.took.len() + floor_paced.len()
     );
-    report("floor one at a time", &mut floor_one);
-    println!(
-        "  api floor one at a time: {:.2} requests per exchange ({})",
-        floor_api.0, floor_api.1
-    );
-    println!("  server time floor one at a time: {floor_server}");
-    report(&format!("floor {apart_label}"), &mut floor_apart);
+    floor_one.report("floor one at a time", "exchange");
+    floor_apart.report(&format!("floor {apart_label}"), "exchange");
     report(
         &format!("floor steady {steady_rate:.0}/s"),
         &mut floor_paced,

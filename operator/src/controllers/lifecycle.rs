@@ -214,12 +214,19 @@ fn phase_step(
                 free_lease: false,
             },
             Some(_) => {
-                // Without a creation time (never from the API server) there is nothing to wait
-                // from.
+                // From the later of the reservation's creation and the pod's scheduling; without
+                // a creation time (never from the API server) there is nothing to wait from.
+                // The pod's status is the node's to write: a scheduling time later than a
+                // Binding could have come (bind posts it within `BIND_GRACE` of the
+                // reservation, or the reservation goes) is not believed, so a node stamping it
+                // ever anew cannot keep the reservation out of `--allocating-timeout`.
                 let created = r.metadata.creation_timestamp.as_ref().map(|t| t.0);
-                let since = created.map(|c| pod.scheduled_at.map_or(c, |s| s.max(c)));
-                let age = since.map(|c| elapsed_since(Some(c), now));
-                match age {
+                let since = created.map(|c| {
+                    let latest_binding =
+                        c + SignedDuration::try_from(BIND_GRACE).unwrap_or_default();
+                    pod.scheduled_at.map_or(c, |s| s.clamp(c, latest_binding))
+                });
+                match since.map(|t| elapsed_since(Some(t), now)) {
                     Some(age) if age < ALLOCATING_AFTER => Step::WaitFor(ALLOCATING_AFTER - age),
                     _ => Step::Phase {
                         phase: ReservationPhase::Allocating,
@@ -609,6 +616,23 @@ pub(crate) mod tests {
         );
         assert!(matches!(
             step(&r, Some(&late), t(5), TIMEOUT),
+            Step::Phase {
+                phase: ReservationPhase::Allocating,
+                ..
+            }
+        ));
+        // A scheduling time no Binding could have had (a node stamping its pod's status ever
+        // anew, or far ahead) holds the phase back no longer than the bind grace.
+        let mut forged = late.clone();
+        let cond = &mut forged.status.as_mut().unwrap().conditions.as_mut().unwrap()[0];
+        cond.last_transition_time = Some(Time(t(3600)));
+        let by = BIND_GRACE.as_secs() as i64 + ALLOCATING_AFTER.as_secs() as i64;
+        assert!(matches!(
+            step(&r, Some(&forged), t(by - 1), TIMEOUT),
+            Step::WaitFor(_)
+        ));
+        assert!(matches!(
+            step(&r, Some(&forged), t(by), TIMEOUT),
             Step::Phase {
                 phase: ReservationPhase::Allocating,
                 ..
