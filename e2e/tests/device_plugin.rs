@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use gpuledger_crds::RefitRequest;
 use gpuledger_crds::conditions::{self, types::HEALTHY};
 use gpuledger_crds::names::{self, DEFAULT_NAMESPACE};
 use gpuledger_crds::resources::GPU;
@@ -22,10 +23,13 @@ use gpuledger_crds::{
 };
 use gpuledger_device_plugin::api;
 use gpuledger_device_plugin::api::device_plugin_client::DevicePluginClient;
+use gpuledger_device_plugin::discovery::Discovery;
 use gpuledger_device_plugin::discovery::file::FileDiscovery;
+use gpuledger_device_plugin::inventory::{Inventory, replica_id};
 use gpuledger_device_plugin::lifecycle::PLUGIN_SOCKET;
 use gpuledger_device_plugin::plugin::{self, PluginOptions};
-use gpuledger_device_plugin::refit::NoRefit;
+use gpuledger_device_plugin::refit::client::RefitClient;
+use gpuledger_device_plugin::refit::{NoRefit, RefitContext, RefitHook, RefitOutcome};
 use gpuledger_device_plugin::uds::dial;
 use gpuledger_e2e::cluster::{
     ControlPlane, ControlPlaneOptions, FakeGpuNode, apply_path, ensure_namespace,
@@ -35,7 +39,7 @@ use gpuledger_e2e::kubelet::{
 };
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::{Api, PostParams};
+use kube::api::{Api, ListParams, PostParams};
 use kube::{Client, ResourceExt};
 use tokio::sync::watch;
 
@@ -95,7 +99,7 @@ async fn device_plugin_against_the_real_api_server() {
     let (stop_tx, stop_rx) = watch::channel(false);
     let plugin = tokio::spawn(plugin::run(
         options,
-        plugin_client,
+        plugin_client.clone(),
         Arc::new(FileDiscovery::new(&sample)),
         Arc::new(NoRefit),
         stop_rx,
@@ -111,6 +115,7 @@ async fn device_plugin_against_the_real_api_server() {
     registers_again_when_the_kubelet_drops_the_endpoint(&sim).await;
     an_unhealthy_gpu_reaches_the_kubelet_and_the_gpunode(&sim, &admin, &sample).await;
     admission_latency_report(&sim, &admin).await;
+    the_refit_client_hears_the_commit_in_the_ledger(&cp, &admin, &plugin_client, &sample).await;
 
     stop_tx.send(true).unwrap();
     plugin.await.unwrap().unwrap();
@@ -659,4 +664,148 @@ async fn admission_latency_report(sim: &KubeletSimulator, admin: &Client) {
         ms(took[took.len() * 9 / 10]),
         ms(took[took.len() - 1])
     );
+}
+
+/// The refit client takes the operator's commit, as the ledger shows it, for the answer. The
+/// test plays the operator with the operator's own identity: it moves the reservation onto the
+/// allowed GPU and never writes the request's answer, and the kubelet still gets replicas of
+/// the new GPU, long before the refit timeout. A write that does not move the container is no
+/// commit, and a refusal arrives as the answer only.
+async fn the_refit_client_hears_the_commit_in_the_ledger(
+    cp: &ControlPlane,
+    admin: &Client,
+    plugin_client: &Client,
+    sample: &Path,
+) {
+    let operator = cp
+        .client_for_service_account(DEFAULT_NAMESPACE, "gpuledger-operator")
+        .await
+        .unwrap();
+    let inventory = Inventory::new(FileDiscovery::new(sample).discover().unwrap(), 10);
+    // Generous: the commit is heard within milliseconds; without it this call would wait the
+    // whole timeout and, strict, reject the container.
+    let timeout = Duration::from_secs(30);
+    let refit = |pod| start_refit(admin, plugin_client, inventory.clone(), pod, timeout);
+    let requests = Api::<RefitRequest>::namespaced(operator.clone(), NS);
+    let request_of = |pod: &'static str| {
+        let requests = requests.clone();
+        async move {
+            let selector = format!("{}={pod}", names::RESERVATION_LABEL);
+            let deadline = tokio::time::Instant::now() + WAIT;
+            loop {
+                let listed = requests
+                    .list(&ListParams::default().labels(&selector))
+                    .await
+                    .unwrap();
+                if let Some(r) = listed.items.into_iter().next() {
+                    return r;
+                }
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "no RefitRequest for {pod}"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    let reservations = Api::<GpuReservation>::namespaced(operator.clone(), NS);
+
+    // Committed, never answered: a label change first (no move), then the move.
+    let asked = refit("refit-commit").await;
+    let request = request_of("refit-commit").await;
+    let mut res = reservations.get("refit-commit").await.unwrap();
+    res.labels_mut().insert("touched".into(), "yes".into());
+    let mut res = reservations
+        .replace("refit-commit", &PostParams::default(), &res)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !asked.is_finished(),
+        "a write that moves nothing is no commit"
+    );
+    res.spec.containers[0].devices = vec![device(5, 1000, 10)];
+    reservations
+        .replace("refit-commit", &PostParams::default(), &res)
+        .await
+        .unwrap();
+    let RefitOutcome::Preferred(ids) = asked.await.unwrap() else {
+        panic!("the committed move was not heard")
+    };
+    assert_eq!(ids.len(), 1);
+    assert_eq!(gpu_of(&ids[0]), uuid(5));
+    let unanswered = requests.get(&request.name_any()).await.unwrap();
+    assert!(
+        unanswered.status.is_none(),
+        "the success came from the ledger, not from an answer: {:?}",
+        unanswered.status
+    );
+
+    // Refused: the answer, and nothing else, ends the wait.
+    let asked = refit("refit-refused").await;
+    let request = request_of("refit-refused").await;
+    let answer = serde_json::json!({
+        "status": { "phase": "Failed", "reason": "no allowed device fits: CardInsufficientMemory" }
+    });
+    requests
+        .patch_status(
+            &request.name_any(),
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&answer),
+        )
+        .await
+        .unwrap();
+    let RefitOutcome::Reject { reason } = asked.await.unwrap() else {
+        panic!("a strict refusal must fail the container")
+    };
+    assert!(reason.contains("CardInsufficientMemory"), "{reason}");
+}
+
+/// Books pod `pod` container 0 on GPU 1 (NUMA 0), strict, and starts the plugin's refit of it
+/// onto GPU 5 (NUMA 1) with `timeout`.
+async fn start_refit(
+    admin: &Client,
+    plugin_client: &Client,
+    inventory: Inventory,
+    pod: &'static str,
+    timeout: Duration,
+) -> tokio::task::JoinHandle<RefitOutcome> {
+    let uid = format!("uid-{pod}");
+    let spec = GpuReservationSpec {
+        pod_name: pod.into(),
+        pod_uid: uid.clone(),
+        node_name: NODE.into(),
+        alignment: Alignment::Strict,
+        containers: vec![ctr(0, "main", vec![device(1, 1000, 10)])],
+        ..Default::default()
+    };
+    let mut res = GpuReservation::new(&names::reservation_name(pod), spec);
+    res.metadata.namespace = Some(NS.into());
+    Api::<GpuReservation>::namespaced(admin.clone(), NS)
+        .create(&PostParams::default(), &res)
+        .await
+        .unwrap();
+    // Read the way GetPreferredAllocation reads it: with the plugin's identity.
+    let read = Api::<GpuReservation>::namespaced(plugin_client.clone(), NS)
+        .get(pod)
+        .await
+        .unwrap();
+    let allowed = (0..10).map(|i| replica_id(&uuid(5), i)).collect();
+    let ctx = RefitContext {
+        namespace: NS.into(),
+        pod_name: pod.into(),
+        pod_uid: uid,
+        node_name: NODE.into(),
+        container: read.spec.containers[0].clone(),
+        reservation: read,
+        alignment: Alignment::Strict,
+        unavailable_gpu: uuid(1),
+        available_device_ids: allowed,
+        must_include_device_ids: vec![],
+        allocation_size: 1,
+        allowed_gpus: vec![uuid(5)],
+        timeout,
+        inventory,
+    };
+    tokio::spawn(RefitClient::new(plugin_client.clone()).refit(ctx))
 }

@@ -6,23 +6,28 @@
 //! keeps a stalled API server from stalling the node. There is no retry: a late answer is worth
 //! nothing to a kubelet that has moved on.
 //!
+//! Beside it, the pod's `GpuReservation` is watched from the version this call read. The
+//! operator commits a move there before it writes the answer, so the commit, once the ledger
+//! shows the container on allowed GPUs, is taken as the success it is: the kubelet waits for one
+//! write on the API server, not two. Refusals only ever arrive as the answer.
+//!
 //! The request's `deadline` (a `MicroTime`, microsecond precision) is the end of the plugin's
 //! wait less a commit margin (a fifth of `--refit-timeout`, at most 250 ms), so the operator
 //! stops committing before the plugin stops waiting; a move the plugin never hears of cannot
 //! happen.
 
-use std::time::Duration;
-
 use futures::future::BoxFuture;
-use futures::{StreamExt, TryStreamExt};
 use gpuledger_crds::names::{NODE_LABEL, RESERVATION_LABEL};
 use gpuledger_crds::protocol;
-use gpuledger_crds::{RefitPhase, RefitRequest, RefitRequestSpec, RefitRequestStatus};
+use gpuledger_crds::{
+    GpuReservation, RefitPhase, RefitRequest, RefitRequestSpec, RefitRequestStatus,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, OwnerReference};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
-use kube::api::{Api, PostParams, WatchEvent, WatchParams};
+use kube::api::{Api, PostParams};
 use kube::{Client, Resource, ResourceExt};
 
+use super::follow::{FollowEnd, follow};
 use super::outcome::{Answer, decide};
 use super::{NoRefit, RefitContext, RefitHook, RefitOutcome};
 use crate::preferred::select_replicas;
@@ -49,7 +54,8 @@ impl RefitHook for RefitClient {
         let client = self.client.clone();
         Box::pin(async move {
             let pod = format!("{}/{}", ctx.namespace, ctx.pod_name);
-            let answer = match tokio::time::timeout(ctx.timeout, ask(&client, &ctx)).await {
+            let answer = match tokio::time::timeout(ctx.timeout, first_answer(&client, &ctx)).await
+            {
                 Ok(a) => a,
                 Err(_) => Answer::TimedOut,
             };
@@ -141,6 +147,35 @@ fn answered(status: Option<&RefitRequestStatus>) -> Option<Answer> {
     }
 }
 
+/// The first answer to the refit of `ctx`: the operator's answer in the request's status, or
+/// the operator's commit as the ledger shows it, whichever arrives first (unbounded here; the
+/// caller bounds it). The commit is written one API call before the answer, so watching the
+/// reservation as well takes the answer's write off the kubelet's wait; the answer still
+/// follows, and is what a refusal arrives as.
+async fn first_answer(client: &Client, ctx: &RefitContext) -> Answer {
+    earliest(ask(client, ctx), ledger_commit(client, ctx)).await
+}
+
+/// `asked`'s answer, unless `committed` brings one first; a `committed` that ends with nothing
+/// leaves `asked` to answer.
+async fn earliest(
+    asked: impl std::future::Future<Output = Answer>,
+    committed: impl std::future::Future<Output = Option<Answer>>,
+) -> Answer {
+    let committed = async {
+        match committed.await {
+            Some(answer) => answer,
+            None => std::future::pending().await,
+        }
+    };
+    // Biased: when both are ready, the operator's own answer is the one reported.
+    tokio::select! {
+        biased;
+        answer = asked => answer,
+        answer = committed => answer,
+    }
+}
+
 /// Creates the request and waits for its answer (unbounded here; the caller bounds it).
 async fn ask(client: &Client, ctx: &RefitContext) -> Answer {
     let api: Api<RefitRequest> = Api::namespaced(client.clone(), &ctx.namespace);
@@ -153,36 +188,62 @@ async fn ask(client: &Client, ctx: &RefitContext) -> Answer {
     };
     let name = created.name_any();
     tracing::info!(request = %format!("{}/{name}", ctx.namespace), allowed = ?ctx.allowed_gpus, "RefitRequest created");
-    let mut version = created.resource_version().unwrap_or_default();
-    loop {
-        let params = WatchParams::default()
-            .fields(&format!("metadata.name={name}"))
-            .timeout(Duration::from_secs(60).as_secs() as u32);
-        let stream = match api.watch(&params, &version).await {
-            Ok(s) => s,
-            Err(e) => return Answer::Error(format!("watching RefitRequest {name}: {e}")),
-        };
-        let mut stream = std::pin::pin!(stream.into_stream());
-        while let Some(event) = stream.next().await {
-            match event {
-                Ok(WatchEvent::Added(o) | WatchEvent::Modified(o)) => {
-                    if let Some(a) = answered(o.status.as_ref()) {
-                        return a;
-                    }
-                    version = o.resource_version().unwrap_or(version);
-                }
-                Ok(WatchEvent::Deleted(_)) => {
-                    return Answer::Error(format!("RefitRequest {name} was deleted unanswered"));
-                }
-                Ok(WatchEvent::Bookmark(b)) => version = b.metadata.resource_version,
-                Ok(WatchEvent::Error(e)) => {
-                    return Answer::Error(format!("watching RefitRequest {name}: {e}"));
-                }
-                Err(e) => return Answer::Error(format!("watching RefitRequest {name}: {e}")),
-            }
+    let version = created.resource_version().unwrap_or_default();
+    match follow(&api, &name, version, |r: &RefitRequest| {
+        answered(r.status.as_ref())
+    })
+    .await
+    {
+        Ok(answer) => answer,
+        Err(FollowEnd::Deleted { .. }) => {
+            Answer::Error(format!("RefitRequest {name} was deleted unanswered"))
         }
-        // The server ended the watch (its own timeout): resume from the last version seen.
+        Err(e @ FollowEnd::Watch { .. }) => Answer::Error(e.to_string()),
     }
+}
+
+/// Waits for the ledger to show the container of `ctx` on allowed GPUs: the reservation as the
+/// operator committed it, watched from the version this call read. `None` when it cannot be
+/// watched (no version, refused, deleted): the request's answer then decides alone.
+async fn ledger_commit(client: &Client, ctx: &RefitContext) -> Option<Answer> {
+    let reservation = &ctx.reservation;
+    let version = reservation.resource_version()?;
+    let name = reservation.name_any();
+    let api: Api<GpuReservation> = Api::namespaced(client.clone(), &ctx.namespace);
+    let uid = reservation.uid();
+    let committed = follow(&api, &name, version, |r: &GpuReservation| {
+        committed_devices(r, uid.as_deref(), ctx)
+    })
+    .await;
+    match committed {
+        Ok(devices) => Some(Answer::Succeeded(devices)),
+        Err(e) => {
+            tracing::debug!(error = %e, "the refit waits on the operator's answer alone");
+            None
+        }
+    }
+}
+
+/// The GPUs of the container of `ctx` when `seen` (the reservation read for this call, UID
+/// `uid`, in a later version) holds it on allowed GPUs only: the commit of a refit. A
+/// reservation recreated for another pod of the same name is never the commit.
+fn committed_devices(
+    seen: &GpuReservation,
+    uid: Option<&str>,
+    ctx: &RefitContext,
+) -> Option<Vec<String>> {
+    if seen.uid().as_deref() != uid || seen.spec.pod_uid != ctx.pod_uid {
+        return None;
+    }
+    let devices: Vec<String> = seen
+        .spec
+        .container(ctx.container.index)?
+        .devices
+        .iter()
+        .map(|d| d.uuid.clone())
+        .collect();
+    let allowed = !devices.is_empty() && devices.iter().all(|d| ctx.allowed_gpus.contains(d));
+    allowed.then_some(devices)
 }
 
 #[cfg(test)]
@@ -193,6 +254,7 @@ mod tests {
     use super::*;
     use crate::inventory::Inventory;
     use gpuledger_crds::{Alignment, ContainerReservation, GpuReservation, GpuReservationSpec};
+    use std::time::Duration;
 
     fn ctx() -> RefitContext {
         let mut r = GpuReservation::new("train", GpuReservationSpec::default());
@@ -255,6 +317,70 @@ mod tests {
             request_for(&short, now).spec.deadline.0,
             Timestamp::from_millisecond(1_800_000_001_100).unwrap()
         );
+    }
+
+    fn holding(uid: &str, pod_uid: &str, gpus: &[&str]) -> GpuReservation {
+        let mut r = ctx().reservation;
+        r.metadata.uid = Some(uid.into());
+        r.spec.pod_uid = pod_uid.into();
+        r.spec.containers = vec![ContainerReservation {
+            index: 2,
+            name: "main".into(),
+            init: false,
+            devices: gpus
+                .iter()
+                .map(|g| gpuledger_crds::ReservedDevice {
+                    uuid: g.to_string(),
+                    memory_mib: 1000,
+                    cores: 10,
+                    numa_node: Some(1),
+                })
+                .collect(),
+        }];
+        r
+    }
+
+    #[test]
+    fn the_ledger_shows_a_commit_only_when_every_gpu_of_the_container_is_allowed() {
+        let c = ctx();
+        let uid = Some("res-uid");
+        let commit = |r: &GpuReservation| committed_devices(r, uid, &c);
+        assert_eq!(
+            commit(&holding("res-uid", "pod-uid", &["GPU-a", "GPU-b"])),
+            Some(vec!["GPU-a".to_string(), "GPU-b".to_string()])
+        );
+        // Not yet moved, half moved, or holding nothing: no commit.
+        assert_eq!(commit(&holding("res-uid", "pod-uid", &["GPU-x"])), None);
+        assert_eq!(
+            commit(&holding("res-uid", "pod-uid", &["GPU-a", "GPU-x"])),
+            None
+        );
+        assert_eq!(commit(&holding("res-uid", "pod-uid", &[])), None);
+        // Another container of the pod on allowed GPUs says nothing about this one.
+        let mut other = holding("res-uid", "pod-uid", &["GPU-a"]);
+        other.spec.containers[0].index = 3;
+        assert_eq!(commit(&other), None);
+        // A reservation of the same name recreated for another pod is never this commit.
+        assert_eq!(commit(&holding("res-uid-2", "pod-uid", &["GPU-a"])), None);
+        assert_eq!(commit(&holding("res-uid", "pod-uid-2", &["GPU-a"])), None);
+    }
+
+    #[tokio::test]
+    async fn the_first_of_answer_and_commit_is_taken_and_a_missing_commit_waits_for_the_answer() {
+        let refused = || Answer::Refused("no allowed device fits".into());
+        let moved = || Answer::Succeeded(vec!["GPU-a".into()]);
+        // The commit first: the answer is still on its way.
+        let got = earliest(std::future::pending(), async { Some(moved()) }).await;
+        assert_eq!(got, moved());
+        // No commit to watch: the answer decides, however late.
+        let late = async {
+            tokio::task::yield_now().await;
+            refused()
+        };
+        assert_eq!(earliest(late, async { None }).await, refused());
+        // Both ready: the operator's own answer is reported.
+        let got = earliest(async { refused() }, async { Some(moved()) }).await;
+        assert_eq!(got, refused());
     }
 
     #[test]
