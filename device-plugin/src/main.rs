@@ -10,6 +10,7 @@ use gpuledger_device_plugin::discovery::file::FileDiscovery;
 use gpuledger_device_plugin::discovery::nvml::NvmlDiscovery;
 use gpuledger_device_plugin::plugin;
 use gpuledger_device_plugin::refit::client::RefitClient;
+use gpuledger_device_plugin::refit::commits::NodeCommits;
 use gpuledger_device_plugin::refit::{NoRefit, RefitHook};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::watch;
@@ -62,7 +63,8 @@ async fn main() -> ExitCode {
         let _ = stop_tx.send(true);
     });
     let refit: Arc<dyn RefitHook> = if cli.refit {
-        Arc::new(RefitClient::new(client.clone()))
+        let commits = Arc::new(NodeCommits::start(client.clone(), &cli.node_name));
+        Arc::new(RefitClient::new(client.clone()).hearing(commits))
     } else {
         Arc::new(NoRefit)
     };

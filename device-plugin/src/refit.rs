@@ -14,6 +14,7 @@
 //!   kubelet's GPUs into `status.allocation` and the operator marks the reservation `Misaligned`.
 
 pub mod client;
+pub mod commits;
 pub mod follow;
 pub mod outcome;
 

@@ -29,6 +29,7 @@ use gpuledger_device_plugin::inventory::{Inventory, replica_id};
 use gpuledger_device_plugin::lifecycle::PLUGIN_SOCKET;
 use gpuledger_device_plugin::plugin::{self, PluginOptions};
 use gpuledger_device_plugin::refit::client::RefitClient;
+use gpuledger_device_plugin::refit::commits::NodeCommits;
 use gpuledger_device_plugin::refit::{NoRefit, RefitContext, RefitHook, RefitOutcome};
 use gpuledger_device_plugin::uds::dial;
 use gpuledger_e2e::cluster::{
@@ -685,7 +686,12 @@ async fn the_refit_client_hears_the_commit_in_the_ledger(
     // Generous: the commit is heard within milliseconds; without it this call would wait the
     // whole timeout and, strict, reject the container.
     let timeout = Duration::from_secs(30);
-    let refit = |pod| start_refit(admin, plugin_client, inventory.clone(), pod, timeout);
+    // The plugin's one watch of its node's reservations, with its own identity.
+    let commits = Arc::new(NodeCommits::start(plugin_client.clone(), NODE));
+    let refit = |pod| {
+        let hook = RefitClient::new(plugin_client.clone()).hearing(commits.clone());
+        start_refit(admin, plugin_client, hook, inventory.clone(), pod, timeout)
+    };
     let requests = Api::<RefitRequest>::namespaced(operator.clone(), NS);
     let request_of = |pod: &'static str| {
         let requests = requests.clone();
@@ -710,11 +716,12 @@ async fn the_refit_client_hears_the_commit_in_the_ledger(
     };
     let reservations = Api::<GpuReservation>::namespaced(operator.clone(), NS);
 
-    // Committed, never answered: a label change first (no move), then the move.
+    // Committed, never answered: first a spec change that keeps the container on its GPU
+    // (a newer generation, no move), then the move.
     let asked = refit("refit-commit").await;
     let request = request_of("refit-commit").await;
     let mut res = reservations.get("refit-commit").await.unwrap();
-    res.labels_mut().insert("touched".into(), "yes".into());
+    res.spec.containers[0].devices = vec![device(1, 2000, 10)];
     let mut res = reservations
         .replace("refit-commit", &PostParams::default(), &res)
         .await
@@ -766,6 +773,7 @@ async fn the_refit_client_hears_the_commit_in_the_ledger(
 async fn start_refit(
     admin: &Client,
     plugin_client: &Client,
+    hook: RefitClient,
     inventory: Inventory,
     pod: &'static str,
     timeout: Duration,
@@ -781,6 +789,9 @@ async fn start_refit(
     };
     let mut res = GpuReservation::new(&names::reservation_name(pod), spec);
     res.metadata.namespace = Some(NS.into());
+    // Labelled with its node, as the operator writes every reservation.
+    res.labels_mut()
+        .insert(names::NODE_LABEL.into(), NODE.into());
     Api::<GpuReservation>::namespaced(admin.clone(), NS)
         .create(&PostParams::default(), &res)
         .await
@@ -807,5 +818,5 @@ async fn start_refit(
         timeout,
         inventory,
     };
-    tokio::spawn(RefitClient::new(plugin_client.clone()).refit(ctx))
+    tokio::spawn(hook.refit(ctx))
 }

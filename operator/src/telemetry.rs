@@ -64,8 +64,8 @@ pub struct OutcomeLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StageLabels {
     /// `pickup` (the plugin's `requested-at` stamp to the reconcile's start: the create and
-    /// the watch, plus the clocks' offset across machines), `queued` (its part in the
-    /// controller's queue, watch delivery to reconcile), `decide` (reconcile start to move
+    /// the watch, plus the clocks' offset across machines) = `delivered` (stamp to this
+    /// operator's watch) + `queued` (the controller's queue, watch delivery to reconcile), `decide` (reconcile start to move
     /// planned: reads, node lock, plan), `reservation_write` (the moved spec), `answer_write`
     /// (the request's status).
     pub stage: String,
@@ -196,7 +196,7 @@ impl Metrics {
         });
         registry.register(
             "refit_stage_seconds",
-            "NUMA refit latency by step: pickup (plugin stamp to reconcile, clock offset included), queued (watch to reconcile), decide, reservation_write, answer_write",
+            "NUMA refit latency by step: pickup (plugin stamp to reconcile, clock offset included) = delivered (plugin stamp to the operator's watch) + queued (watch to reconcile), decide, reservation_write, answer_write",
             refit_stages.clone(),
         );
         let misaligned = Counter::default();

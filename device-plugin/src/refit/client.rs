@@ -6,10 +6,10 @@
 //! keeps a stalled API server from stalling the node. There is no retry: a late answer is worth
 //! nothing to a kubelet that has moved on.
 //!
-//! Beside it, the pod's `GpuReservation` is watched from the version this call read. The
-//! operator commits a move there before it writes the answer, so the commit, once the ledger
-//! shows the container on allowed GPUs, is taken as the success it is: the kubelet waits for one
-//! write on the API server, not two. Refusals only ever arrive as the answer.
+//! Beside it, the plugin hears the operator's commits on the node's reservations
+//! ([`super::commits`]). The operator moves the reservation before it writes the answer, so a
+//! move of this container onto allowed GPUs is taken as the success it is: the kubelet waits for
+//! one write on the API server, not two. Refusals only ever arrive as the answer.
 //!
 //! The request's `deadline` (a `MicroTime`, microsecond precision) is the end of the plugin's
 //! wait less a commit margin (a fifth of `--refit-timeout`, at most 250 ms), so the operator
@@ -19,6 +19,8 @@
 use futures::future::BoxFuture;
 use gpuledger_crds::names::{NODE_LABEL, RESERVATION_LABEL};
 use gpuledger_crds::protocol;
+use std::sync::Arc;
+
 use gpuledger_crds::{
     GpuReservation, RefitPhase, RefitRequest, RefitRequestSpec, RefitRequestStatus,
 };
@@ -26,7 +28,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, Owne
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::{Api, PostParams};
 use kube::{Client, Resource, ResourceExt};
+use tokio::sync::broadcast;
 
+use super::commits::{Awaited, NodeCommits};
 use super::follow::{FollowEnd, follow};
 use super::outcome::{Answer, decide};
 use super::{NoRefit, RefitContext, RefitHook, RefitOutcome};
@@ -36,12 +40,23 @@ use crate::preferred::select_replicas;
 #[derive(Clone)]
 pub struct RefitClient {
     client: Client,
+    commits: Option<Arc<NodeCommits>>,
 }
 
 impl RefitClient {
-    /// A client writing RefitRequests with the plugin's identity.
+    /// A client writing RefitRequests with the plugin's identity, waiting for their answers.
     pub fn new(client: Client) -> Self {
-        RefitClient { client }
+        RefitClient {
+            client,
+            commits: None,
+        }
+    }
+
+    /// Also hears the operator's commits on this node's reservations, which come one API write
+    /// before the answers (what the plugin runs with).
+    pub fn hearing(mut self, commits: Arc<NodeCommits>) -> Self {
+        self.commits = Some(commits);
+        self
     }
 }
 
@@ -52,13 +67,15 @@ impl RefitHook for RefitClient {
             return NoRefit.refit(ctx);
         }
         let client = self.client.clone();
+        // Listening before the request exists: no commit can come before it.
+        let heard = self.commits.as_ref().map(|c| c.hear());
         Box::pin(async move {
             let pod = format!("{}/{}", ctx.namespace, ctx.pod_name);
-            let answer = match tokio::time::timeout(ctx.timeout, first_answer(&client, &ctx)).await
-            {
-                Ok(a) => a,
-                Err(_) => Answer::TimedOut,
-            };
+            let answer =
+                match tokio::time::timeout(ctx.timeout, first_answer(&client, heard, &ctx)).await {
+                    Ok(a) => a,
+                    Err(_) => Answer::TimedOut,
+                };
             let outcome = decide(&pod, &ctx.container.name, ctx.alignment, &answer, |gpus| {
                 let reserved: Vec<&str> = gpus.iter().map(String::as_str).collect();
                 select_replicas(
@@ -148,12 +165,25 @@ fn answered(status: Option<&RefitRequestStatus>) -> Option<Answer> {
 }
 
 /// The first answer to the refit of `ctx`: the operator's answer in the request's status, or
-/// the operator's commit as the ledger shows it, whichever arrives first (unbounded here; the
-/// caller bounds it). The commit is written one API call before the answer, so watching the
-/// reservation as well takes the answer's write off the kubelet's wait; the answer still
-/// follows, and is what a refusal arrives as.
-async fn first_answer(client: &Client, ctx: &RefitContext) -> Answer {
-    earliest(ask(client, ctx), ledger_commit(client, ctx)).await
+/// the operator's commit as `heard` brings it, whichever arrives first (unbounded here; the
+/// caller bounds it). The commit is written one API call before the answer, so hearing it
+/// takes the answer's write off the kubelet's wait; the answer still follows, and is how a
+/// refusal arrives.
+async fn first_answer(
+    client: &Client,
+    heard: Option<broadcast::Receiver<Arc<GpuReservation>>>,
+    ctx: &RefitContext,
+) -> Answer {
+    let awaited = Awaited {
+        read: &ctx.reservation,
+        index: ctx.container.index,
+        allowed: &ctx.allowed_gpus,
+    };
+    let committed = async {
+        let devices = awaited.commit(heard?).await?;
+        Some(Answer::Succeeded(devices))
+    };
+    earliest(ask(client, ctx), committed).await
 }
 
 /// `asked`'s answer, unless `committed` brings one first; a `committed` that ends with nothing
@@ -200,50 +230,6 @@ async fn ask(client: &Client, ctx: &RefitContext) -> Answer {
         }
         Err(e @ FollowEnd::Watch { .. }) => Answer::Error(e.to_string()),
     }
-}
-
-/// Waits for the ledger to show the container of `ctx` on allowed GPUs: the reservation as the
-/// operator committed it, watched from the version this call read. `None` when it cannot be
-/// watched (no version, refused, deleted): the request's answer then decides alone.
-async fn ledger_commit(client: &Client, ctx: &RefitContext) -> Option<Answer> {
-    let reservation = &ctx.reservation;
-    let version = reservation.resource_version()?;
-    let name = reservation.name_any();
-    let api: Api<GpuReservation> = Api::namespaced(client.clone(), &ctx.namespace);
-    let uid = reservation.uid();
-    let committed = follow(&api, &name, version, |r: &GpuReservation| {
-        committed_devices(r, uid.as_deref(), ctx)
-    })
-    .await;
-    match committed {
-        Ok(devices) => Some(Answer::Succeeded(devices)),
-        Err(e) => {
-            tracing::debug!(error = %e, "the refit waits on the operator's answer alone");
-            None
-        }
-    }
-}
-
-/// The GPUs of the container of `ctx` when `seen` (the reservation read for this call, UID
-/// `uid`, in a later version) holds it on allowed GPUs only: the commit of a refit. A
-/// reservation recreated for another pod of the same name is never the commit.
-fn committed_devices(
-    seen: &GpuReservation,
-    uid: Option<&str>,
-    ctx: &RefitContext,
-) -> Option<Vec<String>> {
-    if seen.uid().as_deref() != uid || seen.spec.pod_uid != ctx.pod_uid {
-        return None;
-    }
-    let devices: Vec<String> = seen
-        .spec
-        .container(ctx.container.index)?
-        .devices
-        .iter()
-        .map(|d| d.uuid.clone())
-        .collect();
-    let allowed = !devices.is_empty() && devices.iter().all(|d| ctx.allowed_gpus.contains(d));
-    allowed.then_some(devices)
 }
 
 #[cfg(test)]
@@ -317,52 +303,6 @@ mod tests {
             request_for(&short, now).spec.deadline.0,
             Timestamp::from_millisecond(1_800_000_001_100).unwrap()
         );
-    }
-
-    fn holding(uid: &str, pod_uid: &str, gpus: &[&str]) -> GpuReservation {
-        let mut r = ctx().reservation;
-        r.metadata.uid = Some(uid.into());
-        r.spec.pod_uid = pod_uid.into();
-        r.spec.containers = vec![ContainerReservation {
-            index: 2,
-            name: "main".into(),
-            init: false,
-            devices: gpus
-                .iter()
-                .map(|g| gpuledger_crds::ReservedDevice {
-                    uuid: g.to_string(),
-                    memory_mib: 1000,
-                    cores: 10,
-                    numa_node: Some(1),
-                })
-                .collect(),
-        }];
-        r
-    }
-
-    #[test]
-    fn the_ledger_shows_a_commit_only_when_every_gpu_of_the_container_is_allowed() {
-        let c = ctx();
-        let uid = Some("res-uid");
-        let commit = |r: &GpuReservation| committed_devices(r, uid, &c);
-        assert_eq!(
-            commit(&holding("res-uid", "pod-uid", &["GPU-a", "GPU-b"])),
-            Some(vec!["GPU-a".to_string(), "GPU-b".to_string()])
-        );
-        // Not yet moved, half moved, or holding nothing: no commit.
-        assert_eq!(commit(&holding("res-uid", "pod-uid", &["GPU-x"])), None);
-        assert_eq!(
-            commit(&holding("res-uid", "pod-uid", &["GPU-a", "GPU-x"])),
-            None
-        );
-        assert_eq!(commit(&holding("res-uid", "pod-uid", &[])), None);
-        // Another container of the pod on allowed GPUs says nothing about this one.
-        let mut other = holding("res-uid", "pod-uid", &["GPU-a"]);
-        other.spec.containers[0].index = 3;
-        assert_eq!(commit(&other), None);
-        // A reservation of the same name recreated for another pod is never this commit.
-        assert_eq!(commit(&holding("res-uid-2", "pod-uid", &["GPU-a"])), None);
-        assert_eq!(commit(&holding("res-uid", "pod-uid-2", &["GPU-a"])), None);
     }
 
     #[tokio::test]

@@ -24,6 +24,7 @@ use gpuledger_crds::{
 use gpuledger_device_plugin::discovery::file::FileDiscovery;
 use gpuledger_device_plugin::plugin::{self, PluginOptions};
 use gpuledger_device_plugin::refit::client::RefitClient;
+use gpuledger_device_plugin::refit::commits::NodeCommits;
 use gpuledger_e2e::cluster::{
     ControlPlane, ControlPlaneOptions, FakeGpuNode, FakeNode, apply_path, ensure_namespace,
     wait_for,
@@ -237,7 +238,10 @@ impl PluginNode {
             options,
             plugin_client.clone(),
             Arc::new(FileDiscovery::new(&devices)),
-            Arc::new(RefitClient::new(plugin_client.clone())),
+            Arc::new(
+                RefitClient::new(plugin_client.clone())
+                    .hearing(Arc::new(NodeCommits::start(plugin_client.clone(), name))),
+            ),
             stop_rx,
         ));
         let replicas = (GPUS * SPLIT) as usize;

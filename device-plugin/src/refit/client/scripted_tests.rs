@@ -7,13 +7,13 @@ use std::time::Duration;
 
 use gpuledger_crds::{
     Alignment, ContainerReservation, GpuReservation, GpuReservationSpec, RefitPhase, RefitRequest,
-    RefitRequestStatus, ReservedDevice,
+    RefitRequestStatus,
 };
 use http::Method;
 use k8s_openapi::jiff::Timestamp;
 use serde_json::{Value, json};
 
-use super::{RefitClient, ask, ledger_commit, request_for};
+use super::{RefitClient, ask, request_for};
 use crate::discovery::gpu;
 use crate::inventory::Inventory;
 use crate::refit::outcome::Answer;
@@ -330,86 +330,33 @@ async fn an_unanswered_request_ends_at_the_refit_timeout_and_best_effort_falls_b
     );
 }
 
-const RESERVATIONS: &str = "/apis/gpuledger.io/v1alpha1/namespaces/ml/gpureservations";
-
-/// The pod's reservation at `resource_version`, container 2 on `gpus`.
-fn reservation_at(resource_version: &str, gpus: &[&str]) -> GpuReservation {
-    let mut r = ctx(Alignment::Strict).reservation;
-    r.metadata.namespace = Some("ml".into());
-    r.metadata.resource_version = Some(resource_version.into());
-    r.spec.pod_uid = "pod-uid".into();
-    r.spec.node_name = "n1".into();
-    r.spec.containers = vec![ContainerReservation {
-        index: 2,
-        name: "main".into(),
-        init: false,
-        devices: gpus
-            .iter()
-            .map(|g| ReservedDevice {
-                uuid: g.to_string(),
-                memory_mib: 1000,
-                cores: 10,
-                numa_node: None,
-            })
-            .collect(),
+/// The operator's commit, heard on the node's reservations, answers before the request's
+/// status does: the kubelet gets replicas of the new GPU while the answer is still unwritten.
+#[tokio::test(start_paused = true)]
+async fn a_commit_heard_on_the_nodes_reservations_answers_first() {
+    let mut read = ctx(Alignment::Strict);
+    read.reservation.metadata.generation = Some(1);
+    read.reservation.spec.pod_uid = "pod-uid".into();
+    read.reservation.spec.containers = vec![read.container.clone()];
+    let mut moved = read.reservation.clone();
+    moved.metadata.generation = Some(2);
+    moved.spec.containers[0].devices = vec![gpuledger_crds::ReservedDevice {
+        uuid: "GPU-b".into(),
+        memory_mib: 1000,
+        cores: 10,
+        numa_node: Some(1),
     }];
-    r
-}
-
-/// The refit of container 2, as read at resourceVersion 5 with the container on GPU-x.
-fn read_at_5() -> RefitContext {
-    RefitContext {
-        reservation: reservation_at("5", &["GPU-x"]),
-        ..ctx(Alignment::Strict)
-    }
-}
-
-/// A watch of the reservation, from `resource_version`.
-fn ledger_watch(resource_version: &str) -> Expect {
-    expect(Method::GET, RESERVATIONS)
-        .query("watch", "true")
-        .query("fieldSelector", "metadata.name=train")
-        .query("resourceVersion", resource_version)
-}
-
-/// Versions that do not hold the container on allowed GPUs are passed over, a server-ended
-/// watch resumes from the last version seen, and the move is the answer.
-#[tokio::test]
-async fn the_commit_is_heard_on_a_watch_of_the_reservation_from_the_version_read() {
-    let mut recreated = reservation_at("7", &["GPU-a"]);
-    recreated.metadata.uid = Some("another-pod's-reservation".into());
+    let (commits, feed) = crate::refit::commits::NodeCommits::fed();
     let (client, api) = scripted(vec![
-        ledger_watch("5").reply_events(vec![event("MODIFIED", reservation_at("6", &["GPU-x"]))]),
-        ledger_watch("6").reply_events(vec![
-            event("MODIFIED", recreated),
-            event("MODIFIED", reservation_at("8", &["GPU-b"])),
-        ]),
+        create().reply(201, created()),
+        watch("10").never_reply(),
     ]);
-    let got = ledger_commit(&client, &read_at_5()).await;
+    let hook = RefitClient::new(client).hearing(std::sync::Arc::new(commits));
+    let asked = tokio::spawn(hook.refit(read));
+    // The create and the watch are made, then the commit is heard.
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    feed.send(std::sync::Arc::new(moved)).unwrap();
+    let got = asked.await.unwrap();
     api.finish().await;
-    assert_eq!(got, Some(Answer::Succeeded(vec!["GPU-b".into()])));
-}
-
-/// Refused, deleted, or never read from the API server: nothing to hear, the request's answer
-/// decides alone.
-#[tokio::test]
-async fn a_reservation_that_cannot_be_followed_leaves_the_answer_to_the_request() {
-    let (client, api) = scripted(vec![ledger_watch("5").reply(
-        403,
-        status(403, "Forbidden", "cannot watch gpureservations"),
-    )]);
-    assert_eq!(ledger_commit(&client, &read_at_5()).await, None);
-    api.finish().await;
-
-    let (client, api) =
-        scripted(vec![ledger_watch("5").reply_events(vec![event(
-            "DELETED",
-            reservation_at("6", &["GPU-x"]),
-        )])]);
-    assert_eq!(ledger_commit(&client, &read_at_5()).await, None);
-    api.finish().await;
-
-    let (client, api) = scripted(vec![]);
-    assert_eq!(ledger_commit(&client, &ctx(Alignment::Strict)).await, None);
-    api.finish().await;
+    assert_eq!(got, RefitOutcome::Preferred(vec!["GPU-b-0".into()]));
 }

@@ -18,6 +18,7 @@
 
 pub mod answers;
 pub mod commit;
+pub mod dispatch;
 pub mod plan;
 pub mod validation;
 
@@ -43,6 +44,7 @@ use crate::ledger::{ReservationKey, WriteError};
 use crate::telemetry::{NodeLabels, OutcomeLabels};
 use answers::{AnswerBook, Standing};
 use commit::{Moved, expired};
+use dispatch::{Arrivals, Turns, delivered};
 
 /// Default of `--refit-ttl`: how long answered requests stay for `kubectl get refit`.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(600);
@@ -189,39 +191,8 @@ pub struct RefitContext {
     pub answers: AnswerBook,
     /// When the watch delivered each request.
     pub arrivals: Arc<Arrivals>,
-}
-
-/// When the watch last delivered each request, until a reconcile of it starts: how long
-/// requests wait in the controller's queue (the refit's `queued` step; kube-runtime's scheduler
-/// hands even an immediate trigger over on its next timer tick, about a millisecond).
-#[derive(Default)]
-pub struct Arrivals(std::sync::Mutex<std::collections::HashMap<String, Instant>>);
-
-/// Past this many entries, [`Arrivals::record`] forgets those older than [`ARRIVALS_KEPT`]: a
-/// request deleted before its reconcile ran is never taken.
-const ARRIVALS_MAX: usize = 4096;
-
-/// How long an untaken arrival is worth keeping.
-const ARRIVALS_KEPT: Duration = Duration::from_secs(60);
-
-impl Arrivals {
-    /// The watch delivered `req` now.
-    pub fn record(&self, req: &RefitRequest) {
-        let (Ok(mut seen), Some(uid)) = (self.0.lock(), req.uid()) else {
-            return;
-        };
-        if seen.len() >= ARRIVALS_MAX {
-            seen.retain(|_, at| at.elapsed() < ARRIVALS_KEPT);
-        }
-        seen.insert(uid, Instant::now());
-    }
-
-    /// How long ago the watch delivered request `uid`, forgetting it (every reconcile takes its
-    /// request's entry, so the map holds only requests waiting in the queue).
-    pub fn take(&self, uid: &str) -> Option<std::time::Duration> {
-        let delivered = self.0.lock().ok()?.remove(uid)?;
-        Some(delivered.elapsed())
-    }
+    /// Which requests a reconcile is deciding now.
+    pub turns: Turns,
 }
 
 impl RefitContext {
@@ -234,31 +205,72 @@ impl RefitContext {
             ttl,
             answers: AnswerBook::new(keep),
             arrivals,
+            turns: Turns::default(),
         }
     }
 }
 
 /// Runs the controller until the process ends.
+///
+/// A new request is decided straight from the watch ([`dispatch`]): kube-runtime's queue hands
+/// even an immediate trigger over on its next timer tick, about a millisecond of a refit the
+/// kubelet waits for. The controller still sees every event: it expires answered requests,
+/// retries failures, and finds a request the watch's own decision is holding [`Turns`] for
+/// busy, so a request is never decided twice at once.
 pub async fn run(ctx: Arc<Context>, ttl: Duration) {
     let requests: Api<RefitRequest> = Api::all(ctx.client.clone());
-    let arrivals = Arc::new(Arrivals::default());
-    let seen = arrivals.clone();
+    let rc = Arc::new(RefitContext::new(
+        ctx.clone(),
+        ttl,
+        Arc::new(Arrivals::default()),
+    ));
+    let on_watch = rc.clone();
     let (reader, writer) = reflector::store();
     let stream = reflector(writer, watcher(requests, watcher::Config::default()))
         .applied_objects()
-        .inspect_ok(move |r| seen.record(r));
+        .inspect_ok(move |r| {
+            on_watch.arrivals.record(r);
+            if let Some(delivered) = delivered(r, Timestamp::now()) {
+                on_watch.ctx.metrics.refit_stage("delivered", delivered);
+            }
+            if dispatch::is_new(r) {
+                tokio::spawn(decide_at_once(Arc::new(r.clone()), on_watch.clone()));
+            }
+        });
     Controller::for_stream(stream, reader)
-        .run(
-            reconcile,
-            error_policy,
-            Arc::new(RefitContext::new(ctx, ttl, arrivals)),
-        )
+        .run(reconcile, error_policy, rc)
         .for_each(|res| async move {
             if let Err(e) = res {
                 tracing::debug!(error = %e, "refit reconcile");
             }
         })
         .await;
+}
+
+/// The watch's own reconcile of a new request, when no other reconcile holds its turn. A
+/// failure is recorded like the controller's; the controller's retry (it found the turn taken)
+/// decides again.
+async fn decide_at_once(req: Arc<RefitRequest>, rc: Arc<RefitContext>) {
+    let uid = req.uid().unwrap_or_default();
+    let Some(_turn) = rc.turns.claim(&uid) else {
+        return;
+    };
+    if let Err(e) = answer_request(req.clone(), rc.clone()).await {
+        let _ = error_policy(req, &e, rc.clone());
+    }
+}
+
+/// The controller's reconcile: the request's turn, then [`answer_request`]. A turn held by the
+/// watch's own reconcile is looked at again after the controller's error retry.
+async fn reconcile(
+    req: Arc<RefitRequest>,
+    rc: Arc<RefitContext>,
+) -> Result<Action, ReconcileError> {
+    let uid = req.uid().unwrap_or_default();
+    let Some(_turn) = rc.turns.claim(&uid) else {
+        return Ok(Action::requeue(RETRY));
+    };
+    answer_request(req, rc.clone()).await
 }
 
 fn error_policy(req: Arc<RefitRequest>, e: &ReconcileError, rc: Arc<RefitContext>) -> Action {
@@ -271,8 +283,11 @@ fn error_policy(req: Arc<RefitRequest>, e: &ReconcileError, rc: Arc<RefitContext
     rc.ctx
         .metrics
         .reconcile_failed("refits", kind, &id(&req), e);
-    Action::requeue(Duration::from_millis(500))
+    Action::requeue(RETRY)
 }
+
+/// How soon a failed reconcile, or one that found the request's turn taken, runs again.
+const RETRY: Duration = Duration::from_millis(500);
 
 fn id(req: &RefitRequest) -> String {
     format!("{}/{}", req.namespace().unwrap_or_default(), req.name_any())
@@ -287,7 +302,8 @@ fn api_err(action: &'static str, req: &RefitRequest) -> impl FnOnce(kube::Error)
     }
 }
 
-async fn reconcile(
+/// Answers, expires or waits on one request: what a reconcile does once it holds the turn.
+async fn answer_request(
     req: Arc<RefitRequest>,
     rc: Arc<RefitContext>,
 ) -> Result<Action, ReconcileError> {
@@ -707,33 +723,6 @@ mod tests {
         spec.pod_uid = "u".into();
         spec.node_name = "n2".into();
         assert!(read_pod(&ctx, "ns", &spec).await.is_err());
-    }
-
-    #[test]
-    fn a_delivery_is_timed_once_and_then_forgotten() {
-        let arrivals = Arrivals::default();
-        let mut req = stamped(None, Timestamp::now());
-        // A request without a UID (never from the API server) is not kept.
-        arrivals.record(&req);
-        assert!(arrivals.0.lock().unwrap().is_empty());
-        req.metadata.uid = Some("u1".into());
-        arrivals.record(&req);
-        assert!(arrivals.take("u1").is_some());
-        // Taken by the reconcile that followed: the next one has nothing to time.
-        assert_eq!(arrivals.take("u1"), None);
-        assert!(arrivals.0.lock().unwrap().is_empty());
-        // Requests deleted before a reconcile took them are forgotten once the map is full.
-        let long_ago = Instant::now()
-            .checked_sub(ARRIVALS_KEPT + Duration::from_secs(1))
-            .unwrap();
-        arrivals
-            .0
-            .lock()
-            .unwrap()
-            .extend((0..ARRIVALS_MAX).map(|i| (format!("gone-{i}"), long_ago)));
-        arrivals.record(&req);
-        assert_eq!(arrivals.0.lock().unwrap().len(), 1);
-        assert!(arrivals.take("u1").is_some());
     }
 
     #[test]

@@ -1,0 +1,272 @@
+//! The operator's commits on this node's reservations, heard while a refit waits.
+//!
+//! The operator moves a reservation (its spec) before it writes the RefitRequest's answer, so
+//! the plugin that sees the move has its answer one API write early. One watch per node, of the
+//! GpuReservations labelled with it, is shared by every refit: a watch per refit would cost a
+//! connection (and a TLS handshake) per refit on API servers that serve watches over HTTP/1.
+//!
+//! A version is the commit of the refit waiting on it only when its spec changed after the
+//! reservation the refit started from (a higher `metadata.generation`: the watch may deliver
+//! versions older than that read) and it holds the container on allowed GPUs only.
+
+use std::sync::Arc;
+
+use futures::StreamExt;
+use gpuledger_crds::GpuReservation;
+use gpuledger_crds::names::NODE_LABEL;
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Client, ResourceExt};
+use tokio::sync::broadcast;
+use tokio::task::JoinHandle;
+
+/// How many reservation versions a slow refit may fall behind before it stops hearing commits
+/// (and waits for the answer alone).
+const BACKLOG: usize = 256;
+
+/// One watch of this node's reservations, heard by every refit of the node. The watch ends
+/// when this is dropped.
+pub struct NodeCommits {
+    versions: broadcast::Sender<Arc<GpuReservation>>,
+    watch: JoinHandle<()>,
+}
+
+impl NodeCommits {
+    /// Starts watching the reservations of `node` (retried with backoff when the API server
+    /// fails; refits meanwhile wait for their answers alone).
+    pub fn start(client: Client, node: &str) -> Self {
+        let (versions, _) = broadcast::channel(BACKLOG);
+        let sender = versions.clone();
+        let api: Api<GpuReservation> = Api::all(client);
+        let config = watcher::Config::default().labels(&format!("{NODE_LABEL}={node}"));
+        let watch = tokio::spawn(async move {
+            let stream = watcher(api, config).default_backoff().applied_objects();
+            let mut stream = std::pin::pin!(stream);
+            while let Some(seen) = stream.next().await {
+                match seen {
+                    // No refit listening is no error.
+                    Ok(r) => drop(sender.send(Arc::new(r))),
+                    Err(e) => tracing::debug!(error = %e, "watching this node's reservations"),
+                }
+            }
+        });
+        NodeCommits { versions, watch }
+    }
+
+    /// The versions seen from now on.
+    pub fn hear(&self) -> broadcast::Receiver<Arc<GpuReservation>> {
+        self.versions.subscribe()
+    }
+
+    /// A channel fed by the caller instead of a watch, for tests of the waiting side.
+    #[cfg(test)]
+    pub fn fed() -> (Self, broadcast::Sender<Arc<GpuReservation>>) {
+        let (versions, _) = broadcast::channel(BACKLOG);
+        let watch = tokio::spawn(async {});
+        (
+            NodeCommits {
+                versions: versions.clone(),
+                watch,
+            },
+            versions,
+        )
+    }
+}
+
+impl Drop for NodeCommits {
+    fn drop(&mut self) {
+        self.watch.abort();
+    }
+}
+
+/// What a refit waits for: the commit of container `index` of the reservation `read` (as the
+/// refit read it) onto GPUs among `allowed`.
+pub struct Awaited<'a> {
+    /// The reservation as the refit read it.
+    pub read: &'a GpuReservation,
+    /// The container's position in the pod.
+    pub index: u32,
+    /// The GPUs the kubelet allows.
+    pub allowed: &'a [String],
+}
+
+impl Awaited<'_> {
+    /// The container's GPUs when `seen` is the commit awaited.
+    pub fn commit_in(&self, seen: &GpuReservation) -> Option<Vec<String>> {
+        let same = seen.uid().is_some()
+            && seen.uid() == self.read.uid()
+            && seen.spec.pod_uid == self.read.spec.pod_uid;
+        let newer =
+            seen.metadata.generation.unwrap_or(0) > self.read.metadata.generation.unwrap_or(0);
+        if !(same && newer) {
+            return None;
+        }
+        let devices: Vec<String> = seen
+            .spec
+            .container(self.index)?
+            .devices
+            .iter()
+            .map(|d| d.uuid.clone())
+            .collect();
+        let allowed = !devices.is_empty() && devices.iter().all(|d| self.allowed.contains(d));
+        allowed.then_some(devices)
+    }
+
+    /// Waits on `heard` for the commit; `None` when the watch is gone or this wait fell too far
+    /// behind to be sure it saw every version.
+    pub async fn commit(
+        &self,
+        mut heard: broadcast::Receiver<Arc<GpuReservation>>,
+    ) -> Option<Vec<String>> {
+        loop {
+            match heard.recv().await {
+                Ok(seen) => {
+                    if let Some(devices) = self.commit_in(&seen) {
+                        return Some(devices);
+                    }
+                }
+                Err(broadcast::error::RecvError::Lagged(missed)) => {
+                    tracing::debug!(missed, "a refit fell behind this node's reservations");
+                    return None;
+                }
+                Err(broadcast::error::RecvError::Closed) => return None,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpuledger_crds::{ContainerReservation, GpuReservationSpec, ReservedDevice};
+
+    fn version(
+        uid: &str,
+        pod_uid: &str,
+        generation: i64,
+        index: u32,
+        gpus: &[&str],
+    ) -> GpuReservation {
+        let mut r = GpuReservation::new(
+            "train",
+            GpuReservationSpec {
+                pod_uid: pod_uid.into(),
+                containers: vec![ContainerReservation {
+                    index,
+                    name: "main".into(),
+                    init: false,
+                    devices: gpus
+                        .iter()
+                        .map(|g| ReservedDevice {
+                            uuid: g.to_string(),
+                            memory_mib: 1000,
+                            cores: 10,
+                            numa_node: None,
+                        })
+                        .collect(),
+                }],
+                ..Default::default()
+            },
+        );
+        r.metadata.uid = Some(uid.into());
+        r.metadata.generation = Some(generation);
+        r
+    }
+
+    fn allowed() -> Vec<String> {
+        vec!["GPU-a".into(), "GPU-b".into()]
+    }
+
+    #[test]
+    fn a_commit_is_a_newer_spec_holding_the_container_on_allowed_gpus_only() {
+        let read = version("r1", "p1", 3, 2, &["GPU-x"]);
+        let allowed = allowed();
+        let awaited = Awaited {
+            read: &read,
+            index: 2,
+            allowed: &allowed,
+        };
+        assert_eq!(
+            awaited.commit_in(&version("r1", "p1", 4, 2, &["GPU-a", "GPU-b"])),
+            Some(vec!["GPU-a".to_string(), "GPU-b".to_string()])
+        );
+        // Not moved yet, half moved, or holding nothing.
+        assert_eq!(
+            awaited.commit_in(&version("r1", "p1", 4, 2, &["GPU-x"])),
+            None
+        );
+        assert_eq!(
+            awaited.commit_in(&version("r1", "p1", 4, 2, &["GPU-a", "GPU-x"])),
+            None
+        );
+        assert_eq!(awaited.commit_in(&version("r1", "p1", 4, 2, &[])), None);
+        // Another container on allowed GPUs says nothing about this one.
+        assert_eq!(
+            awaited.commit_in(&version("r1", "p1", 4, 3, &["GPU-a"])),
+            None
+        );
+        // A version from before the read (a lagging watch), or the read itself: no commit,
+        // whatever it holds.
+        assert_eq!(
+            awaited.commit_in(&version("r1", "p1", 3, 2, &["GPU-a"])),
+            None
+        );
+        assert_eq!(
+            awaited.commit_in(&version("r1", "p1", 2, 2, &["GPU-a"])),
+            None
+        );
+        // Another pod's reservation under the same name.
+        assert_eq!(
+            awaited.commit_in(&version("r2", "p1", 9, 2, &["GPU-a"])),
+            None
+        );
+        assert_eq!(
+            awaited.commit_in(&version("r1", "p2", 9, 2, &["GPU-a"])),
+            None
+        );
+    }
+
+    #[tokio::test]
+    async fn the_wait_passes_over_other_versions_and_ends_with_the_watch() {
+        let read = version("r1", "p1", 3, 2, &["GPU-x"]);
+        let allowed = allowed();
+        let awaited = Awaited {
+            read: &read,
+            index: 2,
+            allowed: &allowed,
+        };
+        let (commits, feed) = NodeCommits::fed();
+        let heard = commits.hear();
+        for v in [
+            version("other", "p9", 1, 0, &["GPU-a"]),
+            version("r1", "p1", 3, 2, &["GPU-a"]),
+            version("r1", "p1", 4, 2, &["GPU-b"]),
+        ] {
+            feed.send(Arc::new(v)).unwrap();
+        }
+        assert_eq!(awaited.commit(heard).await, Some(vec!["GPU-b".to_string()]));
+
+        // The watch gone: nothing more to hear.
+        let heard = commits.hear();
+        drop(feed);
+        drop(commits);
+        assert_eq!(awaited.commit(heard).await, None);
+    }
+
+    #[tokio::test]
+    async fn a_wait_that_fell_behind_leaves_the_answer_to_the_request() {
+        let read = version("r1", "p1", 3, 2, &["GPU-x"]);
+        let allowed = allowed();
+        let awaited = Awaited {
+            read: &read,
+            index: 2,
+            allowed: &allowed,
+        };
+        let (commits, feed) = NodeCommits::fed();
+        let heard = commits.hear();
+        for _ in 0..=BACKLOG {
+            feed.send(Arc::new(version("other", "p9", 1, 0, &[])))
+                .unwrap();
+        }
+        assert_eq!(awaited.commit(heard).await, None);
+    }
+}
