@@ -95,8 +95,11 @@ impl Awaited<'_> {
         let same = seen.uid().is_some()
             && seen.uid() == self.read.uid()
             && seen.spec.pod_uid == self.read.spec.pod_uid;
-        let newer =
-            seen.metadata.generation.unwrap_or(0) > self.read.metadata.generation.unwrap_or(0);
+        // Without both generations there is no telling a later spec from an earlier one.
+        let newer = match (seen.metadata.generation, self.read.metadata.generation) {
+            (Some(seen), Some(read)) => seen > read,
+            _ => false,
+        };
         if !(same && newer) {
             return None;
         }
@@ -212,6 +215,21 @@ mod tests {
         );
         assert_eq!(
             awaited.commit_in(&version("r1", "p1", 2, 2, &["GPU-a"])),
+            None
+        );
+        // No generation on either side: no telling.
+        let mut unnumbered = version("r1", "p1", 4, 2, &["GPU-a"]);
+        unnumbered.metadata.generation = None;
+        assert_eq!(awaited.commit_in(&unnumbered), None);
+        let mut read_unnumbered = read.clone();
+        read_unnumbered.metadata.generation = None;
+        let blind = Awaited {
+            read: &read_unnumbered,
+            index: 2,
+            allowed: &allowed,
+        };
+        assert_eq!(
+            blind.commit_in(&version("r1", "p1", 4, 2, &["GPU-a"])),
             None
         );
         // Another pod's reservation under the same name.
