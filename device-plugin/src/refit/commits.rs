@@ -45,7 +45,12 @@ impl NodeCommits {
                 match seen {
                     // No refit listening is no error.
                     Ok(r) => drop(sender.send(Arc::new(r))),
-                    Err(e) => tracing::debug!(error = %e, "watching this node's reservations"),
+                    // Retried with backoff; meanwhile refits wait for the answers alone, which
+                    // is slower but correct, so it is worth a warning (missing RBAC, say).
+                    Err(e) => tracing::warn!(
+                        error = %e,
+                        "watching this node's reservations failed; refits wait for the operator's answers alone"
+                    ),
                 }
             }
         });
