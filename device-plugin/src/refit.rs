@@ -15,7 +15,6 @@
 
 pub mod client;
 pub mod commits;
-pub mod follow;
 pub mod outcome;
 
 use std::time::Duration;

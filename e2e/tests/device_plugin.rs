@@ -252,23 +252,37 @@ fn device(i: u32, memory_mib: u64, cores: u32) -> ReservedDevice {
     }
 }
 
-/// What the operator's bind does: the reservation, then the node's allocation Lease.
-async fn bind(admin: &Client, pod: &str, containers: Vec<ContainerReservation>) -> String {
+/// The reservation of pod `pod` (UID `uid-<pod>`) on this node, labelled with the node as the
+/// operator writes every reservation; returns the pod's UID.
+async fn reserve(
+    admin: &Client,
+    pod: &str,
+    alignment: Alignment,
+    containers: Vec<ContainerReservation>,
+) -> String {
     let uid = format!("uid-{pod}");
     let spec = GpuReservationSpec {
         pod_name: pod.into(),
         pod_uid: uid.clone(),
         node_name: NODE.into(),
-        alignment: Alignment::None,
+        alignment,
         containers,
         ..Default::default()
     };
     let mut res = GpuReservation::new(&names::reservation_name(pod), spec);
     res.metadata.namespace = Some(NS.into());
+    res.labels_mut()
+        .insert(names::NODE_LABEL.into(), NODE.into());
     Api::<GpuReservation>::namespaced(admin.clone(), NS)
         .create(&PostParams::default(), &res)
         .await
         .unwrap();
+    uid
+}
+
+/// What the operator's bind does: the reservation, then the node's allocation Lease.
+async fn bind(admin: &Client, pod: &str, containers: Vec<ContainerReservation>) -> String {
+    let uid = reserve(admin, pod, Alignment::None, containers).await;
     let lease = Lease {
         metadata: ObjectMeta {
             name: Some(gpuledger_crds::protocol::lease::allocation_lease_name(NODE)),
@@ -726,6 +740,17 @@ async fn the_refit_client_hears_the_commit_in_the_ledger(
         .replace("refit-commit", &PostParams::default(), &res)
         .await
         .unwrap();
+    // A compromised node cannot forge the move it would hear: its identity may not write a
+    // reservation's spec.
+    let mut forged = res.clone();
+    forged.spec.containers[0].devices = vec![device(5, 1000, 10)];
+    let refused = Api::<GpuReservation>::namespaced(plugin_client.clone(), NS)
+        .replace("refit-commit", &PostParams::default(), &forged)
+        .await;
+    assert!(
+        matches!(&refused, Err(kube::Error::Api(e)) if e.code == 403),
+        "{refused:?}"
+    );
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(
         !asked.is_finished(),
@@ -778,24 +803,8 @@ async fn start_refit(
     pod: &'static str,
     timeout: Duration,
 ) -> tokio::task::JoinHandle<RefitOutcome> {
-    let uid = format!("uid-{pod}");
-    let spec = GpuReservationSpec {
-        pod_name: pod.into(),
-        pod_uid: uid.clone(),
-        node_name: NODE.into(),
-        alignment: Alignment::Strict,
-        containers: vec![ctr(0, "main", vec![device(1, 1000, 10)])],
-        ..Default::default()
-    };
-    let mut res = GpuReservation::new(&names::reservation_name(pod), spec);
-    res.metadata.namespace = Some(NS.into());
-    // Labelled with its node, as the operator writes every reservation.
-    res.labels_mut()
-        .insert(names::NODE_LABEL.into(), NODE.into());
-    Api::<GpuReservation>::namespaced(admin.clone(), NS)
-        .create(&PostParams::default(), &res)
-        .await
-        .unwrap();
+    let containers = vec![ctr(0, "main", vec![device(1, 1000, 10)])];
+    let uid = reserve(admin, pod, Alignment::Strict, containers).await;
     // Read the way GetPreferredAllocation reads it: with the plugin's identity.
     let read = Api::<GpuReservation>::namespaced(plugin_client.clone(), NS)
         .get(pod)

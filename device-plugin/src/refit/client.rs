@@ -16,22 +16,23 @@
 //! stops committing before the plugin stops waiting; a move the plugin never hears of cannot
 //! happen.
 
+use std::sync::Arc;
+use std::time::Duration;
+
 use futures::future::BoxFuture;
+use futures::{StreamExt, TryStreamExt};
 use gpuledger_crds::names::{NODE_LABEL, RESERVATION_LABEL};
 use gpuledger_crds::protocol;
-use std::sync::Arc;
-
 use gpuledger_crds::{
     GpuReservation, RefitPhase, RefitRequest, RefitRequestSpec, RefitRequestStatus,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, OwnerReference};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
-use kube::api::{Api, PostParams};
+use kube::api::{Api, PostParams, WatchEvent, WatchParams};
 use kube::{Client, Resource, ResourceExt};
 use tokio::sync::broadcast;
 
 use super::commits::{Awaited, NodeCommits};
-use super::follow::{FollowEnd, follow};
 use super::outcome::{Answer, decide};
 use super::{NoRefit, RefitContext, RefitHook, RefitOutcome};
 use crate::preferred::select_replicas;
@@ -218,17 +219,35 @@ async fn ask(client: &Client, ctx: &RefitContext) -> Answer {
     };
     let name = created.name_any();
     tracing::info!(request = %format!("{}/{name}", ctx.namespace), allowed = ?ctx.allowed_gpus, "RefitRequest created");
-    let version = created.resource_version().unwrap_or_default();
-    match follow(&api, &name, version, |r: &RefitRequest| {
-        answered(r.status.as_ref())
-    })
-    .await
-    {
-        Ok(answer) => answer,
-        Err(FollowEnd::Deleted { .. }) => {
-            Answer::Error(format!("RefitRequest {name} was deleted unanswered"))
+    let mut version = created.resource_version().unwrap_or_default();
+    loop {
+        let params = WatchParams::default()
+            .fields(&format!("metadata.name={name}"))
+            .timeout(Duration::from_secs(60).as_secs() as u32);
+        let stream = match api.watch(&params, &version).await {
+            Ok(s) => s,
+            Err(e) => return Answer::Error(format!("watching RefitRequest {name}: {e}")),
+        };
+        let mut stream = std::pin::pin!(stream.into_stream());
+        while let Some(event) = stream.next().await {
+            match event {
+                Ok(WatchEvent::Added(o) | WatchEvent::Modified(o)) => {
+                    if let Some(a) = answered(o.status.as_ref()) {
+                        return a;
+                    }
+                    version = o.resource_version().unwrap_or(version);
+                }
+                Ok(WatchEvent::Deleted(_)) => {
+                    return Answer::Error(format!("RefitRequest {name} was deleted unanswered"));
+                }
+                Ok(WatchEvent::Bookmark(b)) => version = b.metadata.resource_version,
+                Ok(WatchEvent::Error(e)) => {
+                    return Answer::Error(format!("watching RefitRequest {name}: {e}"));
+                }
+                Err(e) => return Answer::Error(format!("watching RefitRequest {name}: {e}")),
+            }
         }
-        Err(e @ FollowEnd::Watch { .. }) => Answer::Error(e.to_string()),
+        // The server ended the watch (its own timeout): resume from the last version seen.
     }
 }
 
@@ -240,7 +259,6 @@ mod tests {
     use super::*;
     use crate::inventory::Inventory;
     use gpuledger_crds::{Alignment, ContainerReservation, GpuReservation, GpuReservationSpec};
-    use std::time::Duration;
 
     fn ctx() -> RefitContext {
         let mut r = GpuReservation::new("train", GpuReservationSpec::default());

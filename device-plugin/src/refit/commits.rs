@@ -27,7 +27,8 @@ const BACKLOG: usize = 256;
 /// when this is dropped.
 pub struct NodeCommits {
     versions: broadcast::Sender<Arc<GpuReservation>>,
-    watch: JoinHandle<()>,
+    /// The watch's task; none when the caller feeds the versions (tests).
+    watch: Option<JoinHandle<()>>,
 }
 
 impl NodeCommits {
@@ -54,7 +55,10 @@ impl NodeCommits {
                 }
             }
         });
-        NodeCommits { versions, watch }
+        NodeCommits {
+            versions,
+            watch: Some(watch),
+        }
     }
 
     /// The versions seen from now on.
@@ -66,11 +70,10 @@ impl NodeCommits {
     #[cfg(test)]
     pub fn fed() -> (Self, broadcast::Sender<Arc<GpuReservation>>) {
         let (versions, _) = broadcast::channel(BACKLOG);
-        let watch = tokio::spawn(async {});
         (
             NodeCommits {
                 versions: versions.clone(),
-                watch,
+                watch: None,
             },
             versions,
         )
@@ -79,7 +82,9 @@ impl NodeCommits {
 
 impl Drop for NodeCommits {
     fn drop(&mut self) {
-        self.watch.abort();
+        if let Some(watch) = &self.watch {
+            watch.abort();
+        }
     }
 }
 
@@ -180,6 +185,15 @@ mod tests {
         r
     }
 
+    /// Container 2 of `read`, waited for on `allowed`.
+    fn awaiting<'a>(read: &'a GpuReservation, allowed: &'a [String]) -> Awaited<'a> {
+        Awaited {
+            read,
+            index: 2,
+            allowed,
+        }
+    }
+
     fn allowed() -> Vec<String> {
         vec!["GPU-a".into(), "GPU-b".into()]
     }
@@ -188,11 +202,7 @@ mod tests {
     fn a_commit_is_a_newer_spec_holding_the_container_on_allowed_gpus_only() {
         let read = version("r1", "p1", 3, 2, &["GPU-x"]);
         let allowed = allowed();
-        let awaited = Awaited {
-            read: &read,
-            index: 2,
-            allowed: &allowed,
-        };
+        let awaited = awaiting(&read, &allowed);
         assert_eq!(
             awaited.commit_in(&version("r1", "p1", 4, 2, &["GPU-a", "GPU-b"])),
             Some(vec!["GPU-a".to_string(), "GPU-b".to_string()])
@@ -228,11 +238,7 @@ mod tests {
         assert_eq!(awaited.commit_in(&unnumbered), None);
         let mut read_unnumbered = read.clone();
         read_unnumbered.metadata.generation = None;
-        let blind = Awaited {
-            read: &read_unnumbered,
-            index: 2,
-            allowed: &allowed,
-        };
+        let blind = awaiting(&read_unnumbered, &allowed);
         assert_eq!(
             blind.commit_in(&version("r1", "p1", 4, 2, &["GPU-a"])),
             None
@@ -252,11 +258,7 @@ mod tests {
     async fn the_wait_passes_over_other_versions_and_ends_with_the_watch() {
         let read = version("r1", "p1", 3, 2, &["GPU-x"]);
         let allowed = allowed();
-        let awaited = Awaited {
-            read: &read,
-            index: 2,
-            allowed: &allowed,
-        };
+        let awaited = awaiting(&read, &allowed);
         let (commits, feed) = NodeCommits::fed();
         let heard = commits.hear();
         for v in [
@@ -279,11 +281,7 @@ mod tests {
     async fn a_wait_that_fell_behind_leaves_the_answer_to_the_request() {
         let read = version("r1", "p1", 3, 2, &["GPU-x"]);
         let allowed = allowed();
-        let awaited = Awaited {
-            read: &read,
-            index: 2,
-            allowed: &allowed,
-        };
+        let awaited = awaiting(&read, &allowed);
         let (commits, feed) = NodeCommits::fed();
         let heard = commits.hear();
         for _ in 0..=BACKLOG {

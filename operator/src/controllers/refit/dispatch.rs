@@ -103,31 +103,14 @@ pub fn delivered(req: &RefitRequest, now: Timestamp) -> Option<Duration> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpuledger_crds::protocol;
-    use gpuledger_crds::{RefitRequestSpec, RefitRequestStatus};
-    use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, Time};
+    use gpuledger_crds::RefitRequestStatus;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
     use k8s_openapi::jiff::SignedDuration;
 
+    /// A request stamped `stamp` by its plugin, with `uid`.
     fn request(uid: Option<&str>, stamp: Timestamp) -> RefitRequest {
-        let mut r = RefitRequest::new(
-            "r",
-            RefitRequestSpec {
-                pod_name: "p".into(),
-                pod_uid: "u".into(),
-                node_name: "n1".into(),
-                reservation: "p".into(),
-                container_index: 0,
-                container_name: "main".into(),
-                allowed_devices: vec!["GPU-a".into()],
-                deadline: MicroTime(protocol::refit::deadline(
-                    stamp,
-                    SignedDuration::from_secs(2),
-                )),
-            },
-        );
+        let mut r = super::super::tests::stamped(Some(&stamp.to_string()), stamp);
         r.metadata.uid = uid.map(Into::into);
-        r.metadata.annotations =
-            Some([(protocol::refit::REQUESTED_AT.to_string(), stamp.to_string())].into());
         r
     }
 

@@ -190,21 +190,21 @@ pub struct RefitContext {
     /// Which requests are known answered, so the cache's Pending can be trusted.
     pub answers: AnswerBook,
     /// When the watch delivered each request.
-    pub arrivals: Arc<Arrivals>,
+    pub arrivals: Arrivals,
     /// Which requests a reconcile is deciding now.
     pub turns: Turns,
 }
 
 impl RefitContext {
-    /// The controller's state for answered requests kept `ttl`; `arrivals` is fed by its watch.
-    pub fn new(ctx: Arc<Context>, ttl: Duration, arrivals: Arc<Arrivals>) -> Self {
+    /// The controller's state for answered requests kept `ttl`.
+    pub fn new(ctx: Arc<Context>, ttl: Duration) -> Self {
         // Records outlive the requests they are about (deleted `ttl` after their answer).
         let keep = ttl.saturating_mul(2).max(Duration::from_secs(60));
         RefitContext {
             ctx,
             ttl,
             answers: AnswerBook::new(keep),
-            arrivals,
+            arrivals: Arrivals::default(),
             turns: Turns::default(),
         }
     }
@@ -219,11 +219,7 @@ impl RefitContext {
 /// busy, so a request is never decided twice at once.
 pub async fn run(ctx: Arc<Context>, ttl: Duration) {
     let requests: Api<RefitRequest> = Api::all(ctx.client.clone());
-    let rc = Arc::new(RefitContext::new(
-        ctx.clone(),
-        ttl,
-        Arc::new(Arrivals::default()),
-    ));
+    let rc = Arc::new(RefitContext::new(ctx, ttl));
     let on_watch = rc.clone();
     let (reader, writer) = reflector::store();
     let stream = reflector(writer, watcher(requests, watcher::Config::default()))
@@ -677,7 +673,7 @@ mod tests {
     use super::*;
 
     /// A request written at `stamp` (the plugin's word) with a 2 s budget from `t0`.
-    fn stamped(stamp: Option<&str>, t0: Timestamp) -> RefitRequest {
+    pub(super) fn stamped(stamp: Option<&str>, t0: Timestamp) -> RefitRequest {
         let mut r = RefitRequest::new(
             "r",
             gpuledger_crds::RefitRequestSpec {
