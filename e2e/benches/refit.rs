@@ -11,9 +11,8 @@
 //! - steady at half that throughput (at most 80/s), each node on its own clock, the nodes
 //!   staggered: the latency under concurrent load the machine sustains.
 //!
-//! Every
-//! plugin uses its own node-bound ServiceAccount token under config/admission, the operator its
-//! own ServiceAccount: the same checks as in a cluster.
+//! Every plugin uses its own node-bound ServiceAccount token under config/admission, the
+//! operator its own ServiceAccount: the same checks as in a cluster.
 //!
 //! The floor (`gpuledger_e2e::bench::floor`) is measured in the same run, after the
 //! one-at-a-time passes and the steady pass and paced the same way: the same create → watch →
@@ -22,7 +21,10 @@
 //! operator logic; the table prints the refit's p99 over it (target ≤ 1.5×). Beside each
 //! one-at-a-time and the steady series it prints where the refit's time went: the operator's
 //! steps (its `gpuledger_refit_stage_seconds`), the rest (the request's create and the two watch
-//! deliveries), and the API server's own mean time per request kind.
+//! deliveries), and the API server's own mean time per request kind. Beside every series, refit
+//! or floor, it prints what the pass cost kube-apiserver's Go runtime (bytes allocated per round
+//! trip, collections, the collector's share of its CPU: `gpuledger_e2e::bench::go_runtime`):
+//! under a steady load the collector's mark phases, not the exchanges themselves, make the tail.
 //!
 //! Run with `make bench` (or `cargo bench -p gpuledger-e2e --bench refit`); prints p50/p90/p99.
 //! HAMi's budget for the round trip is 2 s; the target here is p99 under 20 ms one at a time on a
@@ -43,6 +45,7 @@ use gpuledger_device_plugin::refit::client::RefitClient;
 use gpuledger_device_plugin::refit::client::request_for;
 use gpuledger_device_plugin::refit::commits::NodeCommits;
 use gpuledger_device_plugin::refit::{RefitContext, RefitHook, RefitOutcome};
+use gpuledger_e2e::bench::go_runtime::{self, GoRuntime};
 use gpuledger_e2e::bench::{api_requests, floor};
 use k8s_openapi::jiff::Timestamp;
 use kube::{Client, ResourceExt};
@@ -167,6 +170,9 @@ struct Series {
     /// The API server's mean time per request of each kind it served at least once per two
     /// round trips (the exchange's own requests), in words.
     server_time: String,
+    /// kube-apiserver's Go runtime before and after: what the pass allocated, and the
+    /// collections that caused ([`go_runtime`]).
+    runtime: (Option<GoRuntime>, Option<GoRuntime>),
 }
 
 impl Series {
@@ -176,16 +182,23 @@ impl Series {
         let (total, kinds) = &self.requests;
         println!("  api {label}: {total:.2} requests per {unit} ({kinds})");
         println!("  server time {label}: {}", self.server_time);
+        let (before, after) = self.runtime;
+        let runtime = go_runtime::per_unit(before, after, self.took.len(), unit);
+        if !runtime.is_empty() {
+            println!("  kube-apiserver {label}: {runtime}");
+        }
     }
 }
 
 /// Runs `round_trips`, reading the API server's request counts and times around them.
 async fn measured(admin: &Client, round_trips: impl Future<Output = Vec<Duration>>) -> Series {
-    let (counts, times) = (
+    let (counts, times, runtime) = (
         api_requests::by_kind(admin).await,
         api_requests::durations(admin).await,
+        go_runtime::read(admin).await,
     );
     let took = round_trips.await;
+    let runtime_after = go_runtime::read(admin).await;
     let requests = api_requests::per_unit(&counts, &api_requests::by_kind(admin).await, took.len());
     let server_time = api_requests::mean_ms(
         &times,
@@ -196,6 +209,7 @@ async fn measured(admin: &Client, round_trips: impl Future<Output = Vec<Duration
         took,
         requests,
         server_time,
+        runtime: (runtime, runtime_after),
     }
 }
 
@@ -215,6 +229,15 @@ async fn floor_serial(
                 tokio::time::sleep(gap).await;
             }
         }
+    }
+    took
+}
+
+/// Every task's round trips, in the order the tasks were given.
+async fn joined(tasks: Vec<tokio::task::JoinHandle<Vec<Duration>>>) -> Vec<Duration> {
+    let mut took = Vec::new();
+    for t in tasks {
+        took.extend(t.await.unwrap());
     }
     took
 }
@@ -241,11 +264,7 @@ async fn floor_steady(
             took
         }));
     }
-    let mut took = Vec::new();
-    for t in tasks {
-        took.extend(t.await.unwrap());
-    }
-    took
+    joined(tasks).await
 }
 
 fn report(label: &str, took: &mut [Duration]) {
@@ -386,12 +405,9 @@ async fn run() {
             took
         }));
     }
-    let mut parallel = Vec::new();
-    for t in tasks {
-        parallel.extend(t.await.unwrap());
-    }
+    let mut parallel = measured(&admin, joined(tasks)).await;
     let wall = started.elapsed();
-    let rate = parallel.len() as f64 / wall.as_secs_f64();
+    let rate = parallel.took.len() as f64 / wall.as_secs_f64();
     // The saturated pass leaves work behind (its events, the reservations' lifecycle steps, the
     // nodes' usage): let it drain, so the steady pass measures its own load, as its floor does.
     tokio::time::sleep(SETTLE).await;
@@ -416,38 +432,33 @@ async fn run() {
             took
         }));
     }
-    let mut steady = Vec::new();
-    for t in tasks {
-        steady.extend(t.await.unwrap());
-    }
+    let mut steady = measured(&admin, joined(tasks)).await;
     let steady_stages = Stages::between(&stages_before, &op.metrics().await);
-    let mut floor_paced = floor_steady(&admin, &bodies, PASS, period).await;
+    let mut floor_paced = measured(&admin, floor_steady(&admin, &bodies, PASS, period)).await;
     answerer.abort();
     println!(
         "refit round trip (plugin call -> answer) through the real API server, {} refits on {NODES} nodes:",
-        serial.took.len() + apart.took.len() + steady.len() + parallel.len()
+        serial.took.len() + apart.took.len() + steady.took.len() + parallel.took.len()
     );
     serial.report("one at a time", "refit");
     serial_stages.report("one at a time", &serial.took);
     let apart_label = format!("one at a time {} ms apart", APART.as_millis());
     apart.report(&apart_label, "refit");
     apart_stages.report(&apart_label, &apart.took);
-    report(&format!("steady {steady_rate:.0}/s"), &mut steady);
-    steady_stages.report(&format!("steady {steady_rate:.0}/s"), &steady);
-    report(
+    let steady_label = format!("steady {steady_rate:.0}/s");
+    steady.report(&steady_label, "refit");
+    steady_stages.report(&steady_label, &steady.took);
+    parallel.report(
         &format!("saturated, {NODES} in flight, {rate:.0} refits/s"),
-        &mut parallel,
+        "refit",
     );
     println!(
         "refit floor (create -> watch -> status write -> watch; a RefitRequest's body under a kind no operator watches, a bare watch answering), {} exchanges on {NODES} nodes:",
-        floor_one.took.len() + floor_apart.took.len() + floor_paced.len()
+        floor_one.took.len() + floor_apart.took.len() + floor_paced.took.len()
     );
     floor_one.report("floor one at a time", "exchange");
     floor_apart.report(&format!("floor {apart_label}"), "exchange");
-    report(
-        &format!("floor steady {steady_rate:.0}/s"),
-        &mut floor_paced,
-    );
+    floor_paced.report(&format!("floor {steady_label}"), "exchange");
     drop(keep);
     let metrics = op.metrics().await;
     for line in metrics.lines().filter(|l| {

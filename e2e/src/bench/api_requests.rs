@@ -72,7 +72,7 @@ fn time_by_kind(metrics: &str) -> BTreeMap<String, (f64, f64)> {
     out
 }
 
-async fn metrics(client: &Client) -> String {
+pub(crate) async fn metrics(client: &Client) -> String {
     let Ok(request) = http::Request::get("/metrics").body(Vec::new()) else {
         return String::new();
     };

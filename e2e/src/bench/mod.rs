@@ -8,6 +8,7 @@ pub mod api_requests;
 pub mod cpu;
 pub mod fleet;
 pub mod floor;
+pub mod go_runtime;
 pub mod operator;
 pub mod proxy;
 pub mod refit_output;

@@ -83,8 +83,9 @@ pub fn parse(name: &str, text: &str) -> Vec<Row> {
         .and_then(|s| s.split_whitespace().next())
         .unwrap_or("?");
     // Lines about a series, added to its note: `api <series>: <requests per exchange>`,
-    // `where it goes, <series>: <the operator's steps>` and `server time <series>: <the API
-    // server's mean time per request kind>`.
+    // `where it goes, <series>: <the operator's steps>`, `server time <series>: <the API
+    // server's mean time per request kind>` and `kube-apiserver <series>: <its Go runtime's
+    // allocations and collections>`.
     let about: Vec<(&str, &str, &str)> = text
         .lines()
         .filter_map(|l| {
@@ -93,6 +94,7 @@ pub fn parse(name: &str, text: &str) -> Vec<Row> {
                 ("api ", "API server"),
                 ("where it goes, ", "where it goes"),
                 ("server time ", "API server time per request"),
+                ("kube-apiserver ", "kube-apiserver"),
             ]
             .into_iter()
             .find_map(|(prefix, heading)| Some((heading, l.strip_prefix(prefix)?)))
@@ -152,7 +154,10 @@ pub fn parse(name: &str, text: &str) -> Vec<Row> {
             unit: "ms".into(),
             summary,
             note: if label.starts_with("saturated") {
-                "queueing: in flight / throughput (Little's law), not a round trip".into()
+                format!(
+                    "queueing: in flight / throughput (Little's law), not a round trip{}",
+                    api_note(label)
+                )
             } else if label.starts_with("one at a time") {
                 let met = if p99 < ONE_AT_A_TIME_MS {
                     "met"
@@ -218,7 +223,7 @@ mod tests {
 
     #[test]
     fn the_api_servers_mix_goes_into_its_series_note() {
-        let text = "refit round trip (plugin call -> answer), 40 refits on 20 nodes:\n       one at a time: n= 20  p50   23.9 ms  p90   26.1 ms  p99   27.1 ms\n  api one at a time: 4.00 requests per refit (POST refitrequests 1.00, PUT gpureservations 1.00)\nrefit floor, 20 exchanges on 20 nodes:\n floor one at a time: n= 20  p50    6.0 ms  p90    8.0 ms  p99   15.0 ms\n  api floor one at a time: 2.00 requests per exchange (POST floorexchanges 1.00)\n";
+        let text = "refit round trip (plugin call -> answer), 40 refits on 20 nodes:\n       one at a time: n= 20  p50   23.9 ms  p90   26.1 ms  p99   27.1 ms\n  api one at a time: 4.00 requests per refit (POST refitrequests 1.00, PUT gpureservations 1.00)\nrefit floor, 20 exchanges on 20 nodes:\n floor one at a time: n= 20  p50    6.0 ms  p90    8.0 ms  p99   15.0 ms\n  api floor one at a time: 2.00 requests per exchange (POST floorexchanges 1.00)\n  kube-apiserver floor one at a time: 90 KiB allocated per exchange; 1 collections (one per 20 exchanges); live heap 230 MiB\n";
         let rows = parse("refit", text);
         assert_eq!(rows.len(), 2);
         assert!(
@@ -231,7 +236,7 @@ mod tests {
         assert!(
             rows[1]
                 .note
-                .ends_with("; API server: 2.00 requests per exchange (POST floorexchanges 1.00)"),
+                .ends_with("; API server: 2.00 requests per exchange (POST floorexchanges 1.00); kube-apiserver: 90 KiB allocated per exchange; 1 collections (one per 20 exchanges); live heap 230 MiB"),
             "{}",
             rows[1].note
         );
