@@ -4,7 +4,6 @@
 
 use gpuledger_crds::names::{self, DEVICE_PLUGIN_MANAGER};
 use gpuledger_crds::protocol::lease::{self, Holder, allocation_lease_name};
-use gpuledger_crds::protocol::status::apply_body;
 use gpuledger_crds::{ContainerAllocation, ContainerReservation, GpuReservation};
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::Client;
@@ -236,8 +235,11 @@ impl Ledger {
         })
     }
 
-    /// Writes `status.allocation` (the plugin's whole list: with server-side apply, entries this
-    /// manager leaves out would be removed). Returns the updated reservation.
+    /// Writes `status.allocation`, the plugin's whole list (a merge patch replaces a list whole;
+    /// the list was read under the node's allocation Lease, so no other writer of it came in
+    /// between). A merge patch rather than a server-side apply, as the operator's status writes:
+    /// kube-apiserver parses an apply body with its YAML parser and tracks every field's
+    /// manager, several times the cost of the write itself. Returns the updated reservation.
     pub async fn record_allocation(
         &self,
         pending: &Pending,
@@ -250,24 +252,20 @@ impl Ledger {
             .name
             .clone()
             .unwrap_or_default();
-        let body = apply_body::<GpuReservation>(
-            &name,
-            Some(&pending.namespace),
-            serde_json::json!({ "allocation": allocation }),
-        );
-        api.patch_status(
-            &name,
-            &PatchParams::apply(DEVICE_PLUGIN_MANAGER).force(),
-            &Patch::Apply(body),
-        )
-        .await
-        .map_err(|source| LedgerError::Kube {
-            action: format!(
-                "recording the allocation in GpuReservation {}/{name}",
-                pending.namespace
-            ),
-            source,
-        })
+        let body = serde_json::json!({ "status": { "allocation": allocation } });
+        let params = PatchParams {
+            field_manager: Some(DEVICE_PLUGIN_MANAGER.to_string()),
+            ..PatchParams::default()
+        };
+        api.patch_status(&name, &params, &Patch::Merge(body))
+            .await
+            .map_err(|source| LedgerError::Kube {
+                action: format!(
+                    "recording the allocation in GpuReservation {}/{name}",
+                    pending.namespace
+                ),
+                source,
+            })
     }
 
     /// Deletes the allocation Lease if it still names this pod ([`lease::release`], starting

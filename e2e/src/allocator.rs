@@ -14,7 +14,6 @@ use std::time::Duration;
 
 use gpuledger_crds::names::{DEVICE_PLUGIN_MANAGER, reservation_name};
 use gpuledger_crds::protocol::lease::{self, ALLOCATION_LEASE_PREFIX, Holder};
-use gpuledger_crds::protocol::status::apply_body;
 use gpuledger_crds::{ContainerAllocation, GpuReservation};
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::{Api, Patch, PatchParams};
@@ -149,14 +148,14 @@ async fn allocate(
             ..Default::default()
         })
         .collect();
-    let body = apply_body::<GpuReservation>(
-        &r.name_any(),
-        Some(holder.namespace),
-        json!({ "allocation": allocation }),
-    );
-    let params = PatchParams::apply(DEVICE_PLUGIN_MANAGER).force();
+    // The device plugin's write (device-plugin/src/ledger.rs): a merge patch of the whole list.
+    let body = json!({ "status": { "allocation": allocation } });
+    let params = PatchParams {
+        field_manager: Some(DEVICE_PLUGIN_MANAGER.to_string()),
+        ..PatchParams::default()
+    };
     if api
-        .patch_status(&r.name_any(), &params, &Patch::Apply(&body))
+        .patch_status(&r.name_any(), &params, &Patch::Merge(&body))
         .await
         .is_ok()
     {

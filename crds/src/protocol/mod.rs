@@ -8,7 +8,7 @@
 //!   expired, and the one release algorithm both sides run.
 //! - [`pod`]: which pods count as GPU pods and when a pod stops holding its GPUs.
 //! - [`refit`]: the deadline a RefitRequest carries and the margin the operator must leave.
-//! - [`status`]: the body of a server-side-apply status write, the way every writer sends it.
+//! - [`status`]: the body of a server-side-apply status write, the way each writer that applies sends it.
 //!
 //! The whole flow, with the invariants this contract protects, is in
 //! [`docs/ARCHITECTURE.md`](../../../docs/ARCHITECTURE.md) §3.

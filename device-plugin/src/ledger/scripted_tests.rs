@@ -195,19 +195,19 @@ async fn api_server_failures_while_reading_are_kube_errors() {
 }
 
 #[tokio::test]
-async fn record_allocation_applies_the_whole_list_to_the_status_subresource() {
+async fn record_allocation_writes_the_whole_list_to_the_status_subresource() {
     let list = [allocation(0), allocation(1)];
     let mut updated = reservation("pod-uid", NODE, &[0, 1]);
     updated.metadata.resource_version = Some("8".into());
     let (client, api) = scripted(vec![
         expect(Method::PATCH, format!("{RESERVATION}/status"))
             .query("fieldManager", "gpuledger-device-plugin")
-            .query("force", "true")
-            .header("content-type", "application/apply-patch+yaml")
-            .body_field("/kind", json!("GpuReservation"))
-            .body_field("/metadata/name", json!("train"))
-            .body_field("/metadata/namespace", json!("ml"))
-            .body_field("/status/allocation", serde_json::to_value(&list).unwrap())
+            .header("content-type", "application/merge-patch+json")
+            // The whole body: the list, and nothing of the operator's fields or the metadata.
+            .body_field(
+                "",
+                json!({"status": {"allocation": serde_json::to_value(&list).unwrap()}}),
+            )
             .reply(200, json_of(&updated)),
     ]);
     let got = ledger(client)

@@ -24,6 +24,7 @@ use gpuledger_crds::names::DEFAULT_NAMESPACE;
 use gpuledger_e2e::bench::api_requests;
 use gpuledger_e2e::bench::cpu::{self, CpuReading};
 use gpuledger_e2e::bench::fleet::run_parallel;
+use gpuledger_e2e::bench::go_runtime;
 use gpuledger_e2e::bench::{
     ChildOperator, Fleet, GpuShape, OperatorOptions, Row, Throttle, TimingProxy, gpu_pod,
     spawn_allocator,
@@ -356,9 +357,12 @@ async fn run() -> Result<Vec<Row>, String> {
     // resources, so these are kube-scheduler alone.
     eprintln!("[bench] baseline: {pods} pods without GPUs at once, kube-scheduler alone");
     let before = api_requests::by_kind(&client).await;
+    let runtime_before = go_runtime::read(&client).await;
     let cpu_before = CpuReading::of(&burst_processes(&b));
     let plain = schedule_pods(&client, "plain", pods, plain_pod).await?;
     let plain_cpu = cpu_before.per_unit_ms(&CpuReading::of(&burst_processes(&b)), pods);
+    let plain_runtime =
+        go_runtime::per_unit(runtime_before, go_runtime::read(&client).await, pods, "pod");
     let plain_api = api_requests::per_unit(&before, &api_requests::by_kind(&client).await, pods);
     if plain.bound.len() < pods {
         return Err(format!("plain pods bound: {}/{pods}", plain.bound.len()));
@@ -376,6 +380,7 @@ async fn run() -> Result<Vec<Row>, String> {
     b.proxy.take_ms("/bind");
     eprintln!("[bench] creating {pods} GPU pods at once");
     let before = api_requests::by_kind(&client).await;
+    let runtime_before = go_runtime::read(&client).await;
     let cpu_before = CpuReading::of(&burst_processes(&b));
     let profile = std::env::var_os(PROFILE_ENV).map(|out| profile_apiserver(&b, out.into()));
     let burst = schedule(&client, "tp", pods).await?;
@@ -383,6 +388,8 @@ async fn run() -> Result<Vec<Row>, String> {
         let _ = tokio::task::spawn_blocking(move || profile.join()).await;
     }
     let gpu_cpu = cpu_before.per_unit_ms(&CpuReading::of(&burst_processes(&b)), pods);
+    let gpu_runtime =
+        go_runtime::per_unit(runtime_before, go_runtime::read(&client).await, pods, "pod");
     let gpu_api = api_requests::per_unit(&before, &api_requests::by_kind(&client).await, pods);
     eprintln!(
         "[bench] CPU per pod, plain burst: {}; GPU burst: {}",
@@ -478,7 +485,7 @@ async fn run() -> Result<Vec<Row>, String> {
             "pods/s",
             &[plain.throughput()],
             format!(
-                "one run, {:.1} s; {:.1} API requests per pod ({}); CPU per pod {}",
+                "one run, {:.1} s; {:.1} API requests per pod ({}); CPU per pod {}; kube-apiserver: {plain_runtime}",
                 plain.wall.as_secs_f64(),
                 plain_api.0,
                 plain_api.1,
@@ -494,7 +501,7 @@ async fn run() -> Result<Vec<Row>, String> {
                 "ratio",
                 &[ratio],
                 format!(
-                    "target >= 0.5: {met}; {:.1} API requests per GPU pod ({}); CPU per GPU pod {}",
+                    "target >= 0.5: {met}; {:.1} API requests per GPU pod ({}); CPU per GPU pod {}; kube-apiserver: {gpu_runtime}",
                     gpu_api.0,
                     gpu_api.1,
                     cpu::describe(&gpu_cpu)

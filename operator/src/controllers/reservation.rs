@@ -329,7 +329,7 @@ pub(super) async fn reconcile(
             // The writer records the conditions and generation on every status it applies.
             ctx.ledger
                 .writer
-                .apply_status(&r, &OperatorStatus::of(&r))
+                .write_status(&r, &OperatorStatus::of(&r))
                 .await?;
             Ok(Action::await_change())
         }
@@ -356,7 +356,7 @@ async fn set_phase(
     {
         add_misaligned(ctx, r, &mut status, message).await;
     }
-    ctx.ledger.writer.apply_status(r, &status).await?;
+    ctx.ledger.writer.write_status(r, &status).await?;
     tracing::info!(reservation = %ReservationKey::of(r), ?phase, "phase");
     Ok(())
 }
@@ -396,7 +396,7 @@ async fn record_misalignment(
         Some(m) => add_misaligned(ctx, r, &mut status, m).await,
         None => status.conditions.retain(|c| c.type_ != MISALIGNED),
     }
-    ctx.ledger.writer.apply_status(r, &status).await?;
+    ctx.ledger.writer.write_status(r, &status).await?;
     Ok(())
 }
 

@@ -393,7 +393,7 @@ impl LedgerIndex {
         let mut inner = self.write();
         let key = ReservationKey::of(&obj);
         // A write that changed something has a version newer than any the index holds for the
-        // key and than the watch has delivered; its event is still to come. (An unchanged apply
+        // key and than the watch has delivered; its event is still to come. (A write that changed nothing
         // keeps its version and produces no event.)
         if let Some(v) = rv(&obj) {
             let known = inner.live.get(&key).and_then(|cur| rv(cur)).unwrap_or(0);
@@ -819,7 +819,7 @@ mod tests {
     fn writes_that_produce_no_event_are_not_awaited() {
         let idx = LedgerIndex::new();
         idx.apply_event(Event::Apply(obj("a", "10", "n1")));
-        // An apply that changed nothing keeps the version: the API server sends no event.
+        // A write that changed nothing keeps the version: the API server sends no event.
         idx.record_write(obj("a", "10", "n1"));
         // A write whose event already arrived (the watch can beat the response).
         idx.apply_event(Event::Apply(obj("b", "12", "n1")));

@@ -590,7 +590,7 @@ async fn mark_refitted(ctx: &Context, req: &RefitRequest, m: &Moved) {
             &current,
         ));
         status.numa = Some(crate::ledger::render::numa_summary(&current));
-        match ctx.ledger.writer.apply_status(&current, &status).await {
+        match ctx.ledger.writer.write_status(&current, &status).await {
             Ok(_) => return,
             Err(WriteError::Conflict { .. }) => match ctx.ledger.writer.reread(&key).await {
                 Ok(Some(r)) => current = r,
