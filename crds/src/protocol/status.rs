@@ -1,11 +1,10 @@
-//! The body of a server-side-apply status write. The writers that apply (the GpuNode inventory
-//! and usage, NumaPolicy and GpuConfig status, the plugin's `KubeletMismatch` condition) send
-//! the same shape: the object's identity and only the status fields its field manager owns.
-//! Fields the manager leaves out are released by the apply, so each writer sends its whole
-//! share, never a partial one. A reservation's status (the operator's share, the plugin's
-//! allocation record) is written with merge patches instead: those are the ledger's hot path,
-//! and an apply costs kube-apiserver several times a merge patch (its YAML parser, its field
-//! tracking).
+//! The body of a server-side-apply status write. The writers that apply (the GpuNode inventory,
+//! NumaPolicy and GpuConfig status, the plugin's `KubeletMismatch` condition) send the same
+//! shape: the object's identity and only the status fields its field manager owns. Fields the
+//! manager leaves out are released by the apply, so each writer sends its whole share, never a
+//! partial one. A reservation's status (the operator's share, the plugin's allocation record)
+//! and a GpuNode's usage are written with merge patches instead: those are the hot paths, and an
+//! apply costs kube-apiserver several times a merge patch (its YAML parser, its field tracking).
 
 use kube::Resource;
 use serde::Serialize;
