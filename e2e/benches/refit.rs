@@ -190,7 +190,9 @@ impl Series {
     }
 }
 
-/// Runs `round_trips`, reading the API server's request counts and times around them.
+/// Runs `round_trips`, reading the API server's request counts, times and Go runtime around
+/// them. Work the pass spawns belongs inside `round_trips`: a future starts when first polled,
+/// after the readings before.
 async fn measured(admin: &Client, round_trips: impl Future<Output = Vec<Duration>>) -> Series {
     let (counts, times, runtime) = (
         api_requests::by_kind(admin).await,
@@ -391,22 +393,28 @@ async fn run() {
     let mut apart = measured(&admin, one_at_a_time(&mut nodes, APART)).await;
     let apart_stages = Stages::between(&stages_before, &op.metrics().await);
     let mut floor_apart = measured(&admin, floor_serial(&admin, &bodies, PASS, APART)).await;
-    // Pass 2: all nodes at once, back to back: the saturation throughput of this machine.
-    let started = Instant::now();
-    let mut tasks = Vec::new();
-    for node in &mut nodes {
-        let hook = node.hook.clone();
-        let cases: Vec<Case> = node.cases.drain(..PASS).collect();
-        tasks.push(tokio::spawn(async move {
-            let mut took = Vec::new();
-            for case in cases {
-                took.push(refit_once(&hook, case).await);
-            }
-            took
-        }));
-    }
-    let mut parallel = measured(&admin, joined(tasks)).await;
-    let wall = started.elapsed();
+    // Pass 2: all nodes at once, back to back: the saturation throughput of this machine. The
+    // tasks start inside the measured future, after the API server's figures are read.
+    let mut wall = Duration::ZERO;
+    let mut parallel = measured(&admin, async {
+        let started = Instant::now();
+        let mut tasks = Vec::new();
+        for node in &mut nodes {
+            let hook = node.hook.clone();
+            let cases: Vec<Case> = node.cases.drain(..PASS).collect();
+            tasks.push(tokio::spawn(async move {
+                let mut took = Vec::new();
+                for case in cases {
+                    took.push(refit_once(&hook, case).await);
+                }
+                took
+            }));
+        }
+        let took = joined(tasks).await;
+        wall = started.elapsed();
+        took
+    })
+    .await;
     let rate = parallel.took.len() as f64 / wall.as_secs_f64();
     // The saturated pass leaves work behind (its events, the reservations' lifecycle steps, the
     // nodes' usage): let it drain, so the steady pass measures its own load, as its floor does.
@@ -416,23 +424,26 @@ async fn run() {
     let period = Duration::from_secs_f64(NODES as f64 / (rate * STEADY_SHARE)).max(MIN_PERIOD);
     let steady_rate = NODES as f64 / period.as_secs_f64();
     let stages_before = op.metrics().await;
-    let mut tasks = Vec::new();
     let mut keep = Vec::new();
-    for (n, BenchNode { _node, hook, cases }) in nodes.into_iter().enumerate() {
-        keep.push(_node);
-        let offset = period * n as u32 / NODES as u32;
-        tasks.push(tokio::spawn(async move {
-            tokio::time::sleep(offset).await;
-            let mut tick = tokio::time::interval(period);
-            let mut took = Vec::new();
-            for case in cases {
-                tick.tick().await;
-                took.push(refit_once(&hook, case).await);
-            }
-            took
-        }));
-    }
-    let mut steady = measured(&admin, joined(tasks)).await;
+    let mut steady = measured(&admin, async {
+        let mut tasks = Vec::new();
+        for (n, BenchNode { _node, hook, cases }) in nodes.into_iter().enumerate() {
+            keep.push(_node);
+            let offset = period * n as u32 / NODES as u32;
+            tasks.push(tokio::spawn(async move {
+                tokio::time::sleep(offset).await;
+                let mut tick = tokio::time::interval(period);
+                let mut took = Vec::new();
+                for case in cases {
+                    tick.tick().await;
+                    took.push(refit_once(&hook, case).await);
+                }
+                took
+            }));
+        }
+        joined(tasks).await
+    })
+    .await;
     let steady_stages = Stages::between(&stages_before, &op.metrics().await);
     let mut floor_paced = measured(&admin, floor_steady(&admin, &bodies, PASS, period)).await;
     answerer.abort();
