@@ -207,31 +207,27 @@ mod tests {
             awaited.commit_in(&version("r1", "p1", 4, 2, &["GPU-a", "GPU-b"])),
             Some(vec!["GPU-a".to_string(), "GPU-b".to_string()])
         );
-        // Not moved yet, half moved, or holding nothing.
-        assert_eq!(
-            awaited.commit_in(&version("r1", "p1", 4, 2, &["GPU-x"])),
-            None
-        );
-        assert_eq!(
-            awaited.commit_in(&version("r1", "p1", 4, 2, &["GPU-a", "GPU-x"])),
-            None
-        );
-        assert_eq!(awaited.commit_in(&version("r1", "p1", 4, 2, &[])), None);
-        // Another container on allowed GPUs says nothing about this one.
-        assert_eq!(
-            awaited.commit_in(&version("r1", "p1", 4, 3, &["GPU-a"])),
-            None
-        );
-        // A version from before the read (a lagging watch), or the read itself: no commit,
-        // whatever it holds.
-        assert_eq!(
-            awaited.commit_in(&version("r1", "p1", 3, 2, &["GPU-a"])),
-            None
-        );
-        assert_eq!(
-            awaited.commit_in(&version("r1", "p1", 2, 2, &["GPU-a"])),
-            None
-        );
+        // None of these is the commit, whatever the container holds.
+        for (uid, pod, generation, container, devices, why) in [
+            ("r1", "p1", 4, 2, &["GPU-x"][..], "not moved yet"),
+            ("r1", "p1", 4, 2, &["GPU-a", "GPU-x"][..], "half moved"),
+            ("r1", "p1", 4, 2, &[][..], "holding nothing"),
+            ("r1", "p1", 4, 3, &["GPU-a"][..], "another container"),
+            ("r1", "p1", 3, 2, &["GPU-a"][..], "the version read"),
+            ("r1", "p1", 2, 2, &["GPU-a"][..], "older than the read"),
+            (
+                "r2",
+                "p1",
+                9,
+                2,
+                &["GPU-a"][..],
+                "another reservation's UID",
+            ),
+            ("r1", "p2", 9, 2, &["GPU-a"][..], "another pod's UID"),
+        ] {
+            let v = version(uid, pod, generation, container, devices);
+            assert_eq!(awaited.commit_in(&v), None, "{why}");
+        }
         // No generation on either side: no telling.
         let mut unnumbered = version("r1", "p1", 4, 2, &["GPU-a"]);
         unnumbered.metadata.generation = None;
@@ -241,15 +237,6 @@ mod tests {
         let blind = awaiting(&read_unnumbered, &allowed);
         assert_eq!(
             blind.commit_in(&version("r1", "p1", 4, 2, &["GPU-a"])),
-            None
-        );
-        // Another pod's reservation under the same name.
-        assert_eq!(
-            awaited.commit_in(&version("r2", "p1", 9, 2, &["GPU-a"])),
-            None
-        );
-        assert_eq!(
-            awaited.commit_in(&version("r1", "p2", 9, 2, &["GPU-a"])),
             None
         );
     }

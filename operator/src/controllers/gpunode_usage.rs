@@ -7,17 +7,17 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use gpuledger_crds::names::OPERATOR_MANAGER;
 use gpuledger_crds::{GpuNode, GpuNodeUsage};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::{Api, Patch};
 use serde_json::json;
 
 use crate::context::Context;
 use crate::ledger::NodeUsage;
 use crate::ledger::usage::{holds_capacity, sum_usage};
+use crate::ledger::writer::operator_patches;
 
 /// The usage block for `node` given the ledger's per-device usage and reservation count.
 pub fn usage_of(node: &GpuNode, usage: &NodeUsage, reservations: u32) -> GpuNodeUsage {
@@ -125,13 +125,12 @@ pub async fn run(ctx: Arc<Context>, interval: Duration) {
             // most nodes every pass, and kube-apiserver parses an apply body with its YAML
             // parser and tracks every field's manager, several times the cost of the write.
             let body = json!({ "status": { "usage": usage } });
-            let params = PatchParams {
-                field_manager: Some(OPERATOR_MANAGER.to_string()),
-                ..PatchParams::default()
-            };
             // Not recorded either way: the write changes the object (looked at once more when
             // its event is in), and a failed one is tried again next pass.
-            if let Err(e) = api.patch_status(&name, &params, &Patch::Merge(&body)).await {
+            if let Err(e) = api
+                .patch_status(&name, &operator_patches(), &Patch::Merge(&body))
+                .await
+            {
                 tracing::warn!(node = %name, error = %e, "could not write GpuNode usage");
             }
         }

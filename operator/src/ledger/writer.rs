@@ -144,31 +144,41 @@ fn operator_writes() -> PostParams {
 }
 
 /// Merge patches, under the operator's field manager like [`operator_writes`].
-fn operator_patches() -> PatchParams {
+pub(crate) fn operator_patches() -> PatchParams {
     PatchParams {
         field_manager: Some(OPERATOR_MANAGER.to_string()),
         ..PatchParams::default()
     }
 }
 
-/// The merge patch that makes a reservation's spec `spec`, guarded by `rv`. A merge patch keeps
-/// every field it leaves out, so an optional field `spec` does not have is sent as `null`.
-fn spec_patch(spec: &GpuReservationSpec, rv: Option<&str>) -> Result<Value, serde_json::Error> {
-    let mut fields = serde_json::to_value(spec)?;
+/// A merge patch that makes `part` (`"spec"` or `"status"`) of a reservation `value`, guarded
+/// by `rv`. A merge patch keeps every field it leaves out, so each of `optional` that `value`
+/// does not have is sent as `null`; a list is replaced whole.
+fn guarded_patch(
+    part: &str,
+    value: &impl Serialize,
+    optional: &[&str],
+    rv: Option<&str>,
+) -> Result<Value, serde_json::Error> {
+    let mut fields = serde_json::to_value(value)?;
     if let Value::Object(fields) = &mut fields {
-        for optional in SPEC_OPTIONAL_FIELDS {
-            fields.entry(*optional).or_insert(Value::Null);
+        for field in optional {
+            fields.entry(*field).or_insert(Value::Null);
         }
     }
-    Ok(json!({ "metadata": { "resourceVersion": rv }, "spec": fields }))
+    Ok(json!({ "metadata": { "resourceVersion": rv }, part: fields }))
+}
+
+/// The merge patch that makes a reservation's spec `spec`, guarded by `rv`.
+fn spec_patch(spec: &GpuReservationSpec, rv: Option<&str>) -> Result<Value, serde_json::Error> {
+    guarded_patch("spec", spec, SPEC_OPTIONAL_FIELDS, rv)
 }
 
 /// The spec's fields that are left out when empty.
 const SPEC_OPTIONAL_FIELDS: &[&str] = &["alignmentSource"];
 
 /// The merge patch that makes the operator's share of a reservation's status `status`,
-/// guarded by `rv`: each of its fields, an absent one as `null` (a merge patch keeps what it
-/// leaves out), `conditions` whole (a merge patch replaces a list), and nothing of the plugin's
+/// guarded by `rv`: each of its fields, `conditions` whole, and nothing of the plugin's
 /// `allocation`.
 ///
 /// A merge patch rather than a server-side apply, for what it costs kube-apiserver: it parses
@@ -178,13 +188,7 @@ const SPEC_OPTIONAL_FIELDS: &[&str] = &["alignmentSource"];
 /// resourceVersion guard already makes the write the operator's decision on one version, which
 /// is what the apply's ownership bought.
 fn status_patch(status: &OperatorStatus, rv: Option<&str>) -> Result<Value, serde_json::Error> {
-    let mut fields = serde_json::to_value(status)?;
-    if let Value::Object(fields) = &mut fields {
-        for optional in STATUS_OPTIONAL_FIELDS {
-            fields.entry(*optional).or_insert(Value::Null);
-        }
-    }
-    Ok(json!({ "metadata": { "resourceVersion": rv }, "status": fields }))
+    guarded_patch("status", status, STATUS_OPTIONAL_FIELDS, rv)
 }
 
 /// The operator's status fields that are left out when empty.
@@ -484,5 +488,33 @@ mod tests {
         assert_eq!(kept["status"]["observedGeneration"], 3);
         assert_eq!(kept["status"]["conditions"][0]["type"], "KubeletMismatch");
         assert!(kept["status"].get("allocation").is_none(), "{kept}");
+    }
+
+    /// The patch replaces `conditions` whole, so the operator's share must start from every
+    /// condition it read: dropping the plugin's `KubeletMismatch` here would erase it.
+    #[test]
+    fn the_operators_share_keeps_the_plugins_condition_as_read() {
+        let mismatch = Condition {
+            type_: "KubeletMismatch".into(),
+            status: "True".into(),
+            reason: "OtherPodHoldsReplicas".into(),
+            message: "replica GPU-a-1 held by other/pod".into(),
+            observed_generation: Some(1),
+            last_transition_time: Time(Timestamp::UNIX_EPOCH),
+        };
+        let r = GpuReservation {
+            metadata: Default::default(),
+            spec: GpuReservationSpec::default(),
+            status: Some(gpuledger_crds::GpuReservationStatus {
+                phase: Some(ReservationPhase::Allocated),
+                conditions: vec![mismatch.clone()],
+                ..Default::default()
+            }),
+        };
+        let patch = status_patch(&OperatorStatus::of(&r), Some("5")).unwrap();
+        assert_eq!(
+            patch["status"]["conditions"],
+            json!([serde_json::to_value(&mismatch).unwrap()])
+        );
     }
 }
