@@ -361,8 +361,12 @@ async fn run() -> Result<Vec<Row>, String> {
     let cpu_before = CpuReading::of(&burst_processes(&b));
     let plain = schedule_pods(&client, "plain", pods, plain_pod).await?;
     let plain_cpu = cpu_before.per_unit_ms(&CpuReading::of(&burst_processes(&b)), pods);
-    let plain_runtime =
-        go_runtime::per_unit(runtime_before, go_runtime::read(&client).await, pods, "pod");
+    let plain_runtime = runtime_note(go_runtime::per_unit(
+        runtime_before,
+        go_runtime::read(&client).await,
+        pods,
+        "pod",
+    ));
     let plain_api = api_requests::per_unit(&before, &api_requests::by_kind(&client).await, pods);
     if plain.bound.len() < pods {
         return Err(format!("plain pods bound: {}/{pods}", plain.bound.len()));
@@ -388,8 +392,12 @@ async fn run() -> Result<Vec<Row>, String> {
         let _ = tokio::task::spawn_blocking(move || profile.join()).await;
     }
     let gpu_cpu = cpu_before.per_unit_ms(&CpuReading::of(&burst_processes(&b)), pods);
-    let gpu_runtime =
-        go_runtime::per_unit(runtime_before, go_runtime::read(&client).await, pods, "pod");
+    let gpu_runtime = runtime_note(go_runtime::per_unit(
+        runtime_before,
+        go_runtime::read(&client).await,
+        pods,
+        "pod",
+    ));
     let gpu_api = api_requests::per_unit(&before, &api_requests::by_kind(&client).await, pods);
     eprintln!(
         "[bench] CPU per pod, plain burst: {}; GPU burst: {}",
@@ -485,7 +493,7 @@ async fn run() -> Result<Vec<Row>, String> {
             "pods/s",
             &[plain.throughput()],
             format!(
-                "one run, {:.1} s; {:.1} API requests per pod ({}); CPU per pod {}; kube-apiserver: {plain_runtime}",
+                "one run, {:.1} s; {:.1} API requests per pod ({}); CPU per pod {}{plain_runtime}",
                 plain.wall.as_secs_f64(),
                 plain_api.0,
                 plain_api.1,
@@ -501,7 +509,7 @@ async fn run() -> Result<Vec<Row>, String> {
                 "ratio",
                 &[ratio],
                 format!(
-                    "target >= 0.5: {met}; {:.1} API requests per GPU pod ({}); CPU per GPU pod {}; kube-apiserver: {gpu_runtime}",
+                    "target >= 0.5: {met}; {:.1} API requests per GPU pod ({}); CPU per GPU pod {}{gpu_runtime}",
                     gpu_api.0,
                     gpu_api.1,
                     cpu::describe(&gpu_cpu)
@@ -840,4 +848,13 @@ async fn read_answer(
         .await
         .map_err(|e| e.to_string())?;
     Ok(String::from_utf8_lossy(&body).to_string())
+}
+
+/// `; kube-apiserver: <figures>` for a row's note, or nothing when its metrics could not be read.
+fn runtime_note(figures: String) -> String {
+    if figures.is_empty() {
+        figures
+    } else {
+        format!("; kube-apiserver: {figures}")
+    }
 }
