@@ -1,8 +1,11 @@
 //! The 1000-node cluster: kube-scheduler (with the extender) → timing proxy → the operator as a
 //! child process; 1000 fake GPU nodes written once (no heartbeats, no controller manager, so
 //! nothing but scheduling loads the API server); the allocation step played by
-//! [`spawn_allocator`]. Then 400 one-GPU pods at a steady 20 per second (the filter's latency
-//! row), and 1000 more, all created at once (throughput, and the filter under that burst).
+//! [`spawn_allocator`]. First 1000 pods without GPU requests at once (the baseline: kube-scheduler
+//! alone), then the same beside the two writes a reservation costs at the least (the ledger floor,
+//! `gpuledger_e2e::bench::ledger_floor`), then 400 one-GPU pods at a steady 20 per second (the
+//! filter's latency row), and 1000 more, all created at once (throughput, and the filter under
+//! that burst).
 //!
 //! [`overload`] runs the same two phases on a fresh cluster whose kube-apiserver is stopped for
 //! 100 ms of every 200 ms ([`Throttle`]): the API server is the bottleneck, as on a slower
@@ -23,8 +26,9 @@ use gpuledger_crds::GpuNode;
 use gpuledger_crds::names::DEFAULT_NAMESPACE;
 use gpuledger_e2e::bench::api_requests;
 use gpuledger_e2e::bench::cpu::{self, CpuReading};
-use gpuledger_e2e::bench::fleet::run_parallel;
+use gpuledger_e2e::bench::fleet::{Share, run_parallel};
 use gpuledger_e2e::bench::go_runtime;
+use gpuledger_e2e::bench::ledger_floor;
 use gpuledger_e2e::bench::{
     ChildOperator, Fleet, GpuShape, OperatorOptions, Row, Throttle, TimingProxy, gpu_pod,
     spawn_allocator,
@@ -372,6 +376,36 @@ async fn run() -> Result<Vec<Row>, String> {
         return Err(format!("plain pods bound: {}/{pods}", plain.bound.len()));
     }
 
+    // The ledger's floor: the same plain pods, each with the two writes a reservation costs at
+    // the least, under a kind gpuledger does not watch (`bench::ledger_floor`). Run next to the
+    // baseline, so that both meet the same cluster.
+    ledger_floor::install(&client)
+        .await
+        .map_err(|e| format!("ledger floor: {e}"))?;
+    let floor_watch = ledger_floor::watch(client.clone(), NS);
+    eprintln!(
+        "[bench] ledger floor: {pods} pods without GPUs at once, each with a reservation created and its status written"
+    );
+    let before = api_requests::by_kind(&client).await;
+    let runtime_before = go_runtime::read(&client).await;
+    let cpu_before = CpuReading::of(&burst_processes(&b));
+    let floor = schedule_with_floor(&client, "floor", pods, &b.fleet.names).await?;
+    let floor_cpu = cpu_before.per_unit_ms(&CpuReading::of(&burst_processes(&b)), pods);
+    let floor_runtime = runtime_note(go_runtime::per_unit(
+        runtime_before,
+        go_runtime::read(&client).await,
+        pods,
+        "pod",
+    ));
+    let floor_api = api_requests::per_unit(&before, &api_requests::by_kind(&client).await, pods);
+    floor_watch.abort();
+    if floor.bound.len() < pods {
+        return Err(format!(
+            "ledger floor pods bound: {}/{pods}",
+            floor.bound.len()
+        ));
+    }
+
     // Latency at a steady load the cluster sustains (well below the burst's throughput), then
     // throughput with every pod at once, when the API server, etcd and kube-scheduler saturate
     // both cores and every process waits for CPU.
@@ -499,6 +533,30 @@ async fn run() -> Result<Vec<Row>, String> {
                 plain_api.1,
                 cpu::describe(&plain_cpu)
             ),
+        ),
+        Row::measured(
+            "ledger floor: plain pods + a reservation each",
+            format!(
+                "{} of {pods} pods without GPU requests created at once -> Bound, each with a GpuReservation's body created and its status written once (a kind gpuledger does not watch), same cluster, no extender",
+                floor.bound.len()
+            ),
+            "pods/s",
+            &[floor.throughput()],
+            format!(
+                "one run, {:.1} s to the last Bound or write; {:.2} of the baseline: the most a ledger of one custom resource per pod reaches here; {:.1} API requests per pod ({}); CPU per pod {}{floor_runtime}",
+                floor.wall.as_secs_f64(),
+                floor.throughput() / plain.throughput().max(f64::EPSILON),
+                floor_api.0,
+                floor_api.1,
+                cpu::describe(&floor_cpu)
+            ),
+        ),
+        Row::measured(
+            "gpuledger / ledger floor",
+            "GPU burst pods/s over the ledger floor's, same run",
+            "ratio",
+            &[burst.throughput() / floor.throughput().max(f64::EPSILON)],
+            "what the allocation Lease, the plugin's reads, the operator's phase write, the extender's calls and the admission checks leave of the floor",
         ),
         {
             let ratio = burst.throughput() / plain.throughput().max(f64::EPSILON);
@@ -772,6 +830,61 @@ async fn schedule_pods(
     .await
     .map_err(|e| format!("create pods: {e}"))?;
     Ok(until_bound(bound, watch, created.into_iter().collect(), n, started).await)
+}
+
+/// Creates `n` plain pods `<prefix>-<i>` at once, each followed by its ledger floor's two
+/// writes (a share on node `nodes[i % len]`), and waits until all are bound. The wall time runs
+/// to the last Bound or the last write, whichever came later.
+async fn schedule_with_floor(
+    client: &Client,
+    prefix: &str,
+    n: usize,
+    nodes: &[String],
+) -> Result<Phase, String> {
+    if nodes.is_empty() {
+        return Err("ledger floor: no nodes".into());
+    }
+    let pods_api: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let (bound, watch) = watch_bound(pods_api.clone(), prefix);
+    let started = Instant::now();
+    let items: Vec<(String, String, u32)> = (0..n)
+        .map(|i| {
+            let slot = u32::try_from(i / nodes.len()).unwrap_or(u32::MAX);
+            (
+                format!("{prefix}-{i}"),
+                nodes[i % nodes.len()].clone(),
+                slot,
+            )
+        })
+        .collect();
+    let done = run_parallel(32, items, |(name, node, slot)| {
+        let client = client.clone();
+        let api = pods_api.clone();
+        async move {
+            let pod = api
+                .create(&PostParams::default(), &plain_pod(&name))
+                .await
+                .map_err(|e| format!("create pod {name}: {e}"))?;
+            let created = Instant::now();
+            let share = Share {
+                node: &node,
+                shape: GpuShape::default(),
+                slot,
+            };
+            ledger_floor::write(&client, NS, &pod, share)
+                .await
+                .map_err(|e| format!("ledger floor of {name}: {e}"))?;
+            Ok::<_, String>((name, created, Instant::now()))
+        }
+    })
+    .await?;
+    let last_write = done.iter().map(|(_, _, written)| *written).max();
+    let created = done.into_iter().map(|(name, at, _)| (name, at)).collect();
+    let mut phase = until_bound(bound, watch, created, n, started).await;
+    if let Some(written) = last_write {
+        phase.wall = phase.wall.max(written.saturating_duration_since(started));
+    }
+    Ok(phase)
 }
 
 /// `calls` filter requests naming every node, straight to the operator on one kept-alive

@@ -24,23 +24,16 @@
 
 use std::time::{Duration, Instant};
 
-use gpuledger_crds::alignment::{AlignmentSource, ResolvedAlignment};
+use gpuledger_crds::GpuReservation;
 use gpuledger_crds::names::DEFAULT_NAMESPACE;
-use gpuledger_crds::{
-    Alignment, ContainerReservation, GpuReservation, ReservationPhase, ReservedDevice, kstatus,
-};
-use gpuledger_e2e::bench::fleet::{devices, run_parallel};
+use gpuledger_e2e::bench::fleet::{Share, run_parallel};
 use gpuledger_e2e::bench::{
     ChildOperator, Fleet, GpuShape, OperatorOptions, Row, gpu_pod, spawn_allocator,
 };
 use gpuledger_e2e::cluster::process::{cpu_seconds, rss_kib};
-use gpuledger_operator::ledger::render::{numa_summary, reservation_for};
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use k8s_openapi::jiff::Timestamp;
 use kube::Client;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
-use serde_json::json;
 
 use crate::extender::{direct_filter, log_filter_histograms, paced, scheduling_cluster, settled};
 
@@ -349,10 +342,11 @@ async fn pod_and_reservation(
     shape: GpuShape,
 ) -> Result<(), String> {
     let node = format!("gpu-{}", slot / per_node);
-    let on_node = (slot % per_node) as u32;
-    let gpu = on_node % shape.gpus;
-    // The replica the kubelet would have handed out: distinct per GPU on the node.
-    let replica = on_node / shape.gpus;
+    let share = Share {
+        node: &node,
+        shape,
+        slot: (slot % per_node) as u32,
+    };
     let name = format!("scale-r{slot}");
     let mut pod = gpu_pod(&name, 1, 8192, 10);
     if let Some(spec) = pod.spec.as_mut() {
@@ -363,47 +357,12 @@ async fn pod_and_reservation(
         .create(&pp, &pod)
         .await
         .map_err(|e| format!("create pod {name}: {e}"))?;
-    let device = &devices(&node, shape)[gpu as usize];
-    let containers = vec![ContainerReservation {
-        index: 0,
-        name: "main".into(),
-        init: false,
-        devices: vec![ReservedDevice {
-            uuid: device.uuid.clone(),
-            memory_mib: 8192,
-            cores: 10,
-            numa_node: device.numa_node,
-        }],
-    }];
-    let alignment = ResolvedAlignment {
-        alignment: Alignment::None,
-        source: AlignmentSource::Default,
-    };
     let api: Api<GpuReservation> = Api::namespaced(client.clone(), NS);
-    let r = reservation_for(&created, &node, containers, &alignment);
     let r = api
-        .create(&pp, &r)
+        .create(&pp, &share.reservation(&created))
         .await
         .map_err(|e| format!("create reservation {name}: {e}"))?;
-    let phase = ReservationPhase::Allocated;
-    let now = Time(Timestamp::now());
-    let mut conditions = Vec::new();
-    kstatus::reservation(Some(phase), &[]).record(
-        &mut conditions,
-        r.metadata.generation,
-        now.clone(),
-    );
-    let devices = format!("{}:8192/10", device.index);
-    let status = json!({"status": {
-        "observedGeneration": r.metadata.generation,
-        "phase": phase,
-        "phaseSince": now,
-        "devices": devices,
-        "numa": numa_summary(&r),
-        "conditions": conditions,
-        "allocation": [{"index": 0, "name": "main", "replicaIds": [format!("{}-{replica}", device.uuid)],
-                        "devices": [device.uuid.clone()], "allocatedAt": now}],
-    }});
+    let status = share.allocated_status(&r);
     api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))
         .await
         .map_err(|e| format!("status of reservation {name}: {e}"))?;

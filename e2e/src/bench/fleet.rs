@@ -8,14 +8,20 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::Arc;
 
+use gpuledger_crds::alignment::{AlignmentSource, ResolvedAlignment};
 use gpuledger_crds::names::DEVICE_PLUGIN_MANAGER;
-use gpuledger_crds::{GpuDevice, GpuNode, GpuNodeSpec};
+use gpuledger_crds::{
+    Alignment, ContainerReservation, GpuDevice, GpuNode, GpuNodeSpec, GpuReservation,
+    ReservationPhase, ReservedDevice, kstatus,
+};
+use gpuledger_operator::ledger::render::{numa_summary, reservation_for};
 use k8s_openapi::api::core::v1::{Container, Node, Pod, PodSpec, ResourceRequirements};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
-use serde_json::json;
+use serde_json::{Value, json};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
@@ -212,6 +218,76 @@ pub fn gpu_pod(name: &str, count: u32, mem_mib: u64, cores: u32) -> Pod {
             ..Default::default()
         }),
         status: None,
+    }
+}
+
+/// Where a settled one-share reservation sits: GPU `slot % gpus` of `node`, replica
+/// `slot / gpus` (so that the `slot`s of one node take distinct replicas).
+#[derive(Clone, Copy, Debug)]
+pub struct Share<'a> {
+    /// The node.
+    pub node: &'a str,
+    /// The node's GPUs.
+    pub shape: GpuShape,
+    /// Which of the node's shares.
+    pub slot: u32,
+}
+
+impl Share<'_> {
+    fn device(&self) -> GpuDevice {
+        let gpu = self.slot % self.shape.gpus;
+        let mut all = devices(self.node, self.shape);
+        all.swap_remove(gpu as usize)
+    }
+
+    /// The reservation bind writes for `pod` (created, so with its UID) holding this share,
+    /// 8192 MiB and 10 % of one GPU: the operator's own rendering (node label, the pod as
+    /// owner, the finalizer).
+    pub fn reservation(&self, pod: &Pod) -> GpuReservation {
+        let device = self.device();
+        let containers = vec![ContainerReservation {
+            index: 0,
+            name: "main".into(),
+            init: false,
+            devices: vec![ReservedDevice {
+                uuid: device.uuid,
+                memory_mib: 8192,
+                cores: 10,
+                numa_node: device.numa_node,
+            }],
+        }];
+        let alignment = ResolvedAlignment {
+            alignment: Alignment::None,
+            source: AlignmentSource::Default,
+        };
+        reservation_for(pod, self.node, containers, &alignment)
+    }
+
+    /// The status body (for a merge patch) of `created`, this share's reservation as the API
+    /// server returned it, after a completed allocation: the operator's phase, summaries and
+    /// GitOps conditions, and the plugin's allocation record.
+    pub fn allocated_status(&self, created: &GpuReservation) -> Value {
+        let device = self.device();
+        let replica = self.slot / self.shape.gpus;
+        let phase = ReservationPhase::Allocated;
+        let now = Time(Timestamp::now());
+        let mut conditions = Vec::new();
+        kstatus::reservation(Some(phase), &[]).record(
+            &mut conditions,
+            created.metadata.generation,
+            now.clone(),
+        );
+        json!({"status": {
+            "observedGeneration": created.metadata.generation,
+            "phase": phase,
+            "phaseSince": now,
+            "devices": format!("{}:8192/10", device.index),
+            "numa": numa_summary(created),
+            "conditions": conditions,
+            "allocation": [{"index": 0, "name": "main",
+                            "replicaIds": [format!("{}-{replica}", device.uuid)],
+                            "devices": [device.uuid], "allocatedAt": now}],
+        }})
     }
 }
 

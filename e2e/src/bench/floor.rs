@@ -43,10 +43,15 @@ pub enum FloorError {
         source: kube::Error,
     },
     /// The CRD never became established.
-    #[error("CRD {PLURAL}.{GROUP} not established after {0:?}")]
-    NotEstablished(Duration),
+    #[error("CRD {crd} not established after {after:?}")]
+    NotEstablished {
+        /// The CRD's name.
+        crd: String,
+        /// How long it was waited for.
+        after: Duration,
+    },
     /// The object's body could not be built.
-    #[error("RefitRequest body: {0}")]
+    #[error("floor object body: {0}")]
     Body(#[from] serde_json::Error),
     /// The watch ended, or the object was deleted, before an answer.
     #[error("no answer for {0}")]
@@ -66,32 +71,43 @@ pub fn resource() -> ApiResource {
 
 /// Installs the floor's CRD (the RefitRequest CRD renamed) and waits until it is served.
 pub async fn install(client: &Client) -> Result<ApiResource, FloorError> {
-    let mut crd = RefitRequest::crd();
+    install_renamed(client, RefitRequest::crd(), KIND, PLURAL).await?;
+    Ok(resource())
+}
+
+/// Installs `crd` as kind `kind` (plural `plural`) of [`GROUP`], with the same versions and
+/// schema, and waits until the API server serves it. Installed already is fine.
+pub(crate) async fn install_renamed(
+    client: &Client,
+    mut crd: CustomResourceDefinition,
+    kind: &str,
+    plural: &str,
+) -> Result<(), FloorError> {
+    let name = format!("{plural}.{GROUP}");
     crd.metadata = kube::api::ObjectMeta {
-        name: Some(format!("{PLURAL}.{GROUP}")),
+        name: Some(name.clone()),
         ..Default::default()
     };
     crd.spec.group = GROUP.into();
-    crd.spec.names.kind = KIND.into();
-    crd.spec.names.plural = PLURAL.into();
-    crd.spec.names.singular = Some(KIND.to_lowercase());
-    crd.spec.names.list_kind = Some(format!("{KIND}List"));
+    crd.spec.names.kind = kind.into();
+    crd.spec.names.plural = plural.into();
+    crd.spec.names.singular = Some(kind.to_lowercase());
+    crd.spec.names.list_kind = Some(format!("{kind}List"));
     crd.spec.names.short_names = None;
     crd.spec.names.categories = None;
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     match crds.create(&PostParams::default(), &crd).await {
         Ok(_) => {}
         Err(kube::Error::Api(s)) if s.is_already_exists() => {}
-        Err(e) => return Err(api_err("create the floor's CRD")(e)),
+        Err(e) => return Err(api_err(format!("create CRD {name}"))(e)),
     }
     let limit = Duration::from_secs(30);
     let started = Instant::now();
-    let name = format!("{PLURAL}.{GROUP}");
     while started.elapsed() < limit {
         let established = crds
             .get_opt(&name)
             .await
-            .map_err(api_err("read the floor's CRD"))?
+            .map_err(api_err(format!("read CRD {name}")))?
             .and_then(|c| c.status)
             .and_then(|s| s.conditions)
             .is_some_and(|cs| {
@@ -101,11 +117,14 @@ pub async fn install(client: &Client) -> Result<ApiResource, FloorError> {
         if established {
             // Established is written before every API server handler serves the kind.
             tokio::time::sleep(Duration::from_millis(500)).await;
-            return Ok(resource());
+            return Ok(());
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    Err(FloorError::NotEstablished(limit))
+    Err(FloorError::NotEstablished {
+        crd: name,
+        after: limit,
+    })
 }
 
 /// `request` as a floor object: the same body under the floor's kind.

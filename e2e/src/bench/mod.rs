@@ -9,6 +9,7 @@ pub mod cpu;
 pub mod fleet;
 pub mod floor;
 pub mod go_runtime;
+pub mod ledger_floor;
 pub mod operator;
 pub mod proxy;
 pub mod refit_output;
