@@ -4,6 +4,7 @@
 //! better than request counts alone.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use crate::cluster::process::cpu_seconds;
 
@@ -50,6 +51,14 @@ pub fn describe(per_unit: &[(String, f64)]) -> String {
     format!("{total:.2} ms ({})", parts.join(", "))
 }
 
+/// How many cores `per_unit` (milliseconds per unit, by process) kept busy on average, over
+/// `units` in `elapsed`: near 2.0 when a burst saturates two cores, less when it waited on
+/// something else (its own client's round trips, a lock).
+pub fn cores_busy(per_unit: &[(String, f64)], units: usize, elapsed: Duration) -> f64 {
+    let total_ms: f64 = per_unit.iter().map(|(_, ms)| ms).sum();
+    total_ms * units as f64 / 1000.0 / elapsed.as_secs_f64().max(f64::EPSILON)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -68,6 +77,19 @@ mod tests {
         assert!((got[0].1 - 20.0).abs() < 1e-9);
         assert!((got[1].1 - 5.0).abs() < 1e-9);
         assert_eq!(describe(&got), "25.00 ms (kube-apiserver 20.00, etcd 5.00)");
+    }
+
+    #[test]
+    fn cores_busy_is_the_cpu_time_over_the_wall_time() {
+        // 100 units of 25 ms in 2.5 s: 2.5 CPU seconds over 2.5 s.
+        let per_unit = [
+            ("kube-apiserver".to_string(), 20.0),
+            ("etcd".to_string(), 5.0),
+        ];
+        let busy = cores_busy(&per_unit, 100, Duration::from_millis(2500));
+        assert!((busy - 1.0).abs() < 1e-9, "{busy}");
+        let busy = cores_busy(&per_unit, 100, Duration::from_millis(1250));
+        assert!((busy - 2.0).abs() < 1e-9, "{busy}");
     }
 
     #[test]
