@@ -99,7 +99,7 @@ crds:
 ## One table (e2e/benches/table): fit decision at 1000/2500/5000 nodes, extender filter at 1000
 ## nodes through the real kube-scheduler, refit round trip and its floor (run first by
 ## e2e/benches/refit, its output read back), 1000-pod scheduling throughput against plain
-## kube-scheduler, the same with kube-apiserver slowed (overload), the operator at 1000/2500/5000
+## kube-scheduler and against the ledger floor (plain pods beside a reservation's two writes), the same with kube-apiserver slowed (overload), the operator at 1000/2500/5000
 ## nodes with up to 100 000 reservations (cold start, memory, filter). The benches run the release binaries of the operator and
 ## device plugin; progress and logs go to target/bench. It exits non-zero when a run broke an
 ## invariant (the ledger audit after a burst, or a pod the repair sweep had to book).
