@@ -373,7 +373,9 @@ async fn run() -> Result<Vec<Row>, String> {
         pods,
         "pod",
     ));
-    let plain_api = api_requests::per_unit(&before, &api_requests::by_kind(&client).await, pods);
+    let after = api_requests::by_kind(&client).await;
+    let plain_api = api_requests::per_unit(&before, &after, pods);
+    let plain_api_all = api_requests::per_unit_all(&before, &after, pods);
     if plain.bound.len() < pods {
         return Err(format!("plain pods bound: {}/{pods}", plain.bound.len()));
     }
@@ -401,7 +403,9 @@ async fn run() -> Result<Vec<Row>, String> {
         pods,
         "pod",
     ));
-    let floor_api = api_requests::per_unit(&before, &api_requests::by_kind(&client).await, pods);
+    let after = api_requests::by_kind(&client).await;
+    let floor_api = api_requests::per_unit(&before, &after, pods);
+    let floor_api_all = api_requests::per_unit_all(&before, &after, pods);
     floor_watch.abort();
     if floor.bound.len() < pods {
         return Err(format!(
@@ -438,19 +442,26 @@ async fn run() -> Result<Vec<Row>, String> {
         pods,
         "pod",
     ));
-    let gpu_api = api_requests::per_unit(&before, &api_requests::by_kind(&client).await, pods);
+    let after = api_requests::by_kind(&client).await;
+    let gpu_api = api_requests::per_unit(&before, &after, pods);
+    let gpu_api_all = api_requests::per_unit_all(&before, &after, pods);
     eprintln!(
-        "[bench] CPU per pod, plain burst: {}; GPU burst: {}",
+        "[bench] CPU per pod, plain burst: {}; ledger floor: {}; GPU burst: {}",
         cpu::describe(&plain_cpu),
+        cpu::describe(&floor_cpu),
         cpu::describe(&gpu_cpu)
     );
     eprintln!(
-        "[bench] API requests per pod, plain burst: {:.2} ({})",
-        plain_api.0, plain_api.1
+        "[bench] API requests per pod, plain burst: {:.2} ({plain_api_all})",
+        plain_api.0
     );
     eprintln!(
-        "[bench] API requests per pod, GPU burst: {:.2} ({})",
-        gpu_api.0, gpu_api.1
+        "[bench] API requests per pod, ledger floor: {:.2} ({floor_api_all})",
+        floor_api.0
+    );
+    eprintln!(
+        "[bench] API requests per pod, GPU burst: {:.2} ({gpu_api_all})",
+        gpu_api.0
     );
     let filter = b.proxy.take_ms("/filter");
     let bind = b.proxy.take_ms("/bind");

@@ -129,6 +129,27 @@ pub fn per_unit(
     after: &BTreeMap<String, f64>,
     units: usize,
 ) -> (f64, String) {
+    let kinds = kinds_per_unit(before, after, units);
+    let total: f64 = kinds.iter().map(|(v, _)| v).sum();
+    (total, words(kinds.iter().take(6)))
+}
+
+/// As [`per_unit`]'s words, every kind of at least 0.05 per unit: for the log, where a kind
+/// past the sixth (a GpuNode write, a Lease read) may be what changed between two runs.
+pub fn per_unit_all(
+    before: &BTreeMap<String, f64>,
+    after: &BTreeMap<String, f64>,
+    units: usize,
+) -> String {
+    words(kinds_per_unit(before, after, units).iter())
+}
+
+/// Each kind's requests per unit, busiest first, those under 0.05 left out.
+fn kinds_per_unit<'a>(
+    before: &BTreeMap<String, f64>,
+    after: &'a BTreeMap<String, f64>,
+    units: usize,
+) -> Vec<(f64, &'a str)> {
     let units = units.max(1) as f64;
     let mut kinds: Vec<(f64, &str)> = after
         .iter()
@@ -141,13 +162,12 @@ pub fn per_unit(
         .filter(|(per_unit, _)| *per_unit >= 0.05)
         .collect();
     kinds.sort_by(|a, b| b.0.total_cmp(&a.0));
-    let total: f64 = kinds.iter().map(|(v, _)| v).sum();
-    let top: Vec<String> = kinds
-        .iter()
-        .take(6)
-        .map(|(v, k)| format!("{k} {v:.2}"))
-        .collect();
-    (total, top.join(", "))
+    kinds
+}
+
+fn words<'a>(kinds: impl Iterator<Item = &'a (f64, &'a str)>) -> String {
+    let parts: Vec<String> = kinds.map(|(v, k)| format!("{k} {v:.2}")).collect();
+    parts.join(", ")
 }
 
 #[cfg(test)]
@@ -179,6 +199,20 @@ apiserver_request_total{code="200",component="apiserver",resource="leases",scope
         assert!((total - 2.2).abs() < 1e-9, "{total}");
         // Busiest first; the Lease reads (0.025 per unit) are left out.
         assert_eq!(words, "POST pods 1.20, POST pods/binding 1.00");
+    }
+
+    #[test]
+    fn the_log_gets_every_kind_and_the_note_the_six_busiest() {
+        let before = BTreeMap::new();
+        let after: BTreeMap<String, f64> = (1..=7)
+            .map(|i| (format!("GET kind{i}"), f64::from(i) * 10.0))
+            .collect();
+        let (total, note) = per_unit(&before, &after, 10);
+        assert!((total - 28.0).abs() < 1e-9, "{total}");
+        assert!(note.starts_with("GET kind7 7.00, GET kind6 6.00"), "{note}");
+        assert!(!note.contains("kind1 "), "{note}");
+        let all = per_unit_all(&before, &after, 10);
+        assert!(all.ends_with("GET kind2 2.00, GET kind1 1.00"), "{all}");
     }
 
     #[test]
