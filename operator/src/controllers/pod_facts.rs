@@ -256,6 +256,16 @@ impl PodFactsCache {
         self.read().pods.get(key).cloned()
     }
 
+    /// Whether the watch last showed pod `key` as the pod with `uid`, neither finished nor being
+    /// deleted. A watch lags only behind the truth, so `true` means it was live a moment ago;
+    /// `false` says nothing (not seen yet, lagging, or gone): read the pod.
+    pub fn shows_live(&self, key: &ReservationKey, uid: &str) -> bool {
+        self.read()
+            .pods
+            .get(key)
+            .is_some_and(|f| f.uid == uid && !f.finished && !f.terminating)
+    }
+
     /// Pod `key` as the watch last showed it, if it wants GPUs and has not started (unbound,
     /// or bound and being admitted), seen since the cache synced. A miss says nothing: read the
     /// pod from the API server. The caller checks that it is the pod it is about (UID, node).
@@ -433,6 +443,28 @@ pub(crate) mod tests {
         cache.apply(&Event::InitDone);
         assert_eq!(cache.terminating_gpu_pods_on("n2"), 0);
         assert_eq!(cache.terminating_gpu_pods_on("n1"), 1);
+    }
+
+    #[test]
+    fn live_is_the_same_uid_neither_finished_nor_deleted() {
+        let cache = PodFactsCache::new(PodApiSetting::default());
+        let key = ReservationKey::new("ns", "a");
+        assert!(!cache.shows_live(&key, "u1"), "never seen");
+        cache.apply(&Event::Apply(pod("a", "u1", Some("n1"), "Pending")));
+        assert!(cache.shows_live(&key, "u1"));
+        assert!(
+            !cache.shows_live(&key, "u2"),
+            "recreated under the same name"
+        );
+        let mut deleting = pod("a", "u1", Some("n1"), "Running");
+        deleting.metadata.deletion_timestamp = Some(Time(Timestamp::UNIX_EPOCH));
+        cache.apply(&Event::Apply(deleting));
+        assert!(!cache.shows_live(&key, "u1"), "being deleted");
+        cache.apply(&Event::Apply(pod("a", "u1", Some("n1"), "Succeeded")));
+        assert!(!cache.shows_live(&key, "u1"), "finished");
+        cache.apply(&Event::Apply(pod("a", "u1", Some("n1"), "Running")));
+        cache.apply(&Event::Delete(pod("a", "u1", Some("n1"), "Running")));
+        assert!(!cache.shows_live(&key, "u1"), "deleted");
     }
 
     /// `p` with one container asking for one GPU.

@@ -529,7 +529,20 @@ async fn take_lease(
             // them, on the first attempt: the plugin deletes the Lease after each admission).
             let likely_free = watched.absent(node).unwrap_or(first);
             first = false;
-            match lease::try_take(&ctx.client, &ctx.namespace, node, holder, likely_free).await {
+            let watched_live = |h: &Holder<'_>| {
+                let key = ReservationKey::new(h.namespace, h.pod);
+                ctx.caches.pods.shows_live(&key, h.uid)
+            };
+            match lease::try_take(
+                &ctx.client,
+                &ctx.namespace,
+                node,
+                holder,
+                likely_free,
+                &watched_live,
+            )
+            .await
+            {
                 Ok(_) => return Ok(()),
                 // Held: the watch says when to look again (or the wait ends).
                 Err(e @ (LeaseError::Raced { .. } | LeaseError::Held { .. })) => refused = Some(e),

@@ -5,6 +5,11 @@
 //! Taking it: free, ours already, expired, or held by a pod that is gone (deleted, recreated
 //! under the same name, or finished) → take over with a resourceVersion precondition; held by
 //! another live pod within its duration → [`LeaseError::Held`].
+//!
+//! Whether a holder is gone is asked of the API server only when the operator's pod watch does
+//! not show its pod live: a watch can lag, but only behind the truth, so a pod it shows live
+//! was live a moment ago and waiting for it costs time, never the Lease; a takeover is always
+//! decided on a fresh read.
 
 use gpuledger_crds::protocol::lease::{
     self, ALLOCATION_LEASE_SECONDS, HOLDER_CHECK_AFTER, Holder, allocation_lease_name, expired,
@@ -59,17 +64,25 @@ fn is_conflict(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(s) if s.is_conflict() || s.is_already_exists())
 }
 
-/// Whether the pod named by `holder` no longer needs the Lease.
-async fn holder_gone(client: &Client, holder: &str) -> Result<bool, kube::Error> {
-    let Some(Holder {
-        namespace: ns,
-        pod: name,
-        uid,
-    }) = Holder::parse(holder)
-    else {
+/// Whether the pod named by `holder` no longer needs the Lease: not while `watched_live` says
+/// the pod watch shows it live, otherwise as the API server has it.
+async fn holder_gone(
+    client: &Client,
+    holder: &str,
+    watched_live: &(dyn Fn(&Holder<'_>) -> bool + Sync),
+) -> Result<bool, kube::Error> {
+    let Some(parsed) = Holder::parse(holder) else {
         // Unreadable holder: nobody we could wait for.
         return Ok(true);
     };
+    if watched_live(&parsed) {
+        return Ok(false);
+    }
+    let Holder {
+        namespace: ns,
+        pod: name,
+        uid,
+    } = parsed;
     let pod = Api::<Pod>::namespaced(client.clone(), ns)
         .get_opt(name)
         .await?;
@@ -97,13 +110,16 @@ fn lease_spec(holder: &str, now: Timestamp) -> LeaseSpec {
 
 /// One attempt to take `node`'s Lease for `holder`. With `likely_free` (a bind's first try: the
 /// plugin deletes the Lease after each admission) it creates the Lease straight away and reads
-/// it only if it exists; otherwise it reads first.
+/// it only if it exists; otherwise it reads first. `watched_live` says whether the pod watch
+/// shows a holder's pod live (same UID, neither finished nor being deleted); a holder it does
+/// not is looked up.
 pub async fn try_take(
     client: &Client,
     namespace: &str,
     node: &str,
     holder: &str,
     likely_free: bool,
+    watched_live: &(dyn Fn(&Holder<'_>) -> bool + Sync),
 ) -> Result<Lease, LeaseError> {
     let api: Api<Lease> = Api::namespaced(client.clone(), namespace);
     let name = allocation_lease_name(node);
@@ -146,7 +162,7 @@ pub async fn try_take(
     let free = current_holder.is_empty()
         || expired(&spec, now)
         || (held_for(&spec, now) >= HOLDER_CHECK_AFTER
-            && holder_gone(client, &current_holder)
+            && holder_gone(client, &current_holder, watched_live)
                 .await
                 .map_err(api_err)?);
     if !free {

@@ -11,6 +11,7 @@ use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use serde_json::{Value, json};
 
 use super::{LeaseError, release, try_take};
+use gpuledger_crds::protocol::lease::Holder;
 use gpuledger_crds::scripted_api::{expect, not_found, scripted, status};
 
 const NS: &str = "gpuledger-system";
@@ -59,6 +60,11 @@ fn pod(name: &str, uid: &str, phase: &str) -> Value {
     serde_json::to_value(p).unwrap()
 }
 
+/// The pod watch shows no holder live (not synced, or lagging): every check reads the pod.
+fn unseen(_: &Holder<'_>) -> bool {
+    false
+}
+
 fn conflict() -> Value {
     status(409, "Conflict", "the object has been modified")
 }
@@ -75,7 +81,7 @@ async fn a_free_node_is_taken_with_one_create() {
             .body_field("/spec/leaseDurationSeconds", json!(300))
             .reply(201, lease(ME, secs(0), "1")),
     ]);
-    let got = try_take(&client, NS, "n1", ME, true).await;
+    let got = try_take(&client, NS, "n1", ME, true, &unseen).await;
     api.finish().await;
     assert_eq!(got.unwrap().metadata.resource_version.as_deref(), Some("1"));
 }
@@ -86,7 +92,7 @@ async fn a_lease_already_ours_is_kept_without_a_write() {
         expect(Method::POST, LEASES).reply(409, status(409, "AlreadyExists", "exists")),
         expect(Method::GET, LEASE).reply(200, lease(ME, secs(5), "7")),
     ]);
-    let got = try_take(&client, NS, "n1", ME, true).await;
+    let got = try_take(&client, NS, "n1", ME, true, &unseen).await;
     api.finish().await;
     assert_eq!(got.unwrap().metadata.resource_version.as_deref(), Some("7"));
 }
@@ -97,7 +103,7 @@ async fn a_live_holder_within_its_first_second_is_not_even_asked_about() {
     let (client, api) = scripted(vec![
         expect(Method::GET, LEASE).reply(200, lease(OTHER, SignedDuration::ZERO, "7")),
     ]);
-    let got = try_take(&client, NS, "n1", ME, false).await;
+    let got = try_take(&client, NS, "n1", ME, false, &unseen).await;
     api.finish().await;
     match got {
         Err(LeaseError::Held { node, holder }) => {
@@ -113,9 +119,36 @@ async fn a_running_holder_keeps_the_lease() {
         expect(Method::GET, LEASE).reply(200, lease(OTHER, secs(5), "7")),
         expect(Method::GET, OTHER_POD).reply(200, pod("serve", "uid-other", "Pending")),
     ]);
-    let got = try_take(&client, NS, "n1", ME, false).await;
+    let got = try_take(&client, NS, "n1", ME, false, &unseen).await;
     api.finish().await;
     assert!(matches!(got, Err(LeaseError::Held { .. })), "{got:?}");
+}
+
+#[tokio::test]
+async fn a_holder_the_pod_watch_shows_live_keeps_the_lease_without_a_pod_read() {
+    // Held for seconds, as in a burst whose admissions are slow: the watch answers.
+    let (client, api) = scripted(vec![
+        expect(Method::GET, LEASE).reply(200, lease(OTHER, secs(5), "7")),
+    ]);
+    let live = |h: &Holder<'_>| (h.namespace, h.pod, h.uid) == ("ml", "serve", "uid-other");
+    let got = try_take(&client, NS, "n1", ME, false, &live).await;
+    api.finish().await;
+    assert!(matches!(got, Err(LeaseError::Held { .. })), "{got:?}");
+}
+
+#[tokio::test]
+async fn a_holder_the_pod_watch_does_not_show_live_is_read_before_a_takeover() {
+    // The watch shows another pod live, or nothing: only a fresh read may end a holder's turn,
+    // and a live answer keeps it.
+    for live in [|_: &Holder<'_>| false, |h: &Holder<'_>| h.uid == "uid-me"] {
+        let (client, api) = scripted(vec![
+            expect(Method::GET, LEASE).reply(200, lease(OTHER, secs(5), "7")),
+            expect(Method::GET, OTHER_POD).reply(200, pod("serve", "uid-other", "Running")),
+        ]);
+        let got = try_take(&client, NS, "n1", ME, false, &live).await;
+        api.finish().await;
+        assert!(matches!(got, Err(LeaseError::Held { .. })), "{got:?}");
+    }
 }
 
 #[tokio::test]
@@ -133,7 +166,7 @@ async fn a_gone_recreated_or_finished_holder_is_replaced_at_the_version_read() {
                 .body_field("/spec/holderIdentity", json!(ME))
                 .reply(200, lease(ME, secs(0), "8")),
         ]);
-        let got = try_take(&client, NS, "n1", ME, false).await;
+        let got = try_take(&client, NS, "n1", ME, false, &unseen).await;
         api.finish().await;
         assert_eq!(got.unwrap().metadata.resource_version.as_deref(), Some("8"));
     }
@@ -147,7 +180,7 @@ async fn an_expired_lease_is_replaced_without_asking_about_its_holder() {
             .body_field("/metadata/resourceVersion", json!("7"))
             .reply(200, lease(ME, secs(0), "8")),
     ]);
-    let got = try_take(&client, NS, "n1", ME, false).await;
+    let got = try_take(&client, NS, "n1", ME, false, &unseen).await;
     api.finish().await;
     assert!(got.is_ok(), "{got:?}");
 }
@@ -158,7 +191,7 @@ async fn a_lease_changed_between_read_and_write_is_a_race_not_a_theft() {
         expect(Method::GET, LEASE).reply(200, lease(OTHER, secs(301), "7")),
         expect(Method::PUT, LEASE).reply(409, conflict()),
     ]);
-    let got = try_take(&client, NS, "n1", ME, false).await;
+    let got = try_take(&client, NS, "n1", ME, false, &unseen).await;
     api.finish().await;
     assert!(matches!(got, Err(LeaseError::Raced { .. })), "{got:?}");
 
@@ -167,7 +200,7 @@ async fn a_lease_changed_between_read_and_write_is_a_race_not_a_theft() {
         expect(Method::GET, LEASE).reply(404, not_found("leases", "gpuledger-alloc-n1")),
         expect(Method::POST, LEASES).reply(409, status(409, "AlreadyExists", "exists")),
     ]);
-    let got = try_take(&client, NS, "n1", ME, false).await;
+    let got = try_take(&client, NS, "n1", ME, false, &unseen).await;
     api.finish().await;
     assert!(matches!(got, Err(LeaseError::Raced { .. })), "{got:?}");
 }
@@ -177,7 +210,7 @@ async fn api_server_failures_are_api_errors_naming_the_node() {
     let (client, api) = scripted(vec![
         expect(Method::GET, LEASE).reply(500, status(500, "InternalError", "etcd timeout")),
     ]);
-    let got = try_take(&client, NS, "n1", ME, false).await;
+    let got = try_take(&client, NS, "n1", ME, false, &unseen).await;
     api.finish().await;
     let e = got.unwrap_err();
     assert!(
