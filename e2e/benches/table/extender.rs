@@ -28,7 +28,7 @@ use gpuledger_e2e::bench::api_requests;
 use gpuledger_e2e::bench::cpu::{self, CpuReading};
 use gpuledger_e2e::bench::fleet::{Share, run_parallel};
 use gpuledger_e2e::bench::go_runtime;
-use gpuledger_e2e::bench::ledger_floor;
+use gpuledger_e2e::bench::ledger_floor::{self, Body};
 use gpuledger_e2e::bench::{
     ChildOperator, Fleet, GpuShape, OperatorOptions, Row, Throttle, TimingProxy, gpu_pod,
     spawn_allocator,
@@ -63,6 +63,11 @@ const SCHEDULING_LIMIT: Duration = Duration::from_secs(900);
 /// from its start there (`go tool pprof -top <kube-apiserver binary> <file>` reads it): where
 /// the API server's share of a GPU pod's CPU goes.
 const PROFILE_ENV: &str = "GPULEDGER_BENCH_APISERVER_PROFILE";
+
+/// Set (to anything), the extender run ends with one more floor burst per [`Body`], each
+/// logged to `table.log` beside the baseline: which parts of a reservation the API server pays
+/// for. The rows are not affected (the bursts come after them).
+const FLOOR_PARTS_ENV: &str = "GPULEDGER_BENCH_FLOOR_PARTS";
 
 /// Fetches the API server's CPU profile into `out` on a thread of its own (through kubectl,
 /// which writes the binary body as it comes).
@@ -394,7 +399,7 @@ async fn run() -> Result<Vec<Row>, String> {
     let runtime_before = go_runtime::read(&client).await;
     let cpu_before = CpuReading::of(&burst_processes(&b));
     let cpu_since = Instant::now();
-    let floor = schedule_with_floor(&client, "floor", pods, &b.fleet.names).await?;
+    let floor = schedule_with_floor(&client, "floor", pods, &b.fleet.names, Body::Full).await?;
     let floor_cpu = cpu_before.per_unit_ms(&CpuReading::of(&burst_processes(&b)), pods);
     let floor_busy = cpu::cores_busy(&floor_cpu, pods, cpu_since.elapsed());
     let floor_runtime = runtime_note(go_runtime::per_unit(
@@ -476,6 +481,9 @@ async fn run() -> Result<Vec<Row>, String> {
     let (ledger, failure) = ledger_verdict(&client, &b.op).await;
     log_api_requests(&client).await;
     keep_operator_log(&b.op, "extender");
+    if std::env::var_os(FLOOR_PARTS_ENV).is_some() {
+        floor_parts(&b, pods, plain.throughput()).await?;
+    }
 
     let mut throughput = Row::measured(
         "scheduling throughput",
@@ -849,6 +857,34 @@ async fn schedule_pods(
     Ok(until_bound(bound, watch, created.into_iter().collect(), n, started).await)
 }
 
+/// The floor once per [`Body`] (the whole one last as well, to show the cluster's drift over
+/// the bursts), each burst's pods/s, CPU and requests per pod in the log.
+async fn floor_parts(b: &Bench, pods: usize, plain: f64) -> Result<(), String> {
+    let client = b.cp.client();
+    let watch = ledger_floor::watch(client.clone(), NS);
+    for body in Body::ALL.iter().skip(1).chain(&[Body::Full]) {
+        let prefix = format!("part-{}", body.name());
+        let before = api_requests::by_kind(&client).await;
+        let cpu_before = CpuReading::of(&burst_processes(b));
+        let cpu_since = Instant::now();
+        let phase = schedule_with_floor(&client, &prefix, pods, &b.fleet.names, *body).await?;
+        let per_pod = cpu_before.per_unit_ms(&CpuReading::of(&burst_processes(b)), pods);
+        let busy = cpu::cores_busy(&per_pod, pods, cpu_since.elapsed());
+        let after = api_requests::by_kind(&client).await;
+        eprintln!(
+            "[bench] floor part {}: {:.0} pods/s, {:.2} of the baseline; CPU per pod {}, {busy:.1} cores busy; {:.1} requests per pod ({})",
+            body.name(),
+            phase.throughput(),
+            phase.throughput() / plain.max(f64::EPSILON),
+            cpu::describe(&per_pod),
+            api_requests::per_unit(&before, &after, pods).0,
+            api_requests::per_unit_all(&before, &after, pods),
+        );
+    }
+    watch.abort();
+    Ok(())
+}
+
 /// Creates `n` plain pods `<prefix>-<i>` at once and, beside them, each pod's ledger floor (a
 /// share on node `nodes[i % len]`), and waits until all are bound. The wall time runs to the
 /// last Bound or the last floor write, whichever came later.
@@ -863,6 +899,7 @@ async fn schedule_with_floor(
     prefix: &str,
     n: usize,
     nodes: &[String],
+    body: Body,
 ) -> Result<Phase, String> {
     if nodes.is_empty() {
         return Err("ledger floor: no nodes".into());
@@ -892,7 +929,7 @@ async fn schedule_with_floor(
                 shape: GpuShape::default(),
                 slot,
             };
-            ledger_floor::write(&client, NS, &pod, share)
+            ledger_floor::write(&client, NS, &pod, share, body)
                 .await
                 .map_err(|e| format!("ledger floor of pod {i}: {e}"))?;
             Ok::<_, String>(Instant::now())

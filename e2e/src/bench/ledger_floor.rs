@@ -55,34 +55,104 @@ pub fn watch(client: Client, namespace: &str) -> JoinHandle<()> {
     })
 }
 
+/// Which parts of a reservation the floor writes: the whole of it, as gpuledger does, or less,
+/// to find which parts the API server pays for (`GPULEDGER_BENCH_FLOOR_PARTS`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Body {
+    /// The reservation and its status as gpuledger leaves them.
+    Full,
+    /// Without the node label, the owner reference and the finalizer.
+    NoOwnership,
+    /// Without the status's GitOps conditions.
+    NoConditions,
+    /// Without the status's allocation record.
+    NoAllocation,
+    /// None of those, no container in the spec, and a status of the phase alone.
+    Bare,
+}
+
+impl Body {
+    /// Every body, the whole one first.
+    pub const ALL: [Body; 5] = [
+        Body::Full,
+        Body::NoOwnership,
+        Body::NoConditions,
+        Body::NoAllocation,
+        Body::Bare,
+    ];
+
+    /// Its name in the bench's log (and in pod names: lowercase, dashes).
+    pub fn name(self) -> &'static str {
+        match self {
+            Body::Full => "full",
+            Body::NoOwnership => "no-ownership",
+            Body::NoConditions => "no-conditions",
+            Body::NoAllocation => "no-allocation",
+            Body::Bare => "bare",
+        }
+    }
+
+    /// `reservation` and `status` (a merge patch's body) with the parts this body leaves out
+    /// taken away.
+    fn shape(self, reservation: &mut GpuReservation, status: &mut Value) {
+        let drop_status = |status: &mut Value, field: &str| {
+            if let Some(s) = status.get_mut("status").and_then(Value::as_object_mut) {
+                s.remove(field);
+            }
+        };
+        if matches!(self, Body::NoOwnership | Body::Bare) {
+            let meta = &mut reservation.metadata;
+            meta.labels = None;
+            meta.owner_references = None;
+            meta.finalizers = None;
+        }
+        match self {
+            Body::Full | Body::NoOwnership => {}
+            Body::NoConditions => drop_status(status, "conditions"),
+            Body::NoAllocation => drop_status(status, "allocation"),
+            Body::Bare => {
+                reservation.spec.containers.clear();
+                let phase = status["status"]["phase"].take();
+                *status = serde_json::json!({ "status": { "phase": phase } });
+            }
+        }
+    }
+}
+
 /// The floor's two writes for `pod` (as created, with its UID) holding `share`: its
-/// reservation's body created under the floor's kind, then that object's status as after a
+/// reservation's `body` created under the floor's kind, then that object's status as after a
 /// completed allocation, in one merge patch.
 pub async fn write(
     client: &Client,
     namespace: &str,
     pod: &Pod,
     share: Share<'_>,
+    body: Body,
 ) -> Result<(), FloorError> {
     let mut reservation = share.reservation(pod);
-    let mut body = serde_json::to_value(&reservation)?;
-    if let Some(map) = body.as_object_mut() {
+    // The status is rendered before the create for its shape; its generation is the
+    // create's, which a new object always starts at.
+    reservation.metadata.generation = Some(1);
+    let mut status = share.allocated_status(&reservation);
+    body.shape(&mut reservation, &mut status);
+    let mut object = serde_json::to_value(&reservation)?;
+    if let Some(map) = object.as_object_mut() {
         let ar = resource();
         map.insert("apiVersion".into(), Value::String(ar.api_version));
         map.insert("kind".into(), Value::String(ar.kind));
+        if let Some(meta) = map.get_mut("metadata").and_then(Value::as_object_mut) {
+            meta.remove("generation");
+        }
     }
-    let object: DynamicObject = serde_json::from_value(body)?;
+    let object: DynamicObject = serde_json::from_value(object)?;
     let name = object.metadata.name.clone().unwrap_or_default();
     let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), namespace, &resource());
-    let created = api
-        .create(&PostParams::default(), &object)
+    api.create(&PostParams::default(), &object)
         .await
         .map_err(|source| FloorError::Api {
             action: format!("create floor reservation {name}"),
             source,
         })?;
-    reservation.metadata.generation = created.metadata.generation;
-    let status = share.allocated_status(&reservation);
     api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&status))
         .await
         .map_err(|source| FloorError::Api {
@@ -90,4 +160,67 @@ pub async fn write(
             source,
         })?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bench::GpuShape;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
+    fn shaped(body: Body) -> (GpuReservation, Value) {
+        let pod = Pod {
+            metadata: ObjectMeta {
+                name: Some("p".into()),
+                namespace: Some("default".into()),
+                uid: Some("uid-p".into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let share = Share {
+            node: "gpu-0",
+            shape: GpuShape::default(),
+            slot: 3,
+        };
+        let mut r = share.reservation(&pod);
+        let mut status = share.allocated_status(&r);
+        body.shape(&mut r, &mut status);
+        (r, status)
+    }
+
+    #[test]
+    fn each_body_leaves_out_its_part_and_nothing_else() {
+        let (full, full_status) = shaped(Body::Full);
+        assert!(full.metadata.owner_references.is_some() && full.metadata.finalizers.is_some());
+        assert!(full.metadata.labels.is_some());
+        for field in ["conditions", "allocation", "phase", "devices", "numa"] {
+            assert!(!full_status["status"][field].is_null(), "{field}");
+        }
+        assert_eq!(full.spec.containers.len(), 1);
+
+        let (r, status) = shaped(Body::NoOwnership);
+        assert!(r.metadata.labels.is_none() && r.metadata.owner_references.is_none());
+        assert!(r.metadata.finalizers.is_none());
+        assert_eq!((r.spec, status), (full.spec.clone(), full_status.clone()));
+
+        for (body, gone) in [
+            (Body::NoConditions, "conditions"),
+            (Body::NoAllocation, "allocation"),
+        ] {
+            let (r, status) = shaped(body);
+            assert_eq!(r.metadata, full.metadata, "{body:?}");
+            assert!(status["status"][gone].is_null(), "{body:?}");
+            let mut expect = full_status.clone();
+            expect["status"].as_object_mut().unwrap().remove(gone);
+            assert_eq!(status, expect, "{body:?}");
+        }
+
+        let (r, status) = shaped(Body::Bare);
+        assert!(r.spec.containers.is_empty() && r.metadata.owner_references.is_none());
+        assert_eq!(
+            status,
+            serde_json::json!({"status": {"phase": "Allocated"}})
+        );
+    }
 }
