@@ -27,7 +27,7 @@ use gpuledger_crds::names::DEFAULT_NAMESPACE;
 use gpuledger_e2e::bench::api_requests;
 use gpuledger_e2e::bench::cpu::{self, CpuReading};
 use gpuledger_e2e::bench::fleet::{Share, run_parallel};
-use gpuledger_e2e::bench::go_runtime;
+use gpuledger_e2e::bench::go_runtime::{self, GoRuntime};
 use gpuledger_e2e::bench::ledger_floor::{self, Body};
 use gpuledger_e2e::bench::{
     ChildOperator, Fleet, GpuShape, OperatorOptions, Row, Throttle, TimingProxy, gpu_pod,
@@ -323,6 +323,72 @@ fn keep_operator_log(op: &ChildOperator, run: &str) {
     }
 }
 
+/// The readings taken before a burst, to tell what it cost per pod.
+struct CostMeter {
+    requests: BTreeMap<String, f64>,
+    runtime: Option<GoRuntime>,
+    cpu: CpuReading,
+    since: Instant,
+}
+
+/// What a burst cost per pod: each process's CPU, the cores kept busy, the API server's
+/// requests and what they cost its Go runtime.
+struct BurstCost {
+    cpu: Vec<(String, f64)>,
+    busy: f64,
+    /// Requests per pod in all.
+    requests: f64,
+    /// The six busiest request kinds, for a row's note.
+    busiest: String,
+    /// Every request kind, for the log.
+    every_kind: String,
+    /// [`runtime_note`]'s words, empty when the Go metrics were unreadable.
+    runtime: String,
+}
+
+impl CostMeter {
+    async fn start(b: &Bench) -> Self {
+        let client = b.cp.client();
+        CostMeter {
+            requests: api_requests::by_kind(&client).await,
+            runtime: go_runtime::read(&client).await,
+            cpu: CpuReading::of(&burst_processes(b)),
+            since: Instant::now(),
+        }
+    }
+
+    async fn finish(self, b: &Bench, pods: usize) -> BurstCost {
+        let client = b.cp.client();
+        let cpu = self
+            .cpu
+            .per_unit_ms(&CpuReading::of(&burst_processes(b)), pods);
+        let busy = cpu::cores_busy(&cpu, pods, self.since.elapsed());
+        let runtime = runtime_note(go_runtime::per_unit(
+            self.runtime,
+            go_runtime::read(&client).await,
+            pods,
+            "pod",
+        ));
+        let after = api_requests::by_kind(&client).await;
+        let (requests, busiest) = api_requests::per_unit(&self.requests, &after, pods);
+        BurstCost {
+            busy,
+            requests,
+            busiest,
+            every_kind: api_requests::per_unit_all(&self.requests, &after, pods),
+            runtime,
+            cpu,
+        }
+    }
+}
+
+impl BurstCost {
+    /// `14.12 ms (kube-apiserver 8.41, ...), 2.0 cores busy`.
+    fn cpu_note(&self) -> String {
+        format!("{}, {:.1} cores busy", cpu::describe(&self.cpu), self.busy)
+    }
+}
+
 /// One phase's scheduling: when each pod was created and bound, and the bind calls it took.
 pub(crate) struct Phase {
     created: Times,
@@ -365,22 +431,9 @@ async fn run() -> Result<Vec<Row>, String> {
     // GPU requests. kube-scheduler asks the extender only about pods that name its managed
     // resources, so these are kube-scheduler alone.
     eprintln!("[bench] baseline: {pods} pods without GPUs at once, kube-scheduler alone");
-    let before = api_requests::by_kind(&client).await;
-    let runtime_before = go_runtime::read(&client).await;
-    let cpu_before = CpuReading::of(&burst_processes(&b));
-    let cpu_since = Instant::now();
+    let meter = CostMeter::start(&b).await;
     let plain = schedule_pods(&client, "plain", pods, plain_pod).await?;
-    let plain_cpu = cpu_before.per_unit_ms(&CpuReading::of(&burst_processes(&b)), pods);
-    let plain_busy = cpu::cores_busy(&plain_cpu, pods, cpu_since.elapsed());
-    let plain_runtime = runtime_note(go_runtime::per_unit(
-        runtime_before,
-        go_runtime::read(&client).await,
-        pods,
-        "pod",
-    ));
-    let after = api_requests::by_kind(&client).await;
-    let plain_api = api_requests::per_unit(&before, &after, pods);
-    let plain_api_all = api_requests::per_unit_all(&before, &after, pods);
+    let plain_cost = meter.finish(&b, pods).await;
     if plain.bound.len() < pods {
         return Err(format!("plain pods bound: {}/{pods}", plain.bound.len()));
     }
@@ -395,22 +448,9 @@ async fn run() -> Result<Vec<Row>, String> {
     eprintln!(
         "[bench] ledger floor: {pods} pods without GPUs at once, each with a reservation created and its status written"
     );
-    let before = api_requests::by_kind(&client).await;
-    let runtime_before = go_runtime::read(&client).await;
-    let cpu_before = CpuReading::of(&burst_processes(&b));
-    let cpu_since = Instant::now();
+    let meter = CostMeter::start(&b).await;
     let floor = schedule_with_floor(&client, "floor", pods, &b.fleet.names, Body::Full).await?;
-    let floor_cpu = cpu_before.per_unit_ms(&CpuReading::of(&burst_processes(&b)), pods);
-    let floor_busy = cpu::cores_busy(&floor_cpu, pods, cpu_since.elapsed());
-    let floor_runtime = runtime_note(go_runtime::per_unit(
-        runtime_before,
-        go_runtime::read(&client).await,
-        pods,
-        "pod",
-    ));
-    let after = api_requests::by_kind(&client).await;
-    let floor_api = api_requests::per_unit(&before, &after, pods);
-    let floor_api_all = api_requests::per_unit_all(&before, &after, pods);
+    let floor_cost = meter.finish(&b, pods).await;
     floor_watch.abort();
     if floor.bound.len() < pods {
         return Err(format!(
@@ -430,44 +470,25 @@ async fn run() -> Result<Vec<Row>, String> {
     let steady_names = b.proxy.take_filter_sizes();
     b.proxy.take_ms("/bind");
     eprintln!("[bench] creating {pods} GPU pods at once");
-    let before = api_requests::by_kind(&client).await;
-    let runtime_before = go_runtime::read(&client).await;
-    let cpu_before = CpuReading::of(&burst_processes(&b));
-    let cpu_since = Instant::now();
+    let meter = CostMeter::start(&b).await;
     let profile = std::env::var_os(PROFILE_ENV).map(|out| profile_apiserver(&b, out.into()));
     let burst = schedule(&client, "tp", pods).await?;
     if let Some(profile) = profile {
         let _ = tokio::task::spawn_blocking(move || profile.join()).await;
     }
-    let gpu_cpu = cpu_before.per_unit_ms(&CpuReading::of(&burst_processes(&b)), pods);
-    let gpu_busy = cpu::cores_busy(&gpu_cpu, pods, cpu_since.elapsed());
-    let gpu_runtime = runtime_note(go_runtime::per_unit(
-        runtime_before,
-        go_runtime::read(&client).await,
-        pods,
-        "pod",
-    ));
-    let after = api_requests::by_kind(&client).await;
-    let gpu_api = api_requests::per_unit(&before, &after, pods);
-    let gpu_api_all = api_requests::per_unit_all(&before, &after, pods);
-    eprintln!(
-        "[bench] CPU per pod, plain burst: {}; ledger floor: {}; GPU burst: {}",
-        cpu::describe(&plain_cpu),
-        cpu::describe(&floor_cpu),
-        cpu::describe(&gpu_cpu)
-    );
-    eprintln!(
-        "[bench] API requests per pod, plain burst: {:.2} ({plain_api_all})",
-        plain_api.0
-    );
-    eprintln!(
-        "[bench] API requests per pod, ledger floor: {:.2} ({floor_api_all})",
-        floor_api.0
-    );
-    eprintln!(
-        "[bench] API requests per pod, GPU burst: {:.2} ({gpu_api_all})",
-        gpu_api.0
-    );
+    let gpu_cost = meter.finish(&b, pods).await;
+    for (burst, cost) in [
+        ("plain burst", &plain_cost),
+        ("ledger floor", &floor_cost),
+        ("GPU burst", &gpu_cost),
+    ] {
+        eprintln!(
+            "[bench] per pod, {burst}: {}; {:.2} API requests ({})",
+            cost.cpu_note(),
+            cost.requests,
+            cost.every_kind
+        );
+    }
     let filter = b.proxy.take_ms("/filter");
     let bind = b.proxy.take_ms("/bind");
     let burst = Phase {
@@ -552,11 +573,12 @@ async fn run() -> Result<Vec<Row>, String> {
             "pods/s",
             &[plain.throughput()],
             format!(
-                "one run, {:.1} s; {:.1} API requests per pod ({}); CPU per pod {}, {plain_busy:.1} cores busy{plain_runtime}",
+                "one run, {:.1} s; {:.1} API requests per pod ({}); CPU per pod {}{}",
                 plain.wall.as_secs_f64(),
-                plain_api.0,
-                plain_api.1,
-                cpu::describe(&plain_cpu)
+                plain_cost.requests,
+                plain_cost.busiest,
+                plain_cost.cpu_note(),
+                plain_cost.runtime
             ),
         ),
         Row::measured(
@@ -568,12 +590,13 @@ async fn run() -> Result<Vec<Row>, String> {
             "pods/s",
             &[floor.throughput()],
             format!(
-                "one run, {:.1} s to the last Bound or write; {:.2} of the baseline: the most a ledger of one custom resource per pod reaches here; {:.1} API requests per pod ({}); CPU per pod {}, {floor_busy:.1} cores busy{floor_runtime}",
+                "one run, {:.1} s to the last Bound or write; {:.2} of the baseline: the most a ledger of one custom resource per pod reaches here; {:.1} API requests per pod ({}); CPU per pod {}{}",
                 floor.wall.as_secs_f64(),
                 floor.throughput() / plain.throughput().max(f64::EPSILON),
-                floor_api.0,
-                floor_api.1,
-                cpu::describe(&floor_cpu)
+                floor_cost.requests,
+                floor_cost.busiest,
+                floor_cost.cpu_note(),
+                floor_cost.runtime
             ),
         ),
         Row::measured(
@@ -592,10 +615,11 @@ async fn run() -> Result<Vec<Row>, String> {
                 "ratio",
                 &[ratio],
                 format!(
-                    "target >= 0.5: {met}; {:.1} API requests per GPU pod ({}); CPU per GPU pod {}, {gpu_busy:.1} cores busy{gpu_runtime}",
-                    gpu_api.0,
-                    gpu_api.1,
-                    cpu::describe(&gpu_cpu)
+                    "target >= 0.5: {met}; {:.1} API requests per GPU pod ({}); CPU per GPU pod {}{}",
+                    gpu_cost.requests,
+                    gpu_cost.busiest,
+                    gpu_cost.cpu_note(),
+                    gpu_cost.runtime
                 ),
             )
         },
@@ -870,21 +894,17 @@ async fn floor_parts(b: &Bench, pods: usize, plain: f64) -> Result<(), String> {
     let watch = ledger_floor::watch(client.clone(), NS);
     for (pass, body) in Body::ALL.iter().chain(&Body::ALL).enumerate() {
         let prefix = format!("part{}-{}", pass / Body::ALL.len(), body.name());
-        let before = api_requests::by_kind(&client).await;
-        let cpu_before = CpuReading::of(&burst_processes(b));
-        let cpu_since = Instant::now();
+        let meter = CostMeter::start(b).await;
         let phase = schedule_with_floor(&client, &prefix, pods, &b.fleet.names, *body).await?;
-        let per_pod = cpu_before.per_unit_ms(&CpuReading::of(&burst_processes(b)), pods);
-        let busy = cpu::cores_busy(&per_pod, pods, cpu_since.elapsed());
-        let after = api_requests::by_kind(&client).await;
+        let cost = meter.finish(b, pods).await;
         eprintln!(
-            "[bench] floor part {}: {:.0} pods/s, {:.2} of the baseline; CPU per pod {}, {busy:.1} cores busy; {:.1} requests per pod ({})",
+            "[bench] floor part {}: {:.0} pods/s, {:.2} of the baseline; CPU per pod {}; {:.1} requests per pod ({})",
             body.name(),
             phase.throughput(),
             phase.throughput() / plain.max(f64::EPSILON),
-            cpu::describe(&per_pod),
-            api_requests::per_unit(&before, &after, pods).0,
-            api_requests::per_unit_all(&before, &after, pods),
+            cost.cpu_note(),
+            cost.requests,
+            cost.every_kind,
         );
     }
     watch.abort();

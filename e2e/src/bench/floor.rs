@@ -25,6 +25,8 @@ use serde_json::{Value, json};
 use tokio::task::JoinHandle;
 use tokio_stream::StreamExt;
 
+use crate::cluster::{ClusterError, wait_crd_established};
+
 /// Group of the floor's kind.
 pub const GROUP: &str = "bench.gpuledger.io";
 /// The floor's kind.
@@ -42,14 +44,9 @@ pub enum FloorError {
         /// The client's error.
         source: kube::Error,
     },
-    /// The CRD never became established.
-    #[error("CRD {crd} not established after {after:?}")]
-    NotEstablished {
-        /// The CRD's name.
-        crd: String,
-        /// How long it was waited for.
-        after: Duration,
-    },
+    /// The CRD could not be read, or never became established.
+    #[error(transparent)]
+    NotEstablished(#[from] ClusterError),
     /// The object's body could not be built.
     #[error("floor object body: {0}")]
     Body(#[from] serde_json::Error),
@@ -101,30 +98,10 @@ pub(crate) async fn install_renamed(
         Err(kube::Error::Api(s)) if s.is_already_exists() => {}
         Err(e) => return Err(api_err(format!("create CRD {name}"))(e)),
     }
-    let limit = Duration::from_secs(30);
-    let started = Instant::now();
-    while started.elapsed() < limit {
-        let established = crds
-            .get_opt(&name)
-            .await
-            .map_err(api_err(format!("read CRD {name}")))?
-            .and_then(|c| c.status)
-            .and_then(|s| s.conditions)
-            .is_some_and(|cs| {
-                cs.iter()
-                    .any(|c| c.type_ == "Established" && c.status == "True")
-            });
-        if established {
-            // Established is written before every API server handler serves the kind.
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            return Ok(());
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    Err(FloorError::NotEstablished {
-        crd: name,
-        after: limit,
-    })
+    wait_crd_established(client, &name, Duration::from_secs(30)).await?;
+    // Established is written before every API server handler serves the kind.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    Ok(())
 }
 
 /// `request` as a floor object: the same body under the floor's kind.

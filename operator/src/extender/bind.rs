@@ -511,6 +511,11 @@ async fn take_lease(
     use tokio::time::Instant;
     let deadline = (Instant::now() + ctx.timing.lease_wait).min(Instant::from_std(bind_deadline));
     let watched = &ctx.caches.leases;
+    // A holder the pod watch shows live is not looked up (a takeover still is: `try_take`).
+    let watched_live = |h: &Holder<'_>| {
+        let key = ReservationKey::new(h.namespace, h.pod);
+        ctx.caches.pods.shows_live(&key, h.uid)
+    };
     let mut changes = watched.subscribe();
     let mut quiet = RECHECK_FIRST;
     // The first attempt is made at once unless the watch shows another pod being admitted.
@@ -529,10 +534,6 @@ async fn take_lease(
             // them, on the first attempt: the plugin deletes the Lease after each admission).
             let likely_free = watched.absent(node).unwrap_or(first);
             first = false;
-            let watched_live = |h: &Holder<'_>| {
-                let key = ReservationKey::new(h.namespace, h.pod);
-                ctx.caches.pods.shows_live(&key, h.uid)
-            };
             match lease::try_take(
                 &ctx.client,
                 &ctx.namespace,
