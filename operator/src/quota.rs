@@ -9,14 +9,12 @@
 
 use std::collections::BTreeMap;
 
-use gpuledger_crds::GpuReservation;
 use gpuledger_fit::quota::{QuotaLimits, QuotaUse};
 use k8s_openapi::api::core::v1::ResourceQuota;
 use kube::ResourceExt;
 use kube::runtime::reflector::Store;
 
 use crate::ledger::LedgerIndex;
-use crate::ledger::usage::{DeviceUsage, holds_capacity, reservation_load};
 
 pub use gpuledger_fit::quota::QuotaError;
 
@@ -59,61 +57,35 @@ pub fn add_quota(limits: &mut QuotaLimits, quota: &ResourceQuota) {
     }
 }
 
-/// What a load (per-GPU usage, as a placement or a reservation holds it) counts against quota.
-pub fn use_of_load(load: &[(String, DeviceUsage)]) -> QuotaUse {
-    let mut total = QuotaUse::default();
-    for (_, u) in load {
-        total.add(QuotaUse {
-            memory_mib: u.memory_mib,
-            cores: u.cores,
-            gpus: u64::from(u.sharers),
-        });
-    }
-    total
-}
-
-/// What `reservation` counts against its namespace's quota (nothing once it holds no capacity).
-pub fn use_of(reservation: &GpuReservation) -> QuotaUse {
-    if !holds_capacity(reservation) {
-        return QuotaUse::default();
-    }
-    use_of_load(&reservation_load(reservation))
-}
-
-/// What `namespace` holds according to the ledger, leaving out the reservation of the pod with
-/// UID `except` (a pod being bound again must not count against itself).
-pub fn used(index: &LedgerIndex, namespace: &str, except: Option<&str>) -> QuotaUse {
-    let mut total = QuotaUse::default();
-    for r in index.in_namespace(namespace) {
-        if except.is_some_and(|uid| r.spec.pod_uid == uid) {
-            continue;
-        }
-        total.add(use_of(&r));
-    }
-    total
+/// What `namespace` holds according to the ledger, leaving out the reservation of pod
+/// `except` (name and UID: a pod being bound again must not count against itself). The index
+/// keeps each namespace's total as its reservations change, so this does not grow with the
+/// namespace: filter and bind ask it on every decision.
+pub fn used(index: &LedgerIndex, namespace: &str, except: Option<(&str, &str)>) -> QuotaUse {
+    index.namespace_use(namespace, except)
 }
 
 /// Checks `asked` against `namespace`'s `limits` (read once by the caller, [`limits`]) and what
-/// the ledger says the namespace holds without the pod `pod_uid`.
+/// the ledger says the namespace holds without pod `except` (name and UID).
 pub fn check(
     limits: &QuotaLimits,
     index: &LedgerIndex,
     namespace: &str,
-    pod_uid: Option<&str>,
+    except: Option<(&str, &str)>,
     asked: QuotaUse,
 ) -> Result<(), QuotaError> {
     if limits.is_unlimited() {
         return Ok(());
     }
-    gpuledger_fit::quota::check(limits, used(index, namespace, pod_uid), asked)
+    gpuledger_fit::quota::check(limits, used(index, namespace, except), asked)
 }
 
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
     use gpuledger_crds::{
-        ContainerReservation, GpuReservationSpec, GpuReservationStatus, ReservationPhase,
-        ReservedDevice,
+        ContainerReservation, GpuReservation, GpuReservationSpec, GpuReservationStatus,
+        ReservationPhase, ReservedDevice,
     };
     use k8s_openapi::api::core::v1::ResourceQuotaSpec;
     use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -191,7 +163,7 @@ pub(crate) mod tests {
         }
         let u = used(&index, "team-a", None);
         assert_eq!((u.memory_mib, u.cores, u.gpus), (5000, 20, 2));
-        let without_p1 = used(&index, "team-a", Some("uid-p1"));
+        let without_p1 = used(&index, "team-a", Some(("p1", "uid-p1")));
         assert_eq!(without_p1.memory_mib, 1000);
     }
 

@@ -314,7 +314,7 @@ async fn ledger_verdict(client: &Client, op: &ChildOperator) -> (String, Option<
 
 /// Copies the operator's log to `target/bench/operator-<run>.log` (its own directory is
 /// temporary), for reading bind errors after the run.
-fn keep_operator_log(op: &ChildOperator, run: &str) {
+pub(crate) fn keep_operator_log(op: &ChildOperator, run: &str) {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/bench");
     let to = dir.join(format!("operator-{run}.log"));
     match std::fs::create_dir_all(&dir).and_then(|()| std::fs::copy(op.log(), &to)) {

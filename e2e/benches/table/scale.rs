@@ -35,7 +35,9 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::Client;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 
-use crate::extender::{direct_filter, log_filter_histograms, paced, scheduling_cluster, settled};
+use crate::extender::{
+    direct_filter, keep_operator_log, log_filter_histograms, paced, scheduling_cluster, settled,
+};
 
 const NS: &str = "default";
 /// The sizes measured, in nodes; the largest carries the targets.
@@ -264,6 +266,7 @@ async fn run() -> Result<Vec<Row>, String> {
     let scheduled_filter = proxy.take_ms("/filter");
     let names_per_call = proxy.take_filter_sizes();
     let after_mib = rss_kib(op.pid()).unwrap_or_default() as f64 / 1024.0;
+    keep_operator_log(&op, "scale");
     op.kill().await.map_err(|e| e.to_string())?;
     phase?;
 

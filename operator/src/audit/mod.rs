@@ -316,7 +316,9 @@ fn check_quotas(snap: &Snapshot, out: &mut Vec<Finding>) {
         if let Some(ns) = r.metadata.namespace.as_deref()
             && limits.contains_key(ns)
         {
-            used.entry(ns).or_default().add(crate::quota::use_of(r));
+            used.entry(ns)
+                .or_default()
+                .add(crate::ledger::usage::quota_use(r));
         }
     }
     for (ns, limits) in &limits {

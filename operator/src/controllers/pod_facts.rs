@@ -11,8 +11,9 @@
 //! fresh GET (see `reservation::reconcile`), so a cache that lags cannot make the operator
 //! delete or release a reservation.
 
-use std::collections::HashMap;
-use std::sync::{Arc, RwLock};
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Bound;
+use std::sync::Arc;
 
 use gpuledger_crds::podapi::PodApiConfig;
 
@@ -22,6 +23,7 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::runtime::watcher::Event;
+use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::ledger::ReservationKey;
 
@@ -102,9 +104,14 @@ pub fn init_containers_done(pod: &Pod) -> bool {
 /// and refit read their pod from the API server, as they do on a miss.
 pub const PENDING_CAPACITY: usize = 4096;
 
+/// Pods looked at per hold of the lock in a look at every pod: a fraction of a millisecond.
+const SCAN_CHUNK: usize = 1024;
+
 #[derive(Default)]
 struct Inner {
-    pods: HashMap<ReservationKey, PodFacts>,
+    /// Ordered, so that a look at every pod can go in chunks and let the lock go between them
+    /// ([`PodFactsCache::bound_gpu_pods_where`]).
+    pods: BTreeMap<ReservationKey, PodFacts>,
     /// Whole GPU pods that have not started, seen since this cache synced: the pods
     /// kube-scheduler is about to bind and the kubelets are admitting. Bind and refit read the
     /// pod they are about; taking it from here saves a GET on the paths kube-scheduler and the
@@ -114,7 +121,7 @@ struct Inner {
     /// entries, read by filter whenever no node fits, so it must not scan every pod.
     terminating: HashMap<ReservationKey, String>,
     /// Pods of a relist in progress (between `Init` and `InitDone`).
-    relist: Option<HashMap<ReservationKey, PodFacts>>,
+    relist: Option<BTreeMap<ReservationKey, PodFacts>>,
     synced: bool,
 }
 
@@ -183,13 +190,14 @@ impl PodFactsCache {
         }
     }
 
-    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Inner> {
-        // The maps stay consistent after a panic elsewhere: each update is one insert/remove.
-        self.inner.write().unwrap_or_else(|e| e.into_inner())
+    // parking_lot's lock, as the ledger index's (see there): a waiting writer gets in at the
+    // next chunk of a look at every pod. No poisoning: each update is one insert/remove.
+    fn write(&self) -> RwLockWriteGuard<'_, Inner> {
+        self.inner.write()
     }
 
-    fn read(&self) -> std::sync::RwLockReadGuard<'_, Inner> {
-        self.inner.read().unwrap_or_else(|e| e.into_inner())
+    fn read(&self) -> RwLockReadGuard<'_, Inner> {
+        self.inner.read()
     }
 
     /// Feeds one event of the pod watch.
@@ -230,7 +238,7 @@ impl PodFactsCache {
             // A relist may hide deletions: forget the whole pods (the listed ones are not kept:
             // a cold start lists every pod of the cluster, and few are pending at any time).
             Event::Init => {
-                inner.relist = Some(HashMap::new());
+                inner.relist = Some(BTreeMap::new());
                 inner.pending.clear();
             }
             Event::InitApply(pod) => {
@@ -277,16 +285,35 @@ impl PodFactsCache {
     /// Only those are copied: the unreserved sweep looks at every bound pod every two seconds
     /// and keeps almost none, and a copy of all of them was, at 100 000 pods, a transient
     /// 20 MB at each look.
+    ///
+    /// The pods are looked at [`SCAN_CHUNK`] at a time, the lock let go between chunks. One
+    /// look at 100 000 pods (each with a ledger lookup in `keep`) held it for tens of
+    /// milliseconds, and the pod watch's next write waited that long, and behind that write
+    /// every reader: bind on the extender's single thread, and every filter call queued behind
+    /// it. A pod added or changed behind the chunk being looked at is seen at the next look.
     pub fn bound_gpu_pods_where(
         &self,
         keep: impl Fn(&ReservationKey, &PodFacts) -> bool,
     ) -> Vec<(ReservationKey, PodFacts)> {
-        self.read()
-            .pods
-            .iter()
-            .filter(|(k, f)| f.wants_gpus && f.node_name.is_some() && !f.finished && keep(k, f))
-            .map(|(k, f)| (k.clone(), f.clone()))
-            .collect()
+        let mut out = Vec::new();
+        let mut after: Option<ReservationKey> = None;
+        loop {
+            let inner = self.read();
+            let from = after.as_ref().map_or(Bound::Unbounded, Bound::Excluded);
+            let mut looked = 0;
+            let mut last = None;
+            for (k, f) in inner.pods.range((from, Bound::Unbounded)).take(SCAN_CHUNK) {
+                looked += 1;
+                last = Some(k);
+                if f.wants_gpus && f.node_name.is_some() && !f.finished && keep(k, f) {
+                    out.push((k.clone(), f.clone()));
+                }
+            }
+            if looked < SCAN_CHUNK {
+                return out;
+            }
+            after = last.cloned();
+        }
     }
 
     /// How many GPU pods bound to `node` are being deleted but have not stopped: their GPUs
@@ -576,6 +603,52 @@ pub(crate) mod tests {
         set(&mut p, vec![terminated(0), terminated(0)]);
         assert!(of(&p).init_done);
         assert!(!of(&pod("b", "u2", None, "Running")).init_done, "no init");
+    }
+
+    /// A look at every pod must let the pod watch write between its chunks: held for the whole
+    /// look, the lock kept the watch's write waiting, and with it (the lock lets no reader past
+    /// a waiting writer) bind and every filter call queued behind bind on the extender's thread.
+    #[test]
+    fn a_look_at_every_bound_pod_lets_a_waiting_write_in_between_chunks() {
+        let cache = Arc::new(PodFactsCache::default());
+        let bound = |i: usize, node: &str| {
+            wanting_a_gpu(pod(
+                &format!("p{i:05}"),
+                &format!("u{i}"),
+                Some(node),
+                "Running",
+            ))
+        };
+        let count = 3 * SCAN_CHUNK;
+        cache.apply(&Event::Init);
+        for i in 0..count {
+            cache.apply(&Event::InitApply(bound(i, "n1")));
+        }
+        cache.apply(&Event::InitDone);
+        // The last pod moves to n2 while the look is in its first chunk.
+        let last = key_of(&bound(count - 1, "n1"));
+        let writer = std::sync::Mutex::new(None);
+        let seen = cache.bound_gpu_pods_where(|key, _| {
+            let mut writer = writer.lock().unwrap();
+            if writer.is_none() {
+                let cache = cache.clone();
+                let moved = bound(count - 1, "n2");
+                *writer = Some(std::thread::spawn(move || {
+                    cache.apply(&Event::Apply(moved));
+                }));
+                // Long enough for the writer to be waiting on the lock.
+                std::thread::sleep(std::time::Duration::from_millis(200));
+            }
+            *key == last
+        });
+        let writer = writer.lock().unwrap().take().unwrap();
+        writer.join().unwrap();
+        assert_eq!(seen.len(), 1);
+        assert_eq!(
+            seen[0].1.node_name.as_deref(),
+            Some("n2"),
+            "the write waited for the whole look"
+        );
     }
 
     #[test]

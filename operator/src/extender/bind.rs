@@ -49,7 +49,7 @@ use crate::lease::allocation::{self as lease, LeaseError};
 use crate::lease::turns::Turn;
 use crate::lease::watched::{Outlook, RECHECK_FIRST, RECHECK_MAX};
 use crate::ledger::render::{devices_summary, reservation_for};
-use crate::ledger::usage::reservation_load;
+use crate::ledger::usage::{quota_use_of_load, reservation_load};
 use crate::ledger::{ReservationKey, WriteError};
 use crate::quota::{self, QuotaError};
 use crate::schedule::PlaceError;
@@ -307,9 +307,9 @@ async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Bound, Bi
             })?;
         let desired = reservation_for(&pod, &args.node, placement.containers, &alignment);
         if limited {
-            let asked = quota::use_of_load(&reservation_load(&desired));
-            let uid = Some(args.pod_uid.as_str());
-            quota::check(&limits, &ctx.ledger.index, ns, uid, asked).map_err(|reason| {
+            let asked = quota_use_of_load(&reservation_load(&desired));
+            let this_pod = Some((args.pod_name.as_str(), args.pod_uid.as_str()));
+            quota::check(&limits, &ctx.ledger.index, ns, this_pod, asked).map_err(|reason| {
                 BindError::Quota {
                     pod: pod_id.clone(),
                     reason,

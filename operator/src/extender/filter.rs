@@ -12,6 +12,7 @@ use k8s_openapi::api::core::v1::Pod;
 
 use super::wire::{ExtenderArgs, ExtenderFilterResult, HostPriority};
 use crate::context::{Context, pod_ref};
+use crate::ledger::usage::quota_use_of_load;
 use crate::ledger::{Held, ReservationKey};
 use crate::quota;
 use crate::schedule::{self, FitView, NodeChoice, Policy, node_view, with_extra_usage};
@@ -142,13 +143,14 @@ pub async fn filter(ctx: &Context, args: ExtenderArgs) -> ExtenderFilterResult {
         &namespace,
         ctx.defaults.pod_api.get().memory_factor,
     );
+    let this_pod = args.pod.metadata.name.as_deref().zip(uid);
     if choice.chosen.is_some()
         && let Err(e) = quota::check(
             &limits,
             &ctx.ledger.index,
             &namespace,
-            uid,
-            quota::use_of_load(&choice.load),
+            this_pod,
+            quota_use_of_load(&choice.load),
         )
     {
         // An error, not failed nodes: a quota frees up when the namespace's pods end, which

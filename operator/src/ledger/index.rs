@@ -16,16 +16,19 @@
 //! takes the incoming object (the watch is then the source of truth, as in a plain reflector).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use gpuledger_crds::GpuReservation;
 use kube::ResourceExt;
 use kube::runtime::watcher::Event;
+use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use tokio::sync::watch;
 
-use super::usage::{NodeUsage, sum_usage};
+use gpuledger_fit::quota::QuotaUse;
+
+use super::usage::{NodeUsage, quota_use, sum_usage};
 use crate::watches::compacted;
 
 /// How long an own write survives a relist that does not (yet) contain it, and how long a
@@ -36,6 +39,11 @@ const LOCAL_WRITE_GRACE: Duration = Duration::from_secs(30);
 /// event normally follows the write within milliseconds; even the overload bench (API server
 /// stopped half of every 200 ms) stays within seconds.
 pub const ECHO_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Nodes whose reservations [`LedgerIndex::all`] gathers per hold of the lock: at 80 sharers
+/// per node at most (8 GPUs shared ten ways), a few thousand Arc copies, well under a
+/// millisecond.
+const NODES_PER_HOLD: usize = 64;
 
 /// Namespace and name of a reservation.
 ///
@@ -95,8 +103,10 @@ struct Inner {
     /// The keys of `live`, by node: a filter over 1000 nodes asks for every node's usage, so a
     /// scan of every reservation per node would make one filter call O(nodes × reservations).
     by_node: HashMap<String, HashSet<ReservationKey>>,
-    /// The keys of `live`, by namespace: a quota check sums one namespace's reservations.
-    by_namespace: HashMap<Arc<str>, HashSet<ReservationKey>>,
+    /// What the reservations of each namespace count against its GPU quota, kept as `live`
+    /// changes: filter and bind check a quota on every decision, and a sum over a namespace of
+    /// 100 000 reservations took tens of milliseconds each time.
+    ns_use: HashMap<Arc<str>, NamespaceUse>,
     /// Deleted keys, with the resourceVersion of the deletion (when known) and when it happened.
     tombstones: HashMap<ReservationKey, (Option<u64>, Instant)>,
     /// Keys the operator wrote itself, and when.
@@ -116,6 +126,44 @@ struct Inner {
     node_versions: HashMap<String, Arc<NodeClock>>,
     /// Counts changes; never goes back, so a version is never reused.
     clock: u64,
+}
+
+/// A namespace's quota use summed over its reservations. Wider than [`QuotaUse`]'s saturating
+/// `u64`s, so that taking away a reservation's use exactly undoes adding it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct NamespaceUse {
+    memory_mib: u128,
+    cores: u128,
+    gpus: u128,
+}
+
+impl NamespaceUse {
+    fn add(&mut self, u: QuotaUse) {
+        self.memory_mib += u128::from(u.memory_mib);
+        self.cores += u128::from(u.cores);
+        self.gpus += u128::from(u.gpus);
+    }
+
+    /// Takes away `u`, which was added before.
+    fn take(&mut self, u: QuotaUse) {
+        self.memory_mib = self.memory_mib.saturating_sub(u128::from(u.memory_mib));
+        self.cores = self.cores.saturating_sub(u128::from(u.cores));
+        self.gpus = self.gpus.saturating_sub(u128::from(u.gpus));
+    }
+
+    fn is_zero(&self) -> bool {
+        *self == Self::default()
+    }
+
+    /// The sum as [`QuotaUse`] adds it up: saturated at `u64::MAX`.
+    fn total(self) -> QuotaUse {
+        let clamp = |v: u128| u64::try_from(v).unwrap_or(u64::MAX);
+        QuotaUse {
+            memory_mib: clamp(self.memory_mib),
+            cores: clamp(self.cores),
+            gpus: clamp(self.gpus),
+        }
+    }
 }
 
 /// The index. Cheap to share (`Arc`).
@@ -183,33 +231,41 @@ impl Inner {
         }
     }
 
-    /// Inserts into `live`, keeping `by_node` in step.
+    /// Inserts into `live`, keeping `by_node` and `ns_use` in step.
     fn put_live(&mut self, key: ReservationKey, obj: Arc<GpuReservation>) {
         let node = obj.spec.node_name.clone();
+        let added = quota_use(&obj);
         self.touch(&node);
-        if let Some(old) = self.live.insert(key.clone(), obj)
-            && old.spec.node_name != node
-        {
-            self.touch(&old.spec.node_name);
-            self.unindex(&old.spec.node_name, &key);
+        if let Some(old) = self.live.insert(key.clone(), obj) {
+            self.take_use(&key.namespace, quota_use(&old));
+            if old.spec.node_name != node {
+                self.touch(&old.spec.node_name);
+                self.unindex(&old.spec.node_name, &key);
+            }
         }
-        self.by_namespace
-            .entry(key.namespace.clone())
-            .or_default()
-            .insert(key.clone());
+        if added != QuotaUse::default() {
+            self.ns_use
+                .entry(key.namespace.clone())
+                .or_default()
+                .add(added);
+        }
         self.by_node.entry(node).or_default().insert(key);
     }
 
-    /// Removes from `live`, keeping `by_node` in step.
+    /// Removes from `live`, keeping `by_node` and `ns_use` in step.
     fn take_live(&mut self, key: &ReservationKey) {
         if let Some(old) = self.live.remove(key) {
+            self.take_use(&key.namespace, quota_use(&old));
             self.touch(&old.spec.node_name);
             self.unindex(&old.spec.node_name, key);
-            if let Some(keys) = self.by_namespace.get_mut(&key.namespace) {
-                keys.remove(key);
-                if keys.is_empty() {
-                    self.by_namespace.remove(&key.namespace);
-                }
+        }
+    }
+
+    fn take_use(&mut self, namespace: &str, u: QuotaUse) {
+        if let Some(total) = self.ns_use.get_mut(namespace) {
+            total.take(u);
+            if total.is_zero() {
+                self.ns_use.remove(namespace);
             }
         }
     }
@@ -234,14 +290,14 @@ impl Inner {
             self.touch(&obj.spec.node_name);
         }
         self.by_node.clear();
-        self.by_namespace.clear();
+        self.ns_use.clear();
         for (key, obj) in &live {
+            let u = quota_use(obj);
+            if u != QuotaUse::default() {
+                self.ns_use.entry(key.namespace.clone()).or_default().add(u);
+            }
             self.by_node
                 .entry(obj.spec.node_name.clone())
-                .or_default()
-                .insert(key.clone());
-            self.by_namespace
-                .entry(key.namespace.clone())
                 .or_default()
                 .insert(key.clone());
         }
@@ -343,14 +399,18 @@ impl LedgerIndex {
         }
     }
 
-    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Inner> {
-        // A panic while holding the lock cannot leave the maps half-updated in a way that
-        // matters more than losing the index, so recover the guard instead of propagating.
-        self.inner.write().unwrap_or_else(|e| e.into_inner())
+    // parking_lot's lock, not std's: a writer that waits keeps every new reader out until it
+    // has had its turn, so a long look in chunks ([`Self::all`]) lets the watch's write in at
+    // the next chunk. std's lets the looking thread take its next chunk first whenever it is
+    // quicker than the woken writer, which on a busy machine is every time. It does not poison
+    // either: a panic while holding it cannot leave the maps half-updated in a way that
+    // matters more than losing the index.
+    fn write(&self) -> RwLockWriteGuard<'_, Inner> {
+        self.inner.write()
     }
 
-    fn read(&self) -> std::sync::RwLockReadGuard<'_, Inner> {
-        self.inner.read().unwrap_or_else(|e| e.into_inner())
+    fn read(&self) -> RwLockReadGuard<'_, Inner> {
+        self.inner.read()
     }
 
     /// Feeds one watch event.
@@ -465,9 +525,33 @@ impl LedgerIndex {
         self.read().live.get(key).cloned()
     }
 
-    /// Every reservation.
+    /// Every reservation, gathered [`NODES_PER_HOLD`] nodes at a time with the lock let go
+    /// between them. A copy of all 100 000 in one hold kept the watch's next write waiting for
+    /// milliseconds, and behind it (the lock lets no reader past a waiting writer) every filter
+    /// and bind on the extender's single thread. Not a snapshot: a reservation written during
+    /// the gathering may be in it as before or after the write, or (moved to a node already
+    /// gathered) missing; its own watch event reaches every reader that needs it.
     pub fn all(&self) -> Vec<Arc<GpuReservation>> {
-        self.read().live.values().cloned().collect()
+        self.gather(|| {})
+    }
+
+    /// [`Self::all`], calling `between_holds` each time the lock has been let go.
+    fn gather(&self, mut between_holds: impl FnMut()) -> Vec<Arc<GpuReservation>> {
+        let (nodes, count) = {
+            let inner = self.read();
+            let nodes: Vec<String> = inner.by_node.keys().cloned().collect();
+            (nodes, inner.live.len())
+        };
+        let mut out = Vec::with_capacity(count);
+        for chunk in nodes.chunks(NODES_PER_HOLD) {
+            between_holds();
+            let inner = self.read();
+            for node in chunk {
+                let keys = inner.by_node.get(node).into_iter().flatten();
+                out.extend(keys.filter_map(|key| inner.live.get(key).cloned()));
+            }
+        }
+        out
     }
 
     /// The version of `node`: it changes whenever one of its reservations is added, changed
@@ -510,18 +594,6 @@ impl LedgerIndex {
         }
     }
 
-    /// Every reservation in `namespace`.
-    pub fn in_namespace(&self, namespace: &str) -> Vec<Arc<GpuReservation>> {
-        let inner = self.read();
-        inner
-            .by_namespace
-            .get(namespace)
-            .into_iter()
-            .flatten()
-            .filter_map(|k| inner.live.get(k).cloned())
-            .collect()
-    }
-
     /// Every reservation on `node`.
     pub fn on_node(&self, node: &str) -> Vec<Arc<GpuReservation>> {
         let inner = self.read();
@@ -532,6 +604,21 @@ impl LedgerIndex {
             .flatten()
             .filter_map(|key| inner.live.get(key).cloned())
             .collect()
+    }
+
+    /// What the reservations of `namespace` count against its GPU quota, leaving out the
+    /// reservation of pod `except` (name and UID) when it is that pod's: a pod being bound again
+    /// must not count against itself.
+    pub fn namespace_use(&self, namespace: &str, except: Option<(&str, &str)>) -> QuotaUse {
+        let inner = self.read();
+        let mut total = inner.ns_use.get(namespace).copied().unwrap_or_default();
+        if let Some((name, uid)) = except {
+            let key = ReservationKey::new(namespace, name);
+            if let Some(own) = inner.live.get(&key).filter(|r| r.spec.pod_uid == uid) {
+                total.take(quota_use(own));
+            }
+        }
+        total.total()
     }
 
     /// Per-device usage on `node`, leaving out the reservation of pod `exclude_pod_uid` (a pod
@@ -549,7 +636,7 @@ impl LedgerIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gpuledger_crds::GpuReservationSpec;
+    use gpuledger_crds::{GpuReservationSpec, ReservationPhase};
 
     fn obj(name: &str, rv: &str, node: &str) -> GpuReservation {
         let mut r = GpuReservation::new(
@@ -677,29 +764,127 @@ mod tests {
         assert!(n1.version() > w && n2.version() > before);
     }
 
+    /// `name` in `ns`, holding `mem` MiB of one GPU while `phase` holds capacity.
+    fn using(ns: &str, name: &str, rv: u64, mem: u64, phase: ReservationPhase) -> GpuReservation {
+        let mut r = obj(name, &rv.to_string(), "n1");
+        r.metadata.namespace = Some(ns.into());
+        r.spec.pod_uid = format!("uid-{name}");
+        r.spec.containers = vec![gpuledger_crds::ContainerReservation {
+            index: 0,
+            name: "c".into(),
+            init: false,
+            devices: vec![gpuledger_crds::ReservedDevice {
+                uuid: "GPU-a".into(),
+                memory_mib: mem,
+                cores: 10,
+                numa_node: None,
+            }],
+        }];
+        r.status = Some(gpuledger_crds::GpuReservationStatus {
+            phase: Some(phase),
+            ..Default::default()
+        });
+        r
+    }
+
+    /// The namespace's use as a sum over every reservation in it: what the kept totals must say.
+    fn summed(idx: &LedgerIndex, ns: &str, except: Option<(&str, &str)>) -> QuotaUse {
+        let mut total = QuotaUse::default();
+        for r in idx.all() {
+            let own = except.is_some_and(|(name, uid)| {
+                r.metadata.name.as_deref() == Some(name) && r.spec.pod_uid == uid
+            });
+            if r.metadata.namespace.as_deref() == Some(ns) && !own {
+                total.add(quota_use(&r));
+            }
+        }
+        total
+    }
+
     #[test]
-    fn namespace_index_follows_adds_deletes_and_relists() {
+    fn namespace_use_follows_adds_phases_deletes_and_relists() {
+        use ReservationPhase::{Allocated, Released};
         let idx = LedgerIndex::new();
-        let mut other = obj("x", "1", "n1");
-        other.metadata.namespace = Some("other".into());
-        idx.apply_event(Event::Apply(other));
-        idx.apply_event(Event::Apply(obj("a", "2", "n1")));
-        idx.record_write(obj("b", "3", "n2"));
-        let names = |ns: &str| {
-            let mut v: Vec<String> = idx.in_namespace(ns).iter().map(|r| r.name_any()).collect();
-            v.sort();
-            v
-        };
-        assert_eq!(names("ns"), ["a", "b"]);
-        assert_eq!(names("other"), ["x"]);
-        idx.record_delete(&key("a"), Some(4));
-        assert_eq!(names("ns"), ["b"]);
+        idx.apply_event(Event::Apply(using("other", "x", 1, 500, Allocated)));
+        idx.apply_event(Event::Apply(using("ns", "a", 2, 1000, Allocated)));
+        idx.record_write(using("ns", "b", 3, 2000, Allocated));
+        let mem = |ns: &str| idx.namespace_use(ns, None).memory_mib;
+        assert_eq!((mem("ns"), mem("other")), (3000, 500));
+        assert_eq!(idx.namespace_use("ns", None).gpus, 2);
+        // Its own reservation does not count against a pod being bound again; another pod's
+        // reservation under the same name (another UID) does.
+        assert_eq!(
+            idx.namespace_use("ns", Some(("a", "uid-a"))).memory_mib,
+            2000
+        );
+        assert_eq!(
+            idx.namespace_use("ns", Some(("a", "uid-z"))).memory_mib,
+            3000
+        );
+        // A phase that holds nothing, a stale event and a deletion.
+        idx.apply_event(Event::Apply(using("ns", "a", 4, 1000, Released)));
+        assert_eq!(mem("ns"), 2000);
+        idx.apply_event(Event::Apply(using("ns", "a", 3, 1000, Allocated)));
+        assert_eq!(mem("ns"), 2000, "an older version changes nothing");
+        idx.record_delete(&key("b"), Some(5));
+        assert_eq!(mem("ns"), 0);
+        // A relist that shows only c.
         idx.apply_event(Event::Init);
-        idx.apply_event(Event::InitApply(obj("c", "9", "n3")));
+        idx.apply_event(Event::InitApply(using("ns", "c", 9, 700, Allocated)));
         idx.apply_event(Event::InitDone);
-        // The list is newer than the own write of "b" and does not show it: it was deleted.
-        assert_eq!(names("ns"), ["c"]);
-        assert!(names("other").is_empty());
+        assert_eq!((mem("ns"), mem("other")), (700, 0));
+    }
+
+    proptest::proptest! {
+        /// Whatever the watch and the operator's writes do, in whatever order, each namespace's
+        /// kept total equals the sum over its reservations.
+        #[test]
+        fn namespace_use_is_always_the_sum_of_its_reservations(
+            ops in proptest::collection::vec((0u8..6, 0usize..2, 0usize..4, 1u64..4000, 0u8..4), 1..60)
+        ) {
+            let phases = [
+                ReservationPhase::Reserved,
+                ReservationPhase::Allocated,
+                ReservationPhase::Released,
+                ReservationPhase::Failed,
+            ];
+            let idx = LedgerIndex::new();
+            let mut rv = 0;
+            let mut relist: Option<Vec<GpuReservation>> = None;
+            for (op, ns, name, mem, phase) in ops {
+                rv += 1;
+                let ns = ["ns", "other"][ns];
+                let name = format!("r{name}");
+                let r = using(ns, &name, rv, mem, phases[usize::from(phase)]);
+                match op {
+                    0 | 1 => idx.apply_event(Event::Apply(r)),
+                    2 => idx.record_write(r),
+                    3 => idx.apply_event(Event::Delete(r)),
+                    4 => idx.record_delete(&ReservationKey::new(ns, &name), Some(rv)),
+                    _ => match relist.take() {
+                        None => relist = Some(vec![r]),
+                        Some(mut listed) => {
+                            listed.push(r);
+                            idx.apply_event(Event::Init);
+                            for l in listed {
+                                idx.apply_event(Event::InitApply(l));
+                            }
+                            idx.apply_event(Event::InitDone);
+                        }
+                    },
+                }
+                for ns in ["ns", "other"] {
+                    proptest::prop_assert_eq!(idx.namespace_use(ns, None), summed(&idx, ns, None));
+                    for name in ["r0", "r1"] {
+                        let except = Some((name, "uid-r0"));
+                        proptest::prop_assert_eq!(
+                            idx.namespace_use(ns, except),
+                            summed(&idx, ns, except)
+                        );
+                    }
+                }
+            }
+        }
     }
 
     #[test]
@@ -902,5 +1087,54 @@ mod tests {
             .map(|n| idx.on_node(n).len())
             .sum();
         assert_eq!(total, idx.all().len());
+    }
+
+    /// Gathering every reservation must let the watch write between holds of the lock: held
+    /// for the whole gathering, the lock kept the write waiting, and with it (no reader gets
+    /// past a waiting writer) every filter and bind.
+    #[test]
+    fn gathering_every_reservation_lets_a_waiting_write_in_between_holds() {
+        let idx = Arc::new(LedgerIndex::new());
+        let nodes = 3 * NODES_PER_HOLD;
+        idx.apply_event(Event::Init);
+        for i in 0..nodes {
+            idx.apply_event(Event::InitApply(obj(
+                &format!("r{i}"),
+                "1",
+                &format!("n{i}"),
+            )));
+        }
+        idx.apply_event(Event::InitDone);
+        let mut writers = Vec::new();
+        let mut holds = 0;
+        let all = idx.gather(|| {
+            holds += 1;
+            if holds == 2 {
+                // After the first hold, every reservation gets a newer version.
+                let idx = idx.clone();
+                writers.push(std::thread::spawn(move || {
+                    let mut inner = idx.write();
+                    for i in 0..nodes {
+                        inner.upsert(Arc::new(obj(&format!("r{i}"), "2", &format!("n{i}"))));
+                    }
+                }));
+                // Long enough for the writer to have taken the lock.
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        });
+        for w in writers {
+            w.join().unwrap();
+        }
+        assert_eq!(all.len(), nodes);
+        let newer = all
+            .iter()
+            .filter(|r| r.resource_version().as_deref() == Some("2"))
+            .count();
+        // The first hold's nodes as before the write, the others as after it.
+        assert_eq!(
+            newer,
+            nodes - NODES_PER_HOLD,
+            "the write waited for the whole gathering"
+        );
     }
 }

@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 
 use gpuledger_crds::GpuReservation;
 use gpuledger_fit::Usage;
+use gpuledger_fit::quota::QuotaUse;
 
 /// Capacity one GPU has handed out to reservations.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -57,6 +58,29 @@ pub fn holds_capacity(reservation: &GpuReservation) -> bool {
         .and_then(|s| s.phase)
         .unwrap_or_default()
         .holds_capacity()
+}
+
+/// What a load (per-GPU usage, as a placement or a reservation holds it) counts against its
+/// namespace's GPU quota.
+pub fn quota_use_of_load(load: &[(String, DeviceUsage)]) -> QuotaUse {
+    let mut total = QuotaUse::default();
+    for (_, u) in load {
+        total.add(QuotaUse {
+            memory_mib: u.memory_mib,
+            cores: u.cores,
+            gpus: u64::from(u.sharers),
+        });
+    }
+    total
+}
+
+/// What `reservation` counts against its namespace's GPU quota (nothing once it holds no
+/// capacity).
+pub fn quota_use(reservation: &GpuReservation) -> QuotaUse {
+    if !holds_capacity(reservation) {
+        return QuotaUse::default();
+    }
+    quota_use_of_load(&reservation_load(reservation))
 }
 
 /// Sums the load of every capacity-holding reservation in `reservations`.
