@@ -47,8 +47,8 @@ const NODES_PER_HOLD: usize = 64;
 
 /// Namespace and name of a reservation.
 ///
-/// The index files every reservation under its key three times (by key, node and namespace)
-/// and the pod cache once more; shared strings make each copy two pointers.
+/// The index files every reservation under its key twice (by key and by node) and the pod
+/// cache once more; shared strings make each copy two pointers.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ReservationKey {
     /// Namespace (the pod's).
@@ -764,22 +764,31 @@ mod tests {
         assert!(n1.version() > w && n2.version() > before);
     }
 
+    /// One container holding `memory_mib` and `cores` of GPU `uuid`.
+    fn one_device(
+        uuid: &str,
+        memory_mib: u64,
+        cores: u32,
+    ) -> Vec<gpuledger_crds::ContainerReservation> {
+        vec![gpuledger_crds::ContainerReservation {
+            index: 0,
+            name: "c".into(),
+            init: false,
+            devices: vec![gpuledger_crds::ReservedDevice {
+                uuid: uuid.into(),
+                memory_mib,
+                cores,
+                numa_node: None,
+            }],
+        }]
+    }
+
     /// `name` in `ns`, holding `mem` MiB of one GPU while `phase` holds capacity.
     fn using(ns: &str, name: &str, rv: u64, mem: u64, phase: ReservationPhase) -> GpuReservation {
         let mut r = obj(name, &rv.to_string(), "n1");
         r.metadata.namespace = Some(ns.into());
         r.spec.pod_uid = format!("uid-{name}");
-        r.spec.containers = vec![gpuledger_crds::ContainerReservation {
-            index: 0,
-            name: "c".into(),
-            init: false,
-            devices: vec![gpuledger_crds::ReservedDevice {
-                uuid: "GPU-a".into(),
-                memory_mib: mem,
-                cores: 10,
-                numa_node: None,
-            }],
-        }];
+        r.spec.containers = one_device("GPU-a", mem, 10);
         r.status = Some(gpuledger_crds::GpuReservationStatus {
             phase: Some(phase),
             ..Default::default()
@@ -1023,17 +1032,7 @@ mod tests {
         // One share of GPU "gpu" per reservation: 1 MiB, one sharer.
         let with_share = |name: &str, rv: &str, node: &str| {
             let mut r = obj(name, rv, node);
-            r.spec.containers = vec![gpuledger_crds::ContainerReservation {
-                index: 0,
-                name: "c".into(),
-                init: false,
-                devices: vec![gpuledger_crds::ReservedDevice {
-                    uuid: "gpu".into(),
-                    memory_mib: 1,
-                    cores: 0,
-                    numa_node: None,
-                }],
-            }];
+            r.spec.containers = one_device("gpu", 1, 0);
             r
         };
         let idx = LedgerIndex::new();
