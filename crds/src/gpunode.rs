@@ -1,9 +1,11 @@
 //! `GpuNode`: one per Kubernetes node, the GPUs it has and how full they are.
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
+
+use crate::conditions::Condition;
 
 pub use gpuledger_fit::shares::GpuDevice;
 

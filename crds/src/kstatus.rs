@@ -13,9 +13,9 @@
 //! holds for each kind's status; the writer of that status (the operator, or the device plugin
 //! for a GpuNode's inventory) records them with [`Summary::record`] in the same write.
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
-use crate::conditions::{condition, find, set_condition, types};
+use crate::conditions::{Condition, Text, condition, find, set_condition, types};
 use crate::refit::{RefitPhase, RefitRequestStatus};
 use crate::reservation::ReservationPhase;
 
@@ -23,6 +23,67 @@ use crate::reservation::ReservationPhase;
 pub const RECONCILING: &str = "Reconciling";
 /// `Stalled`: the object cannot reach its desired state without intervention.
 pub const STALLED: &str = "Stalled";
+
+/// The reasons the three conditions carry.
+pub mod reasons {
+    /// GpuReservation `Reserved`.
+    pub const RESERVED: &str = "Reserved";
+    /// GpuReservation `Allocating`.
+    pub const ALLOCATING: &str = "Allocating";
+    /// GpuReservation `Allocated`, not misaligned.
+    pub const ALLOCATED: &str = "Allocated";
+    /// GpuReservation `Released`.
+    pub const RELEASED: &str = "Released";
+    /// GpuReservation `Failed`.
+    pub const ALLOCATION_FAILED: &str = "AllocationFailed";
+    /// GpuReservation whose replicas the kubelet gives to another pod.
+    pub const KUBELET_MISMATCH: &str = "KubeletMismatch";
+    /// GpuReservation allocated other GPUs than reserved.
+    pub const MISALIGNED: &str = "Misaligned";
+    /// RefitRequest not answered yet.
+    pub const PENDING: &str = "Pending";
+    /// RefitRequest answered with a move.
+    pub const REFITTED: &str = "Refitted";
+    /// RefitRequest answered without a move.
+    pub const ALREADY_ALLOWED: &str = "AlreadyAllowed";
+    /// RefitRequest refused.
+    pub const REFUSED: &str = "Refused";
+    /// NumaPolicy or GpuConfig accepted.
+    pub const ACCEPTED: &str = "Accepted";
+    /// NumaPolicy with a selector that does not parse.
+    pub const INVALID_SELECTOR: &str = "InvalidSelector";
+    /// GpuConfig with values refused.
+    pub const VALUES_REFUSED: &str = "ValuesRefused";
+    /// GpuNode without GPUs.
+    pub const NO_GPUS: &str = "NoGPUs";
+    /// GpuNode with every GPU healthy.
+    pub const ALL_HEALTHY: &str = "AllHealthy";
+    /// GpuNode with failed GPUs.
+    pub const UNHEALTHY_GPUS: &str = "UnhealthyGPUs";
+}
+
+/// The messages that name nothing in particular, and so are the same on every object.
+pub mod messages {
+    /// GpuReservation `Reserved`.
+    pub const RESERVED: &str = "waiting for the pod to be bound to the reserved node";
+    /// GpuReservation `Allocating`.
+    pub const ALLOCATING: &str = "waiting for the kubelet to allocate the reserved GPUs";
+    /// GpuReservation `Allocated`.
+    pub const ALLOCATED: &str = "the pod's GPU containers hold the reserved GPUs";
+    /// GpuReservation `Released`.
+    pub const RELEASED: &str = "the pod no longer holds GPUs; its capacity is free";
+    /// GpuReservation `Failed`.
+    pub const ALLOCATION_FAILED: &str =
+        "the kubelet did not allocate the reserved GPUs in time; the reservation was released";
+    /// RefitRequest `Pending`.
+    pub const REFIT_PENDING: &str = "waiting for the operator's answer";
+    /// NumaPolicy accepted.
+    pub const SELECTOR_VALID: &str = "the pod selector is valid";
+    /// GpuConfig accepted.
+    pub const EVERY_VALUE_APPLIES: &str = "every value applies";
+    /// GpuNode without GPUs.
+    pub const NO_GPUS: &str = "the device plugin found no GPUs on this node";
+}
 
 /// Which of the three conditions is `True`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,11 +104,11 @@ pub struct Summary {
     /// CamelCase reason (the API server validates the format).
     pub reason: &'static str,
     /// For people.
-    pub message: String,
+    pub message: Text,
 }
 
 impl Summary {
-    fn new(health: Health, reason: &'static str, message: impl Into<String>) -> Self {
+    fn new(health: Health, reason: &'static str, message: impl Into<Text>) -> Self {
         Self {
             health,
             reason,
@@ -115,36 +176,32 @@ impl Summary {
 pub fn reservation(phase: Option<ReservationPhase>, conditions: &[Condition]) -> Summary {
     let is_true = |t| find(conditions, t).filter(|c| c.status == "True");
     if let Some(c) = is_true(types::KUBELET_MISMATCH) {
-        return Summary::new(Health::Stalled, "KubeletMismatch", c.message.clone());
+        return Summary::new(
+            Health::Stalled,
+            reasons::KUBELET_MISMATCH,
+            c.message.clone(),
+        );
     }
     match phase.unwrap_or(ReservationPhase::Reserved) {
-        ReservationPhase::Reserved => Summary::new(
-            Health::Reconciling,
-            "Reserved",
-            "waiting for the pod to be bound to the reserved node",
-        ),
+        ReservationPhase::Reserved => {
+            Summary::new(Health::Reconciling, reasons::RESERVED, messages::RESERVED)
+        }
         ReservationPhase::Allocating => Summary::new(
             Health::Reconciling,
-            "Allocating",
-            "waiting for the kubelet to allocate the reserved GPUs",
+            reasons::ALLOCATING,
+            messages::ALLOCATING,
         ),
         ReservationPhase::Allocated => match is_true(types::MISALIGNED) {
-            Some(c) => Summary::new(Health::Stalled, "Misaligned", c.message.clone()),
-            None => Summary::new(
-                Health::Ready,
-                "Allocated",
-                "the pod's GPU containers hold the reserved GPUs",
-            ),
+            Some(c) => Summary::new(Health::Stalled, reasons::MISALIGNED, c.message.clone()),
+            None => Summary::new(Health::Ready, reasons::ALLOCATED, messages::ALLOCATED),
         },
-        ReservationPhase::Released => Summary::new(
-            Health::Ready,
-            "Released",
-            "the pod no longer holds GPUs; its capacity is free",
-        ),
+        ReservationPhase::Released => {
+            Summary::new(Health::Ready, reasons::RELEASED, messages::RELEASED)
+        }
         ReservationPhase::Failed => Summary::new(
             Health::Stalled,
-            "AllocationFailed",
-            "the kubelet did not allocate the reserved GPUs in time; the reservation was released",
+            reasons::ALLOCATION_FAILED,
+            messages::ALLOCATION_FAILED,
         ),
     }
 }
@@ -156,59 +213,61 @@ pub fn refit(status: Option<&RefitRequestStatus>) -> Summary {
     match phase {
         RefitPhase::Pending => Summary::new(
             Health::Reconciling,
-            "Pending",
-            "waiting for the operator's answer",
+            reasons::PENDING,
+            messages::REFIT_PENDING,
         ),
-        RefitPhase::Succeeded if status.is_some_and(|s| s.moved) => {
-            Summary::new(Health::Ready, "Refitted", format!("moved onto {result}"))
-        }
+        RefitPhase::Succeeded if status.is_some_and(|s| s.moved) => Summary::new(
+            Health::Ready,
+            reasons::REFITTED,
+            format!("moved onto {result}"),
+        ),
         RefitPhase::Succeeded => Summary::new(
             Health::Ready,
-            "AlreadyAllowed",
+            reasons::ALREADY_ALLOWED,
             format!("the reserved GPUs {result} were already allowed"),
         ),
-        RefitPhase::Failed => Summary::new(Health::Stalled, "Refused", result),
+        RefitPhase::Failed => Summary::new(Health::Stalled, reasons::REFUSED, result),
     }
 }
 
 /// A NumaPolicy's verdict: accepted, or refused with why.
 pub fn numa_policy(selector: Result<(), String>) -> Summary {
     match selector {
-        Ok(()) => Summary::new(Health::Ready, "Accepted", "the pod selector is valid"),
-        Err(e) => Summary::new(Health::Stalled, "InvalidSelector", e),
+        Ok(()) => Summary::new(Health::Ready, reasons::ACCEPTED, messages::SELECTOR_VALID),
+        Err(e) => Summary::new(Health::Stalled, reasons::INVALID_SELECTOR, e),
     }
 }
 
 /// A GpuConfig's verdict: every value applies, or some were refused (named with why).
 pub fn gpu_config(refused: &[crate::gpuconfig::RefusedValue]) -> Summary {
     if refused.is_empty() {
-        return Summary::new(Health::Ready, "Accepted", "every value applies");
+        return Summary::new(
+            Health::Ready,
+            reasons::ACCEPTED,
+            messages::EVERY_VALUE_APPLIES,
+        );
     }
     let list: Vec<String> = refused
         .iter()
         .map(|r| format!("{}: {}", r.field, r.reason))
         .collect();
-    Summary::new(Health::Stalled, "ValuesRefused", list.join("; "))
+    Summary::new(Health::Stalled, reasons::VALUES_REFUSED, list.join("; "))
 }
 
 /// A GpuNode's verdict from its inventory: every GPU healthy, some failed, or none found.
 pub fn gpu_node(gpus: usize, unhealthy: &[&str]) -> Summary {
     if gpus == 0 {
-        Summary::new(
-            Health::Stalled,
-            "NoGPUs",
-            "the device plugin found no GPUs on this node",
-        )
+        Summary::new(Health::Stalled, reasons::NO_GPUS, messages::NO_GPUS)
     } else if unhealthy.is_empty() {
         Summary::new(
             Health::Ready,
-            "AllHealthy",
+            reasons::ALL_HEALTHY,
             format!("{gpus} GPU(s) healthy"),
         )
     } else {
         Summary::new(
             Health::Stalled,
-            "UnhealthyGPUs",
+            reasons::UNHEALTHY_GPUS,
             format!("unhealthy: {}", unhealthy.join(",")),
         )
     }
@@ -224,11 +283,11 @@ mod tests {
     }
 
     fn cond(type_: &str, message: &str) -> Condition {
-        condition(type_, true, "Test", message, None, t(0))
+        condition(type_, true, "Test", message.to_string(), None, t(0))
     }
 
     fn status_of(conds: &[Condition], type_: &str) -> String {
-        find(conds, type_).unwrap().status.clone()
+        find(conds, type_).unwrap().status.to_string()
     }
 
     #[test]
@@ -372,14 +431,14 @@ mod tests {
         assert_eq!(numa_policy(Ok(())).health, Health::Ready);
         let bad = numa_policy(Err("bad operator".into()));
         assert_eq!(
-            (bad.health, bad.message.as_str()),
+            (bad.health, bad.message.as_ref()),
             (Health::Stalled, "bad operator")
         );
         assert_eq!(gpu_node(0, &[]).health, Health::Stalled);
         assert_eq!(gpu_node(8, &[]).health, Health::Ready);
         let sick = gpu_node(8, &["GPU-3"]);
         assert_eq!(
-            (sick.health, sick.message.as_str()),
+            (sick.health, sick.message.as_ref()),
             (Health::Stalled, "unhealthy: GPU-3")
         );
     }

@@ -1,10 +1,12 @@
 //! `RefitRequest`: the device plugin's request to move one container's reservation onto GPUs the
 //! kubelet's Topology Manager allows. The spec is immutable; the operator answers in the status.
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, MicroTime, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, Time};
 use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
+
+use crate::conditions::Condition;
 
 pub use gpuledger_fit::MAX_ALLOWED_DEVICES;
 

@@ -1,11 +1,12 @@
 //! `GpuReservation`: the ledger entry for one pod — which GPU shares it holds on which node.
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::Alignment;
+use crate::conditions::Condition;
 pub use gpuledger_fit::shares::{ContainerReservation, PodShares, ReservedDevice};
 
 /// What the operator reserved for a pod. Written by the operator only.

@@ -56,7 +56,7 @@ pub fn desired_status(
         .map(|s| s.conditions.clone())
         .unwrap_or_default()
         .into_iter()
-        .filter(|c| ours.contains(&c.type_.as_str()))
+        .filter(|c| ours.contains(&c.type_.as_ref()))
         .collect();
     conditions::set_condition(
         &mut conds,
@@ -193,7 +193,7 @@ mod tests {
         assert_eq!(apply_body("n", &s)["status"]["config"], "flags");
         let c = conditions::find(&s.conditions, HEALTHY).unwrap();
         assert_eq!(
-            (c.status.as_str(), c.reason.as_str()),
+            (c.status.as_ref(), c.reason.as_ref()),
             ("True", "AllHealthy")
         );
         assert_eq!(c.observed_generation, Some(3));

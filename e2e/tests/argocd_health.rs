@@ -9,14 +9,14 @@
 use std::collections::BTreeMap;
 use std::process::Command;
 
-use gpuledger_crds::conditions::condition;
+use gpuledger_crds::conditions::{Condition, condition};
 use gpuledger_crds::{
     GpuConfig, GpuConfigSpec, GpuNode, GpuNodeSpec, GpuReservation, GpuReservationSpec,
     GpuReservationStatus, NumaPolicy, NumaPolicySpec, RefitPhase, RefitRequest, RefitRequestSpec,
     ReservationPhase,
 };
 use gpuledger_e2e::sim::binaries::repo_root;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, MicroTime, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, Time};
 use k8s_openapi::jiff::Timestamp;
 use mlua::LuaSerdeExt;
 use mlua::serde::SerializeOptions;
@@ -57,7 +57,7 @@ fn cond(type_: &str, status: bool, message: &str) -> Condition {
         type_,
         status,
         "Test",
-        message,
+        message.to_string(),
         None,
         Time(Timestamp::UNIX_EPOCH),
     )

@@ -130,7 +130,7 @@ fn misaligned_recorded(r: &GpuReservation) -> Option<&str> {
     let conds = &r.status.as_ref()?.conditions;
     gpuledger_crds::conditions::find(conds, gpuledger_crds::conditions::types::MISALIGNED)
         .filter(|c| c.status == "True")
-        .map(|c| c.message.as_str())
+        .map(|c| c.message.as_ref())
 }
 
 /// The next step for `r`, whose pod (same namespace and name) is `pod`.

@@ -6,9 +6,10 @@
 
 use std::sync::Arc;
 
+use gpuledger_crds::conditions::Condition;
 use gpuledger_crds::names::{OPERATOR_MANAGER, RESERVATION_FINALIZER};
 use gpuledger_crds::{GpuReservation, GpuReservationSpec, ReservationPhase, kstatus};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::{Client, ResourceExt};

@@ -749,7 +749,7 @@ mod tests {
         assert_eq!(s.result.as_deref(), Some("GPU-a,GPU-b"));
         let ready = gpuledger_crds::conditions::find(&s.conditions, types::READY).unwrap();
         assert_eq!(
-            (ready.status.as_str(), ready.reason.as_str()),
+            (ready.status.as_ref(), ready.reason.as_ref()),
             ("True", "Refitted")
         );
         let s = Answer::unchanged(vec!["GPU-a".into()]).status(None, now);
