@@ -25,15 +25,15 @@ use kube::ResourceExt;
 use kube::runtime::watcher::Event;
 use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use crate::ledger::ReservationKey;
+use crate::ledger::{ReservationKey, shared_names};
 
 /// The fields of a pod the lifecycle decision reads.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PodFacts {
     /// `metadata.uid`.
     pub uid: String,
-    /// `spec.nodeName`, once bound.
-    pub node_name: Option<String>,
+    /// `spec.nodeName`, once bound (one copy per node: [`shared_names::node`]).
+    pub node_name: Option<Arc<str>>,
     /// Succeeded or Failed: its containers hold no GPU any more.
     pub finished: bool,
     /// Being deleted, not finished yet: its containers may still hold their GPUs.
@@ -53,7 +53,11 @@ impl PodFacts {
     pub fn of(pod: &Pod, config: &PodApiConfig) -> Self {
         Self {
             uid: pod.uid().unwrap_or_default(),
-            node_name: pod.spec.as_ref().and_then(|s| s.node_name.clone()),
+            node_name: pod
+                .spec
+                .as_ref()
+                .and_then(|s| s.node_name.as_deref())
+                .map(shared_names::node),
             finished: pod_finished(pod),
             terminating: pod_terminating(pod),
             init_done: init_containers_done(pod),
@@ -119,7 +123,7 @@ struct Inner {
     pending: HashMap<ReservationKey, Arc<Pod>>,
     /// The node of every GPU pod being deleted whose containers have not stopped: a few
     /// entries, read by filter whenever no node fits, so it must not scan every pod.
-    terminating: HashMap<ReservationKey, String>,
+    terminating: HashMap<ReservationKey, Arc<str>>,
     /// Pods of a relist in progress (between `Init` and `InitDone`).
     relist: Option<BTreeMap<ReservationKey, PodFacts>>,
     synced: bool,
@@ -322,7 +326,7 @@ impl PodFactsCache {
         self.read()
             .terminating
             .values()
-            .filter(|n| n.as_str() == node)
+            .filter(|n| ***n == *node)
             .count()
     }
 

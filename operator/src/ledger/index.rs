@@ -28,6 +28,7 @@ use tokio::sync::watch;
 
 use gpuledger_fit::quota::QuotaUse;
 
+use super::shared_names;
 use super::usage::{NodeUsage, quota_use, sum_usage};
 use crate::watches::compacted;
 
@@ -58,10 +59,11 @@ pub struct ReservationKey {
 }
 
 impl ReservationKey {
-    /// Key of `namespace/name`.
+    /// Key of `namespace/name`. The namespace is shared with every other key of it
+    /// ([`shared_names::namespace`]).
     pub fn new(namespace: impl AsRef<str>, name: impl AsRef<str>) -> Self {
         Self {
-            namespace: Arc::from(namespace.as_ref()),
+            namespace: shared_names::namespace(namespace.as_ref()),
             name: Arc::from(name.as_ref()),
         }
     }

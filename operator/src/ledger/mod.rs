@@ -9,6 +9,7 @@ pub mod in_flight;
 pub mod index;
 pub mod node_lock;
 pub mod render;
+pub mod shared_names;
 pub mod usage;
 pub mod writer;
 
