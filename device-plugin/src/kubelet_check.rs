@@ -179,7 +179,7 @@ impl KubeletCheck {
         let cond = condition(
             KUBELET_MISMATCH,
             true,
-            "OtherPodHoldsReplicas",
+            gpuledger_crds::conditions::reasons::OTHER_POD_HOLDS_REPLICAS,
             message.to_string(),
             r.metadata.generation,
             now.clone(),

@@ -412,7 +412,7 @@ async fn add_misaligned(
     let cond = condition(
         MISALIGNED,
         true,
-        "AllocationDiffers",
+        gpuledger_crds::conditions::reasons::ALLOCATION_DIFFERS,
         message.clone(),
         r.meta().generation,
         Time(Timestamp::now()),

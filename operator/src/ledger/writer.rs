@@ -429,6 +429,7 @@ impl LedgerWriter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gpuledger_crds::conditions::reasons::OTHER_POD_HOLDS_REPLICAS;
 
     fn keys(v: &Value) -> Vec<String> {
         let mut keys: Vec<String> = v.as_object().unwrap().keys().cloned().collect();
@@ -468,7 +469,7 @@ mod tests {
             conditions: vec![Condition {
                 type_: "KubeletMismatch".into(),
                 status: "True".into(),
-                reason: "OtherPodHoldsReplicas".into(),
+                reason: OTHER_POD_HOLDS_REPLICAS.into(),
                 message: "the plugin's, kept as read".into(),
                 observed_generation: Some(3),
                 last_transition_time: Time(Timestamp::UNIX_EPOCH),
@@ -498,7 +499,7 @@ mod tests {
         let mismatch = Condition {
             type_: "KubeletMismatch".into(),
             status: "True".into(),
-            reason: "OtherPodHoldsReplicas".into(),
+            reason: OTHER_POD_HOLDS_REPLICAS.into(),
             message: "replica GPU-a-1 held by other/pod".into(),
             observed_generation: Some(1),
             last_transition_time: Time(Timestamp::UNIX_EPOCH),

@@ -579,7 +579,7 @@ async fn mark_refitted(ctx: &Context, req: &RefitRequest, m: &Moved) {
         let cond = condition(
             types::REFITTED,
             true,
-            "NumaRefit",
+            gpuledger_crds::conditions::reasons::NUMA_REFIT,
             message.clone(),
             current.meta().generation,
             Time(Timestamp::now()),
