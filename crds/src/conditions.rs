@@ -305,13 +305,7 @@ mod tests {
     fn a_settled_reservations_conditions_allocate_nothing() {
         // The three GitOps conditions of every reservation phase, and how they read back: the
         // words must all be in the vocabulary, or each reservation pays for copies of them.
-        for phase in [
-            ReservationPhase::Reserved,
-            ReservationPhase::Allocating,
-            ReservationPhase::Allocated,
-            ReservationPhase::Released,
-            ReservationPhase::Failed,
-        ] {
+        for phase in ReservationPhase::ALL {
             let mut conds = Vec::new();
             kstatus::reservation(Some(phase), &[]).record(&mut conds, Some(1), t(5));
             assert_eq!(conds.len(), 3);

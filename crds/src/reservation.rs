@@ -75,6 +75,15 @@ pub enum ReservationPhase {
 }
 
 impl ReservationPhase {
+    /// Every phase, in the order a reservation goes through them.
+    pub const ALL: [ReservationPhase; 5] = [
+        ReservationPhase::Reserved,
+        ReservationPhase::Allocating,
+        ReservationPhase::Allocated,
+        ReservationPhase::Released,
+        ReservationPhase::Failed,
+    ];
+
     /// Whether a reservation in this phase holds capacity.
     pub fn holds_capacity(self) -> bool {
         matches!(
@@ -156,5 +165,31 @@ impl GpuReservationSpec {
             containers: &self.containers,
             init_released: self.init_released,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ReservationPhase;
+
+    /// Where each phase stands in [`ReservationPhase::ALL`]. The match has no catch-all, so a new
+    /// phase must be given a place here, and the test fails until `ALL` has it there too.
+    fn place(p: ReservationPhase) -> usize {
+        match p {
+            ReservationPhase::Reserved => 0,
+            ReservationPhase::Allocating => 1,
+            ReservationPhase::Allocated => 2,
+            ReservationPhase::Released => 3,
+            ReservationPhase::Failed => 4,
+        }
+    }
+
+    #[test]
+    fn all_holds_every_phase_once() {
+        for (i, p) in ReservationPhase::ALL.into_iter().enumerate() {
+            assert_eq!(place(p), i, "{p:?}");
+        }
+        let last = ReservationPhase::ALL.len() - 1;
+        assert!(ReservationPhase::ALL.into_iter().all(|p| place(p) <= last));
     }
 }

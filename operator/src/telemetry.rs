@@ -353,13 +353,7 @@ impl Metrics {
 
     /// Sets the reservations-by-phase gauges; phases with no reservations read 0.
     pub fn set_phase_counts(&self, counts: &HashMap<ReservationPhase, i64>) {
-        for phase in [
-            ReservationPhase::Reserved,
-            ReservationPhase::Allocating,
-            ReservationPhase::Allocated,
-            ReservationPhase::Released,
-            ReservationPhase::Failed,
-        ] {
+        for phase in ReservationPhase::ALL {
             let n = counts.get(&phase).copied().unwrap_or(0);
             self.reservations
                 .get_or_create(&PhaseLabels {

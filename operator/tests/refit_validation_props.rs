@@ -97,13 +97,7 @@ fn pod() -> impl Strategy<Value = Option<Pod>> {
 }
 
 fn phase() -> impl Strategy<Value = Option<ReservationPhase>> {
-    prop::option::of(prop::sample::select(vec![
-        ReservationPhase::Reserved,
-        ReservationPhase::Allocating,
-        ReservationPhase::Allocated,
-        ReservationPhase::Released,
-        ReservationPhase::Failed,
-    ]))
+    prop::option::of(prop::sample::select(ReservationPhase::ALL.to_vec()))
 }
 
 fn reservation() -> impl Strategy<Value = Option<GpuReservation>> {

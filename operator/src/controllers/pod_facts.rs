@@ -181,8 +181,9 @@ pub struct PodFactsCache {
     config: PodApiSetting,
 }
 
+/// The key the cache keeps `pod` under ([`ReservationKey::kept`]).
 fn key_of(pod: &Pod) -> ReservationKey {
-    ReservationKey::new(pod.namespace().unwrap_or_default(), pod.name_any())
+    ReservationKey::kept(pod.namespace().unwrap_or_default(), pod.name_any())
 }
 
 impl PodFactsCache {
@@ -326,7 +327,7 @@ impl PodFactsCache {
         self.read()
             .terminating
             .values()
-            .filter(|n| ***n == *node)
+            .filter(|n| &n[..] == node)
             .count()
     }
 

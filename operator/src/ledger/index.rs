@@ -59,18 +59,32 @@ pub struct ReservationKey {
 }
 
 impl ReservationKey {
-    /// Key of `namespace/name`. The namespace is shared with every other key of it
-    /// ([`shared_names::namespace`]).
+    /// Key of `namespace/name`, to look up with.
     pub fn new(namespace: impl AsRef<str>, name: impl AsRef<str>) -> Self {
+        Self {
+            namespace: Arc::from(namespace.as_ref()),
+            name: Arc::from(name.as_ref()),
+        }
+    }
+
+    /// Key of `namespace/name`, to keep in a map: its namespace is the one copy every kept key
+    /// of it shares ([`shared_names::namespace`]). Lookups use [`Self::new`]; the shared copy
+    /// costs a lock on a process-wide set, which filter's and bind's lookups need not take.
+    pub fn kept(namespace: impl AsRef<str>, name: impl AsRef<str>) -> Self {
         Self {
             namespace: shared_names::namespace(namespace.as_ref()),
             name: Arc::from(name.as_ref()),
         }
     }
 
-    /// Key of an object.
+    /// Key of an object, to look up with.
     pub fn of(r: &GpuReservation) -> Self {
         Self::new(r.namespace().unwrap_or_default(), r.name_any())
+    }
+
+    /// Key of an object, to keep ([`Self::kept`]).
+    fn kept_of(r: &GpuReservation) -> Self {
+        Self::kept(r.namespace().unwrap_or_default(), r.name_any())
     }
 }
 
@@ -316,7 +330,7 @@ impl Inner {
     }
 
     fn upsert(&mut self, obj: Arc<GpuReservation>) {
-        let key = ReservationKey::of(&obj);
+        let key = ReservationKey::kept_of(&obj);
         if self.shadowed_by_tombstone(&key, &obj) {
             return;
         }
@@ -431,13 +445,13 @@ impl LedgerIndex {
             }
             Event::Delete(obj) => {
                 let deleted_rv = rv(&obj);
-                let key = ReservationKey::of(&obj);
+                let key = ReservationKey::kept_of(&obj);
                 inner.watch_saw(&key, deleted_rv);
                 inner.remove(key, deleted_rv);
             }
             Event::Init => inner.relist = Some(HashMap::new()),
             Event::InitApply(obj) => {
-                let key = ReservationKey::of(&obj);
+                let key = ReservationKey::kept_of(&obj);
                 if let Some(buf) = inner.relist.as_mut() {
                     buf.insert(key, obj);
                 }
@@ -453,7 +467,7 @@ impl LedgerIndex {
     /// Records an object the operator just wrote (create, update, status patch).
     pub fn record_write(&self, obj: GpuReservation) {
         let mut inner = self.write();
-        let key = ReservationKey::of(&obj);
+        let key = ReservationKey::kept_of(&obj);
         // A write that changed something has a version newer than any the index holds for the
         // key and than the watch has delivered; its event is still to come. (A write that changed nothing
         // keeps its version and produces no event.)
@@ -653,6 +667,30 @@ mod tests {
         r.metadata.namespace = Some("ns".into());
         r.metadata.resource_version = Some(rv.into());
         r
+    }
+
+    #[test]
+    fn kept_keys_share_their_namespace_and_lookup_keys_find_them() {
+        let idx = LedgerIndex::new();
+        idx.apply_event(Event::Apply(obj("a", "1", "n1")));
+        idx.record_write(obj("b", "2", "n1"));
+        {
+            let inner = idx.read();
+            let kept: Vec<&ReservationKey> = inner.live.keys().collect();
+            assert_eq!(kept.len(), 2);
+            assert!(Arc::ptr_eq(&kept[0].namespace, &kept[1].namespace));
+            assert!(Arc::ptr_eq(
+                &kept[0].namespace,
+                &shared_names::namespace("ns")
+            ));
+        }
+        // A lookup key is a plain one, and equal.
+        let lookup = ReservationKey::new("ns", "a");
+        assert!(!Arc::ptr_eq(
+            &lookup.namespace,
+            &shared_names::namespace("ns")
+        ));
+        assert_eq!(idx.get(&lookup).map(|r| r.name_any()), Some("a".into()));
     }
 
     fn key(name: &str) -> ReservationKey {
