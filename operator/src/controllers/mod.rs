@@ -11,3 +11,4 @@ pub mod refit;
 pub mod reservation;
 pub mod resync;
 pub mod unreserved;
+pub mod work_queue;

@@ -1,5 +1,6 @@
 //! The reservation lifecycle controller: reconciles every GpuReservation whenever it or its pod
-//! changes, executing the step [`lifecycle::next_step`] chooses. Only the leader writes; every
+//! changes, executing the step [`lifecycle::next_step`] chooses, through the keys-only queue of
+//! [`super::work_queue`]. Only the leader writes; every
 //! write is guarded by the resourceVersion the decision was based on, and a conflict simply
 //! re-runs the reconcile on fresh data.
 //!
@@ -18,17 +19,15 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::Api;
-use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
-use kube::runtime::reflector::{self, ObjectRef};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Resource, ResourceExt};
 use tokio::sync::Notify;
 
 use super::lifecycle::{Step, next_step};
 use super::pod_facts::{PodFacts, PodFactsCache};
+use super::work_queue::{self, Revisit};
 use crate::context::{Context, pod_ref_by_name};
 use crate::lease::allocation as lease;
-use crate::ledger::feed::SharedReservation;
 use crate::ledger::render::{devices_summary, numa_summary};
 use crate::ledger::writer::OperatorStatus;
 use crate::ledger::{ReservationKey, WriteError};
@@ -70,7 +69,7 @@ const ABLE_POLL: Duration = Duration::from_millis(250);
 
 /// Reconciles running at once. Each may read a pod and write a reservation; unbounded, a cold
 /// start with 20 000 reservations would put 20 000 requests in flight at once.
-const CONCURRENCY: u16 = 16;
+const CONCURRENCY: usize = 16;
 
 /// What a reconcile gets: the operator's context and the pod facts of the pod watch.
 pub struct Lifecycle {
@@ -114,7 +113,7 @@ impl Lifecycle {
 fn due_at_passes(
     lc: Arc<Lifecycle>,
     listed: Arc<Notify>,
-) -> impl Stream<Item = ObjectRef<SharedReservation>> + Send {
+) -> impl Stream<Item = ReservationKey> + Send {
     pass_times(lc.clone(), listed)
         .then(move |()| {
             // A look at every reservation: off the runtime's workers, which serve filter.
@@ -133,13 +132,13 @@ fn due_at_passes(
 
 /// The reservations whose step, decided now on the cached pod facts, is not [`Step::Idle`]:
 /// what a reconcile of each would act on or set a timer for. A reconcile of the others would
-/// end in `await_change` without a write, so they are left out of the controller's queue: a
+/// end in [`Revisit::OnChange`] without a write, so they are left out of the queue: a
 /// restart on a settled cluster of 100 000 reservations would otherwise queue all 100 000 at
 /// once (the queue's entries were a fifth of the operator's peak memory).
-fn due_now(lc: &Lifecycle) -> Vec<ObjectRef<SharedReservation>> {
+fn due_now(lc: &Lifecycle) -> Vec<ReservationKey> {
     lc.decided_now(|step| *step != Step::Idle)
         .into_iter()
-        .map(|(key, _, _)| ObjectRef::new(&key.name).within(&key.namespace))
+        .map(|(key, _, _)| key)
         .collect()
 }
 
@@ -151,7 +150,7 @@ fn due_now(lc: &Lifecycle) -> Vec<ObjectRef<SharedReservation>> {
 /// every reservation and every pod, 200 000 requests through the controller's queue at 100 000
 /// reservations, nearly all for reservations with nothing to do, and thousands waiting at once
 /// (a heap profile of a 20 000-reservation start found the queue's table grown to 2 MB, which
-/// it keeps). One pass after the list queues only those with a step due.
+/// it kept). One pass after the list queues only those with a step due.
 fn pass_times(lc: Arc<Lifecycle>, listed: Arc<Notify>) -> impl Stream<Item = ()> + Send {
     futures::stream::unfold((lc, listed, false), |(lc, listed, was_able)| async move {
         let mut tick = tokio::time::interval(ABLE_POLL);
@@ -200,11 +199,10 @@ where
 /// shared, in the order the index saw them.
 pub async fn run<S>(ctx: Arc<Context>, reservations: S)
 where
-    S: Stream<Item = Result<watcher::Event<SharedReservation>, watcher::Error>> + Send + 'static,
+    S: Stream<Item = Result<watcher::Event<Arc<GpuReservation>>, watcher::Error>> + Send + 'static,
 {
-    let (keys, writer) = reflector::store::<SharedReservation>();
     let listed = Arc::new(Notify::new());
-    let trigger = live_changes(reservations.reflect(writer), listed.clone());
+    let changed = live_changes(reservations, listed.clone()).map_ok(|r| ReservationKey::of(&r));
     let facts = ctx.caches.pods.clone();
     // Bound GPU pods without a reservation are found in the same pod cache.
     tokio::spawn(super::unreserved::run(ctx.clone(), facts.clone()));
@@ -227,29 +225,33 @@ where
                 })
         })
     };
+    // A pod's reservation has the pod's namespace and name.
     let pods = live_changes(
         tracked("pods", ctx.health.clone(), pod_events),
         listed.clone(),
-    );
+    )
+    .map_ok(|pod: Pod| ReservationKey::new(pod.namespace().unwrap_or_default(), pod.name_any()));
     let lifecycle = Arc::new(Lifecycle {
         ctx: ctx.clone(),
         pods: facts,
     });
     tokio::spawn(super::resync::run(lifecycle.clone()));
-    Controller::for_stream(trigger, keys)
-        .watches_stream(pods, |pod: Pod| {
-            let ns = pod.namespace().unwrap_or_default();
-            Some(ObjectRef::<SharedReservation>::new(&pod.name_any()).within(&ns))
-        })
-        .reconcile_on(due_at_passes(lifecycle.clone(), listed))
-        .with_config(ControllerConfig::default().concurrency(CONCURRENCY))
-        .run(reconcile, error_policy, lifecycle)
-        .for_each(|res| async move {
-            if let Err(e) = res {
-                tracing::debug!(error = %e, "reservation reconcile");
+    // Both watches report their errors to the health endpoint already (`tracked`), and retry.
+    let watched = futures::stream::select(changed, pods).filter_map(|key| async move {
+        key.inspect_err(|e| tracing::debug!(error = %e, "lifecycle trigger"))
+            .ok()
+    });
+    let triggers = futures::stream::select(watched, due_at_passes(lifecycle.clone(), listed));
+    work_queue::run(triggers, CONCURRENCY, move |key| {
+        let lc = lifecycle.clone();
+        async move {
+            match reconcile(&key, lc.clone()).await {
+                Ok(revisit) => revisit,
+                Err(e) => error_policy(&key, &e, &lc),
             }
-        })
-        .await;
+        }
+    })
+    .await;
 }
 
 /// When a reconcile whose write lost a resourceVersion race runs again if nothing else brings
@@ -260,16 +262,16 @@ where
 /// lagged behind a saturated API server: up to seven times per reservation in a 1000-pod burst.
 pub const CONFLICT_RETRY: Duration = Duration::from_secs(5);
 
-fn error_policy(r: Arc<SharedReservation>, e: &ReconcileError, lc: Arc<Lifecycle>) -> Action {
+/// When a reconcile that failed with `e` runs again: the failure is counted and logged.
+fn error_policy(key: &ReservationKey, e: &ReconcileError, lc: &Lifecycle) -> Revisit {
     if matches!(e, ReconcileError::Ledger(WriteError::Conflict { .. })) {
         lc.ctx.metrics.conflicts.inc();
-        return Action::requeue(CONFLICT_RETRY);
+        return Revisit::After(CONFLICT_RETRY);
     }
-    let key = ReservationKey::of(&r.0).to_string();
     lc.ctx
         .metrics
-        .reconcile_failed("reservations", e.kind(), &key, e);
-    Action::requeue(Duration::from_secs(5))
+        .reconcile_failed("reservations", e.kind(), &key.to_string(), e);
+    Revisit::After(Duration::from_secs(5))
 }
 
 /// The step for reservation `key`: decided on the cached pod facts, and once more on the pod
@@ -310,33 +312,33 @@ async fn decide(
     ))
 }
 
+/// Decides the step of reservation `key` and takes it, and says when to look again.
 pub(super) async fn reconcile(
-    obj: Arc<SharedReservation>,
+    key: &ReservationKey,
     lc: Arc<Lifecycle>,
-) -> Result<Action, ReconcileError> {
+) -> Result<Revisit, ReconcileError> {
     let ctx = lc.ctx.as_ref();
     if !lc.may_decide() {
         // Every reservation with a step due is reconciled once this replica may decide
         // ([`due_at_passes`]); a requeue here would cycle each of them through the queue
         // until then: 100 000 every half second while a cold start lists the pods, and on a
         // follower for as long as it follows.
-        return Ok(Action::await_change());
+        return Ok(Revisit::OnChange);
     }
-    let key = ReservationKey::of(&obj.0);
     // The index is never older than the event that triggered this reconcile (the same stream
     // fed it first), and may be newer: it holds the operator's own writes before their events.
-    let Some(r) = ctx.ledger.index.get(&key) else {
-        return Ok(Action::await_change());
+    let Some(r) = ctx.ledger.index.get(key) else {
+        return Ok(Revisit::OnChange);
     };
-    let step = decide(&lc, &key, &r).await?;
+    let step = decide(&lc, key, &r).await?;
     tracing::debug!(reservation = %key, ?step, "lifecycle step");
     match step {
-        Step::Idle => Ok(Action::await_change()),
-        Step::WaitFor(d) => Ok(Action::requeue(d + Duration::from_millis(100))),
+        Step::Idle => Ok(Revisit::OnChange),
+        Step::WaitFor(d) => Ok(Revisit::After(d + Duration::from_millis(100))),
         Step::Delete { why } => {
             tracing::info!(reservation = %key, why, "deleting reservation");
             ctx.ledger.writer.delete(&r).await?;
-            Ok(Action::await_change())
+            Ok(Revisit::OnChange)
         }
         Step::Phase { phase, free_lease } => {
             set_phase(ctx, &r, phase).await?;
@@ -352,20 +354,20 @@ pub(super) async fn reconcile(
                 );
                 ctx.pod_event(&target, true, "AllocationTimeout", note);
             }
-            Ok(Action::requeue(Duration::from_secs(1)))
+            Ok(Revisit::After(Duration::from_secs(1)))
         }
         Step::Misaligned { message } => {
             record_misalignment(ctx, &r, message).await?;
-            Ok(Action::await_change())
+            Ok(Revisit::OnChange)
         }
         Step::ShrinkInit => {
-            shrink_init(ctx, &key).await?;
-            Ok(Action::await_change())
+            shrink_init(ctx, key).await?;
+            Ok(Revisit::OnChange)
         }
         Step::AddFinalizer => {
             ctx.ledger.writer.add_finalizer(&r).await?;
             tracing::info!(reservation = %key, "finalizer put back");
-            Ok(Action::await_change())
+            Ok(Revisit::OnChange)
         }
         Step::Summarize => {
             // The writer records the conditions and generation on every status it applies.
@@ -373,7 +375,7 @@ pub(super) async fn reconcile(
                 .writer
                 .write_status(&r, &OperatorStatus::of(&r))
                 .await?;
-            Ok(Action::await_change())
+            Ok(Revisit::OnChange)
         }
     }
 }
@@ -493,12 +495,15 @@ mod tests {
             ctx: ctx.clone(),
             pods: ctx.caches.pods.clone(),
         });
-        let r = Arc::new(SharedReservation(Arc::new(reservation(None, 0))));
+        let key = ReservationKey::of(&reservation(None, 0));
         let lost = ReconcileError::Ledger(WriteError::Conflict {
             key: ReservationKey::new("ml", "p"),
             expected: Some("7".into()),
         });
-        assert_eq!(error_policy(r, &lost, lc), Action::requeue(CONFLICT_RETRY));
+        assert_eq!(
+            error_policy(&key, &lost, &lc),
+            Revisit::After(CONFLICT_RETRY)
+        );
         assert!(CONFLICT_RETRY >= Duration::from_secs(1));
         assert_eq!(ctx.metrics.conflicts.get(), 1);
     }
@@ -533,7 +538,7 @@ mod tests {
             "Running",
         )));
         pods.apply(&watcher::Event::InitDone);
-        let due: Vec<String> = due_now(&lc).iter().map(|r| r.name.clone()).collect();
+        let due: Vec<String> = due_now(&lc).iter().map(|k| k.name.to_string()).collect();
         assert_eq!(due, ["q"]);
     }
 

@@ -1,7 +1,7 @@
 //! The lifecycle's safety net: a step that stayed due through a whole sweep is carried out here.
 //!
 //! The lifecycle controller ([`super::reservation`]) acts on watch events and its own requeues,
-//! through kube-runtime's scheduler. On a CPU-starved machine we saw a reservation's watch event
+//! through its queue ([`super::work_queue`]). On a CPU-starved machine we saw a reservation's watch event
 //! arrive (the ledger index took it) and no reconcile follow: the reservation stayed `Reserved`
 //! while its pod ran, and nothing would ever have moved it. Whatever drops such a trigger, the
 //! ledger must not rest on it. Every [`RESYNC_EVERY`] this decides the step of every reservation
@@ -19,7 +19,6 @@ use kube::ResourceExt;
 use super::lifecycle::Step;
 use super::reservation::{Decided, Lifecycle, reconcile};
 use crate::ledger::ReservationKey;
-use crate::ledger::feed::SharedReservation;
 
 /// How often every reservation is looked at. A step must stay due this long, unchanged, before
 /// the sweep takes it: far longer than the controller needs, even with a backlog under load.
@@ -51,11 +50,11 @@ pub(super) async fn run(lc: Arc<Lifecycle>) {
         };
         let (due_now, stuck) = still_due(&due_before, steps);
         due_before = due_now;
-        for (key, step, r) in stuck {
+        for (key, step, _) in stuck {
             lc.ctx.metrics.lifecycle_resyncs.inc();
             tracing::warn!(reservation = %key, ?step,
                 "lifecycle step due since the last sweep and not taken; taking it now");
-            if let Err(e) = reconcile(Arc::new(SharedReservation(r)), lc.clone()).await {
+            if let Err(e) = reconcile(&key, lc.clone()).await {
                 let object = key.to_string();
                 lc.ctx
                     .metrics

@@ -1,24 +1,21 @@
 //! The one watch on GpuReservations, and what it feeds.
 //!
 //! The ledger index keeps the only copy of each reservation. The lifecycle controller is
-//! triggered by the same events, in the same order, and its store shares the index's objects
-//! ([`SharedReservation`]); it reads the reservation from the index when it reconciles, since
-//! the index is newer than any controller cache: it holds the operator's own writes before the
-//! watch echoes them. Two copies of 20 000 reservations were most of the operator's memory.
+//! triggered by the same events, in the same order, and keeps no objects of its own (its queue
+//! holds keys: [`crate::controllers::work_queue`]); it reads the reservation from the index
+//! when it reconciles, since the index is newer than any controller cache: it holds the
+//! operator's own writes before the watch echoes them. Two copies of 20 000 reservations were
+//! most of the operator's memory.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::{Stream, StreamExt};
-use std::borrow::Cow;
 
 use gpuledger_crds::GpuReservation;
-use k8s_openapi::NamespaceResourceScope;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::Api;
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
-use kube::{Api, Resource};
-use serde::{Deserialize, Deserializer};
 use tokio::sync::Notify;
 
 use super::LedgerIndex;
@@ -72,72 +69,20 @@ pub async fn watchdog(index: Arc<LedgerIndex>, restart: Arc<Notify>, metrics: Ar
     }
 }
 
-/// A reservation as the lifecycle controller's store keeps it: the ledger index's own copy,
-/// shared. A kube-runtime controller needs a store of its objects to hand each reconcile one;
-/// a second copy of every reservation in it (even a key-only one: an `ObjectMeta` alone is
-/// hundreds of bytes) would be a large part of the operator's memory at 100 000 reservations.
-/// With this, the store adds a pointer per reservation.
-#[derive(Clone, Debug)]
-pub struct SharedReservation(pub Arc<GpuReservation>);
-
-impl Resource for SharedReservation {
-    type DynamicType = ();
-    type Scope = NamespaceResourceScope;
-
-    fn kind(dt: &()) -> Cow<'_, str> {
-        GpuReservation::kind(dt)
-    }
-
-    fn group(dt: &()) -> Cow<'_, str> {
-        GpuReservation::group(dt)
-    }
-
-    fn version(dt: &()) -> Cow<'_, str> {
-        GpuReservation::version(dt)
-    }
-
-    fn plural(dt: &()) -> Cow<'_, str> {
-        GpuReservation::plural(dt)
-    }
-
-    fn meta(&self) -> &ObjectMeta {
-        &self.0.metadata
-    }
-
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        // Copies the reservation if the index still shares it: the controller never edits
-        // what its store holds, so this is not on any path the operator takes.
-        &mut Arc::make_mut(&mut self.0).metadata
-    }
-}
-
-impl<'de> Deserialize<'de> for SharedReservation {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        GpuReservation::deserialize(d).map(|r| Self(Arc::new(r)))
-    }
-}
-
-/// Applies each event of `events` to `index`, then passes it on with the same objects, shared
-/// ([`SharedReservation`]).
+/// Applies each event of `events` to `index`, then passes it on with the same objects, shared:
+/// the lifecycle controller takes its triggers from them.
 pub fn feed_index<S>(
     index: Arc<LedgerIndex>,
     events: S,
-) -> impl Stream<Item = Result<Event<SharedReservation>, watcher::Error>> + Send
+) -> impl Stream<Item = Result<Event<Arc<GpuReservation>>, watcher::Error>> + Send
 where
     S: Stream<Item = Result<Event<GpuReservation>, watcher::Error>> + Send,
 {
     events.map(move |item| {
         item.map(|event| {
             let event = shared(event);
-            let out = match &event {
-                Event::Apply(r) => Event::Apply(SharedReservation(r.clone())),
-                Event::Delete(r) => Event::Delete(SharedReservation(r.clone())),
-                Event::InitApply(r) => Event::InitApply(SharedReservation(r.clone())),
-                Event::Init => Event::Init,
-                Event::InitDone => Event::InitDone,
-            };
-            index.apply_shared(event);
-            out
+            index.apply_shared(event.clone());
+            event
         })
     })
 }
@@ -148,7 +93,6 @@ mod tests {
     use crate::ledger::ReservationKey;
     use gpuledger_crds::{ContainerReservation, GpuReservationSpec};
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ManagedFieldsEntry;
-    use kube::runtime::reflector::ObjectRef;
 
     fn res(name: &str, rv: &str) -> GpuReservation {
         let mut r = GpuReservation::new(
@@ -166,7 +110,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn the_controller_shares_the_index_copy_trimmed_to_its_size() {
+    async fn the_controller_is_passed_the_index_copy_trimmed_to_its_size() {
         let index = Arc::new(LedgerIndex::new());
         let mut b = res("b", "6");
         // As serde decodes one container: room for four.
@@ -184,7 +128,7 @@ mod tests {
             .collect()
             .await;
         assert_eq!(out.len(), 4);
-        let Some(Ok(Event::Apply(SharedReservation(b)))) = out.last() else {
+        let Some(Ok(Event::Apply(b))) = out.last() else {
             panic!("{out:?}");
         };
         assert!(index.is_synced());
@@ -194,19 +138,5 @@ mod tests {
         assert_eq!(kept.spec.containers.capacity(), 1, "no room kept for more");
         assert!(kept.metadata.managed_fields.is_none());
         assert_eq!(index.on_node("n1").len(), 2);
-    }
-
-    #[test]
-    fn a_pod_event_finds_the_shared_reservation_of_its_name() {
-        // The lifecycle controller maps a pod event to the reservation of the pod's name; the
-        // store files each reservation under the ref of the object itself.
-        let shared = SharedReservation(Arc::new(res("p", "7")));
-        let from_pod = ObjectRef::<SharedReservation>::new("p").within("ns");
-        assert_eq!(ObjectRef::from(&shared), from_pod);
-        assert_eq!(SharedReservation::plural(&()), "gpureservations");
-        let decoded: SharedReservation =
-            serde_json::from_value(serde_json::to_value(&*shared.0).unwrap()).unwrap();
-        assert_eq!(decoded.0.spec, shared.0.spec);
-        assert_eq!(decoded.0.metadata, shared.0.metadata);
     }
 }

@@ -434,8 +434,8 @@ impl LedgerIndex {
         self.apply_shared(shared(event));
     }
 
-    /// Feeds one watch event whose object is shared with the lifecycle controller's store
-    /// (see [`shared`]): both keep the same allocation.
+    /// Feeds one watch event whose object is shared (see [`shared`]): the feed passes the same
+    /// allocation on to the lifecycle controller's triggers.
     pub fn apply_shared(&self, event: Event<Arc<GpuReservation>>) {
         let mut inner = self.write();
         match event {
