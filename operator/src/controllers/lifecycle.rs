@@ -181,7 +181,7 @@ fn phase_step(
     now: Timestamp,
     allocating_timeout: Duration,
 ) -> Step {
-    let Some(pod) = pod.filter(|p| p.uid == r.spec.pod_uid) else {
+    let Some(pod) = pod.filter(|p| p.uid.is(&r.spec.pod_uid)) else {
         return Step::Delete {
             why: "pod gone or recreated",
         };

@@ -6,6 +6,7 @@ pub mod gpunode_usage;
 pub mod lifecycle;
 pub mod numapolicy;
 pub mod pod_facts;
+pub mod pod_uid;
 pub mod quota_usage;
 pub mod refit;
 pub mod reservation;

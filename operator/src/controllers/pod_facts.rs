@@ -21,17 +21,18 @@ use crate::context::PodApiSetting;
 use gpuledger_crds::protocol::pod::{pod_finished, pod_terminating, pod_wants_gpus};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
-use kube::ResourceExt;
 use kube::runtime::watcher::Event;
+use kube::{Resource, ResourceExt};
 use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
+use super::pod_uid::PodUid;
 use crate::ledger::{ReservationKey, shared_names};
 
 /// The fields of a pod the lifecycle decision reads.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PodFacts {
-    /// `metadata.uid`.
-    pub uid: String,
+    /// `metadata.uid`, kept as bytes ([`PodUid`]).
+    pub uid: PodUid,
     /// `spec.nodeName`, once bound (one copy per node: [`shared_names::node`]).
     pub node_name: Option<Arc<str>>,
     /// Succeeded or Failed: its containers hold no GPU any more.
@@ -52,7 +53,7 @@ impl PodFacts {
     /// The facts of `pod`, read with the operator's pod-API defaults.
     pub fn of(pod: &Pod, config: &PodApiConfig) -> Self {
         Self {
-            uid: pod.uid().unwrap_or_default(),
+            uid: PodUid::new(pod.meta().uid.as_deref().unwrap_or_default()),
             node_name: pod
                 .spec
                 .as_ref()
@@ -276,7 +277,7 @@ impl PodFactsCache {
         self.read()
             .pods
             .get(key)
-            .is_some_and(|f| f.uid == uid && !f.finished && !f.terminating)
+            .is_some_and(|f| f.uid.is(uid) && !f.finished && !f.terminating)
     }
 
     /// Pod `key` as the watch last showed it, if it wants GPUs and has not started (unbound,
@@ -421,7 +422,7 @@ pub(crate) mod tests {
     fn facts_read_the_decisive_fields() {
         let p = pod("a", "u1", Some("n1"), "Running");
         let f = PodFacts::of(&p, &PodApiConfig::default());
-        assert_eq!(f.uid, "u1");
+        assert!(f.uid.is("u1"));
         assert_eq!(f.node_name.as_deref(), Some("n1"));
         assert!(!f.finished && !f.init_done);
         assert!(of(&pod("a", "u1", None, "Succeeded")).finished);

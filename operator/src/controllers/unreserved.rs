@@ -21,6 +21,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::Api;
 
 use super::pod_facts::{PodFacts, PodFactsCache};
+use super::pod_uid::PodUid;
 use crate::context::{Context, pod_ref};
 use crate::ledger::render::{devices_summary, reservation_for};
 use crate::ledger::{ReservationKey, WriteError};
@@ -63,7 +64,7 @@ fn unreserved(ctx: &Context, pods: &PodFactsCache) -> Vec<(ReservationKey, PodFa
     // the other way round.
     pods.bound_gpu_pods_where(|key, facts| {
         !ctx.ledger.index.get(key).is_some_and(|r| {
-            r.spec.pod_uid == facts.uid
+            facts.uid.is(&r.spec.pod_uid)
                 && Some(r.spec.node_name.as_str()) == facts.node_name.as_deref()
         })
     })
@@ -72,9 +73,9 @@ fn unreserved(ctx: &Context, pods: &PodFactsCache) -> Vec<(ReservationKey, PodFa
 /// Runs the sweep until the process ends.
 pub async fn run(ctx: Arc<Context>, pods: Arc<PodFactsCache>) {
     // Pod UID -> when it was first seen bound without a reservation.
-    let mut missing_since: HashMap<String, Instant> = HashMap::new();
+    let mut missing_since: HashMap<PodUid, Instant> = HashMap::new();
     // Pods already reported as unfit (one event each, not one per sweep).
-    let mut reported: HashSet<String> = HashSet::new();
+    let mut reported: HashSet<PodUid> = HashSet::new();
     let mut tick = tokio::time::interval(SWEEP_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -97,9 +98,9 @@ pub async fn run(ctx: Arc<Context>, pods: Arc<PodFactsCache>) {
                 continue;
             }
         };
-        let uids: HashSet<&str> = found.iter().map(|(_, f)| f.uid.as_str()).collect();
-        missing_since.retain(|uid, _| uids.contains(uid.as_str()));
-        reported.retain(|uid| uids.contains(uid.as_str()));
+        let uids: HashSet<&PodUid> = found.iter().map(|(_, f)| &f.uid).collect();
+        missing_since.retain(|uid, _| uids.contains(uid));
+        reported.retain(|uid| uids.contains(uid));
         let mut unfit = 0;
         for (key, facts) in &found {
             let since = *missing_since.entry(facts.uid.clone()).or_insert(now);
@@ -217,5 +218,5 @@ async fn repair(
 }
 
 fn is_the_pods(r: &GpuReservation, facts: &PodFacts, node: &str) -> bool {
-    r.spec.pod_uid == facts.uid && r.spec.node_name == node
+    facts.uid.is(&r.spec.pod_uid) && r.spec.node_name == node
 }
