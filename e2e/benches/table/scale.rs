@@ -24,8 +24,8 @@
 
 use std::time::{Duration, Instant};
 
-use gpuledger_crds::GpuReservation;
-use gpuledger_crds::names::DEFAULT_NAMESPACE;
+use gpuledger_crds::names::{DEFAULT_NAMESPACE, reservation_name};
+use gpuledger_crds::{GpuReservation, ReservationPhase};
 use gpuledger_e2e::bench::fleet::{Share, run_parallel};
 use gpuledger_e2e::bench::{
     ChildOperator, Fleet, GpuShape, OperatorOptions, Row, gpu_pod, spawn_allocator,
@@ -254,13 +254,16 @@ async fn run() -> Result<Vec<Row>, String> {
 
     // Through kube-scheduler at the largest size, at a rate it sustains.
     let op = last_op.ok_or("no operator running")?;
-    let allocator = spawn_allocator(client.clone(), NS);
+    // The allocation Leases live in the operator's namespace, not the pods'.
+    let allocator = spawn_allocator(client.clone(), DEFAULT_NAMESPACE);
     proxy.take_ms("/filter");
     // The operator's own histograms before and after (cumulative): their difference is the
     // paced calls as the operator timed them, to hold against the proxy's.
     log_filter_histograms(&op, "scale, before the paced pods").await;
     eprintln!("[bench] scale: {PACED_PODS} GPU pods at {PACED_RATE}/s through kube-scheduler");
-    let phase = paced(&client, "scale", crate::scaled(PACED_PODS), PACED_RATE).await;
+    let paced_pods = crate::scaled(PACED_PODS);
+    let phase = paced(&client, "scale", paced_pods, PACED_RATE).await;
+    let allocated = all_allocated(&client, "scale", paced_pods).await;
     allocator.abort();
     log_filter_histograms(&op, "scale, after the paced pods").await;
     let scheduled_filter = proxy.take_ms("/filter");
@@ -269,6 +272,7 @@ async fn run() -> Result<Vec<Row>, String> {
     keep_operator_log(&op, "scale");
     op.kill().await.map_err(|e| e.to_string())?;
     phase?;
+    allocated?;
 
     Ok(rows(
         &figures,
@@ -370,6 +374,48 @@ async fn pod_and_reservation(
         .await
         .map_err(|e| format!("status of reservation {name}: {e}"))?;
     Ok(())
+}
+
+/// How long the paced pods' allocations may take to be recorded after the last is bound.
+const ALLOCATED_WITHIN: Duration = Duration::from_secs(60);
+
+/// Waits until the reservation of every paced pod `<prefix>-<i>` is `Allocated`: the device
+/// plugins' stand-in allocated each, so the filter row was taken on a cluster whose binds went
+/// through. (It once watched the pods' namespace for the allocation Leases: nothing was ever
+/// allocated, every node a pod was bound to stayed held, and the paced pods bound only as the
+/// Leases timed out, each bind refused several times first.)
+async fn all_allocated(client: &Client, prefix: &str, n: usize) -> Result<(), String> {
+    let api: Api<GpuReservation> = Api::namespaced(client.clone(), NS);
+    let mut pending: Vec<String> = (0..n)
+        .map(|i| reservation_name(&format!("{prefix}-{i}")))
+        .collect();
+    let deadline = Instant::now() + ALLOCATED_WITHIN;
+    loop {
+        let mut still = Vec::new();
+        for name in pending {
+            let r = api
+                .get_opt(&name)
+                .await
+                .map_err(|e| format!("read reservation {name}: {e}"))?;
+            let phase = r.and_then(|r| r.status.and_then(|s| s.phase));
+            if phase != Some(ReservationPhase::Allocated) {
+                still.push(name);
+            }
+        }
+        pending = still;
+        if pending.is_empty() {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(format!(
+                "{} of {n} paced pods' reservations not Allocated after {ALLOCATED_WITHIN:?} \
+                 (first: {})",
+                pending.len(),
+                pending[0]
+            ));
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
 }
 
 /// "linear" when the cost per unit at the largest size is within 30 % of the smallest's.
