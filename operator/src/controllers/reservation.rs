@@ -149,8 +149,8 @@ fn due_now(lc: &Lifecycle) -> Vec<ReservationKey> {
 /// A list's objects do not trigger reconciles one by one ([`live_changes`]): at start they are
 /// every reservation and every pod, 200 000 requests through the controller's queue at 100 000
 /// reservations, nearly all for reservations with nothing to do, and thousands waiting at once
-/// (a heap profile of a 20 000-reservation start found the queue's table grown to 2 MB, which
-/// it kept). One pass after the list queues only those with a step due.
+/// (a heap profile of a 20 000-reservation start found kube-runtime's queue table, used then,
+/// grown to 2 MB, which it kept). One pass after the list queues only those with a step due.
 fn pass_times(lc: Arc<Lifecycle>, listed: Arc<Notify>) -> impl Stream<Item = ()> + Send {
     futures::stream::unfold((lc, listed, false), |(lc, listed, was_able)| async move {
         let mut tick = tokio::time::interval(ABLE_POLL);
@@ -225,12 +225,16 @@ where
                 })
         })
     };
-    // A pod's reservation has the pod's namespace and name.
+    // A pod's reservation has the pod's namespace and name. A pod without one (most pods of a
+    // cluster) queues nothing: were its reservation written later, that write's own event
+    // triggers the reconcile, which finds it in the index.
+    let index = ctx.ledger.index.clone();
     let pods = live_changes(
         tracked("pods", ctx.health.clone(), pod_events),
         listed.clone(),
     )
-    .map_ok(|pod: Pod| ReservationKey::new(pod.namespace().unwrap_or_default(), pod.name_any()));
+    .map_ok(|pod: Pod| ReservationKey::new(pod.namespace().unwrap_or_default(), pod.name_any()))
+    .try_filter(move |key| futures::future::ready(index.get(key).is_some()));
     let lifecycle = Arc::new(Lifecycle {
         ctx: ctx.clone(),
         pods: facts,

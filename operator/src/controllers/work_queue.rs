@@ -28,6 +28,11 @@ pub enum Revisit {
     After(Duration),
 }
 
+/// The table of waiting keys is given back to the allocator when it empties with room for more
+/// than this: a pass after a relist may queue every reservation at once, and a hash table
+/// keeps the size it grew to (kube-runtime's queue kept 2 MB after a 20 000-reservation start).
+const KEEP_ROOM: usize = 1024;
+
 /// How long a key whose work panicked waits before it runs again.
 const AFTER_PANIC: Duration = Duration::from_secs(5);
 
@@ -74,6 +79,9 @@ impl<K: Clone + Eq + Hash> Timers<K> {
         }
         let key = first.remove();
         self.at.remove(&key);
+        if self.at.is_empty() && self.at.capacity() > KEEP_ROOM {
+            self.at = HashMap::new();
+        }
         Some(key)
     }
 }
@@ -174,6 +182,26 @@ mod tests {
             "the moved time of a is gone with it"
         );
         assert!(timers.at.is_empty() && timers.order.is_empty());
+    }
+
+    #[test]
+    fn a_burst_of_keys_leaves_no_table_behind_once_they_ran() {
+        let t0 = Instant::now();
+        let mut timers = Timers::new();
+        for key in 0..20_000u32 {
+            timers.schedule(key, t0);
+        }
+        assert!(timers.at.capacity() >= 20_000);
+        let mut popped = 0;
+        while timers.pop_due(t0).is_some() {
+            popped += 1;
+        }
+        assert_eq!(popped, 20_000);
+        assert!(
+            timers.at.capacity() <= KEEP_ROOM,
+            "{}",
+            timers.at.capacity()
+        );
     }
 
     /// What the test work saw: every run by key, and the most keys running at once.
