@@ -30,7 +30,7 @@ use crate::context::{Context, pod_ref_by_name};
 use crate::lease::allocation as lease;
 use crate::ledger::render::{devices_summary, numa_summary};
 use crate::ledger::writer::OperatorStatus;
-use crate::ledger::{ReservationKey, WriteError};
+use crate::ledger::{LedgerIndex, ReservationKey, WriteError};
 use crate::watches::tracked;
 
 /// Why a reconcile failed (it is retried).
@@ -194,6 +194,21 @@ where
     })
 }
 
+/// The reservation keys of the changed `pods` that have a reservation in `index`: a pod's
+/// reservation has the pod's namespace and name. A pod without one (most pods of a cluster)
+/// queues nothing; were its reservation written later, that write's own event triggers the
+/// reconcile, which finds it in the index.
+fn reserved_pods<S>(
+    pods: S,
+    index: Arc<LedgerIndex>,
+) -> impl Stream<Item = Result<ReservationKey, watcher::Error>> + Send
+where
+    S: Stream<Item = Result<Pod, watcher::Error>> + Send,
+{
+    pods.map_ok(|pod| ReservationKey::new(pod.namespace().unwrap_or_default(), pod.name_any()))
+        .try_filter(move |key| futures::future::ready(index.get(key).is_some()))
+}
+
 /// Runs the controller until the process ends. `reservations` is the GpuReservation watch
 /// after it fed the ledger index ([`crate::ledger::feed::feed_index`]): the index's objects,
 /// shared, in the order the index saw them.
@@ -225,16 +240,13 @@ where
                 })
         })
     };
-    // A pod's reservation has the pod's namespace and name. A pod without one (most pods of a
-    // cluster) queues nothing: were its reservation written later, that write's own event
-    // triggers the reconcile, which finds it in the index.
-    let index = ctx.ledger.index.clone();
-    let pods = live_changes(
-        tracked("pods", ctx.health.clone(), pod_events),
-        listed.clone(),
-    )
-    .map_ok(|pod: Pod| ReservationKey::new(pod.namespace().unwrap_or_default(), pod.name_any()))
-    .try_filter(move |key| futures::future::ready(index.get(key).is_some()));
+    let pods = reserved_pods(
+        live_changes(
+            tracked("pods", ctx.health.clone(), pod_events),
+            listed.clone(),
+        ),
+        ctx.ledger.index.clone(),
+    );
     let lifecycle = Arc::new(Lifecycle {
         ctx: ctx.clone(),
         pods: facts,
@@ -591,6 +603,24 @@ mod tests {
             Some(Some(())),
             "leadership taken"
         );
+    }
+
+    #[tokio::test]
+    async fn only_a_pod_with_a_reservation_queues_its_key() {
+        use super::super::lifecycle::tests::{pod, reservation};
+        let index = Arc::new(LedgerIndex::new());
+        // The reservation of pod "p"; the test pods are named "p" too, so "q" is made by
+        // renaming one.
+        let r = reservation(None, 0);
+        index.apply_event(watcher::Event::Apply(r.clone()));
+        let mut other = pod("uid-2", Some("n1"), "Running");
+        other.metadata.name = Some("q".into());
+        let pods = futures::stream::iter([Ok(pod("uid-1", Some("n1"), "Running")), Ok(other)]);
+        let keys: Vec<ReservationKey> = reserved_pods(pods, index)
+            .map(|k| k.unwrap())
+            .collect()
+            .await;
+        assert_eq!(keys, [ReservationKey::of(&r)]);
     }
 
     #[tokio::test]

@@ -1,9 +1,10 @@
 //! The lifecycle's safety net: a step that stayed due through a whole sweep is carried out here.
 //!
 //! The lifecycle controller ([`super::reservation`]) acts on watch events and its own requeues,
-//! through its queue ([`super::work_queue`]). On a CPU-starved machine we saw a reservation's watch event
-//! arrive (the ledger index took it) and no reconcile follow: the reservation stayed `Reserved`
-//! while its pod ran, and nothing would ever have moved it. Whatever drops such a trigger, the
+//! through its queue ([`super::work_queue`]). On a CPU-starved machine we saw a reservation's
+//! watch event arrive (the ledger index took it) and no reconcile follow (under kube-runtime's
+//! queue, used then): the reservation stayed `Reserved` while its pod ran, and nothing would
+//! ever have moved it. Whatever drops such a trigger, the
 //! ledger must not rest on it. Every [`RESYNC_EVERY`] this decides the step of every reservation
 //! in the index on the cached pod facts (pure, no API call) and runs, through the controller's
 //! own reconcile, each step that was already due for the same resourceVersion at the previous
