@@ -276,18 +276,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
     tasks.spawn(controllers::reservation::run(ctx.clone(), reservations));
 
     // The extender answers only once the caches it decides on are complete.
-    index.wait_synced().await;
-    if gpunodes.wait_until_ready().await.is_err() {
-        return Err(RunError::TaskEnded("GpuNode watch"));
-    }
-    // Pods read before the GpuConfigs would be read with the wrong defaults.
-    if configs.wait_until_ready().await.is_err() {
-        return Err(RunError::TaskEnded("GpuConfig watch"));
-    }
-    // A quota not yet read would let a namespace's first pods past its limit.
-    if quotas.wait_until_ready().await.is_err() {
-        return Err(RunError::TaskEnded("ResourceQuota watch"));
-    }
+    decision_caches_synced(&index, &ctx.caches).await?;
     tracing::info!(identity = %identity, reservations = index.all().len(), "ledger index synced");
 
     let ext_listener = TcpListener::bind(config.extender_addr)
@@ -343,6 +332,36 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
             Err(RunError::TaskEnded("an essential task"))
         }
     }
+}
+
+/// Waits until the ledger index and every cache a decision reads hold their first full list;
+/// the error names the watch that ended before it did. A decision made earlier would be made on
+/// part of the cluster: a pod read with the wrong defaults (GpuConfigs), a namespace's first
+/// pods let past its quota (ResourceQuotas), a pod placed under the default alignment instead
+/// of its NumaPolicy's, a node judged to have no GPUs (GpuNodes).
+async fn decision_caches_synced(index: &LedgerIndex, caches: &Caches) -> Result<(), RunError> {
+    index.wait_synced().await;
+    let ended = |watch| move |_| RunError::TaskEnded(watch);
+    caches
+        .gpunodes
+        .wait_until_ready()
+        .await
+        .map_err(ended("GpuNode watch"))?;
+    caches
+        .configs
+        .wait_until_ready()
+        .await
+        .map_err(ended("GpuConfig watch"))?;
+    caches
+        .quotas
+        .wait_until_ready()
+        .await
+        .map_err(ended("ResourceQuota watch"))?;
+    caches
+        .policies
+        .wait_until_ready()
+        .await
+        .map_err(ended("NumaPolicy watch"))
 }
 
 fn telemetry_router(ctx: Arc<Context>) -> Router {
@@ -428,5 +447,125 @@ async fn readyz_handler(State(ctx): State<Arc<Context>>) -> (StatusCode, String)
             StatusCode::SERVICE_UNAVAILABLE,
             "ledger index not synced\n".into(),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use kube::runtime::reflector::store::Writer;
+
+    use super::*;
+
+    /// The writers of the four stores a decision reads, as their watches hold them.
+    struct Watches {
+        gpunodes: Writer<GpuNode>,
+        configs: Writer<GpuConfig>,
+        quotas: Writer<ResourceQuota>,
+        policies: Writer<NumaPolicy>,
+    }
+
+    fn caches() -> (Caches, Watches) {
+        let (gpunodes, gpunodes_w) = reflector::store();
+        let (configs, configs_w) = reflector::store();
+        let (quotas, quotas_w) = reflector::store();
+        let (policies, policies_w) = reflector::store();
+        let caches = Caches {
+            gpunodes,
+            policies,
+            views: Default::default(),
+            pods: Arc::new(PodFactsCache::new(PodApiSetting::default())),
+            quotas,
+            configs,
+            leases: Arc::default(),
+        };
+        let watches = Watches {
+            gpunodes: gpunodes_w,
+            configs: configs_w,
+            quotas: quotas_w,
+            policies: policies_w,
+        };
+        (caches, watches)
+    }
+
+    /// A first list, empty, seen to its end.
+    fn listed<K>(w: &mut Writer<K>)
+    where
+        K: kube::Resource + Clone,
+        K::DynamicType: Eq + std::hash::Hash + Clone,
+    {
+        w.apply_watcher_event(&watcher::Event::Init);
+        w.apply_watcher_event(&watcher::Event::InitDone);
+    }
+
+    fn synced_index() -> LedgerIndex {
+        let index = LedgerIndex::new();
+        index.apply_shared(watcher::Event::Init);
+        index.apply_shared(watcher::Event::InitDone);
+        index
+    }
+
+    async fn completes(index: &LedgerIndex, caches: &Caches) -> bool {
+        tokio::time::timeout(
+            Duration::from_millis(50),
+            decision_caches_synced(index, caches),
+        )
+        .await
+        .is_ok_and(|r| r.is_ok())
+    }
+
+    #[tokio::test]
+    async fn the_extender_waits_for_every_cache_a_decision_reads() {
+        // Each cache in turn is the one whose first list has not ended: nothing is served.
+        for missing in ["gpunodes", "configs", "quotas", "policies", "index"] {
+            let (caches, mut w) = caches();
+            let index = if missing == "index" {
+                LedgerIndex::new()
+            } else {
+                synced_index()
+            };
+            if missing != "gpunodes" {
+                listed(&mut w.gpunodes);
+            }
+            if missing != "configs" {
+                listed(&mut w.configs);
+            }
+            if missing != "quotas" {
+                listed(&mut w.quotas);
+            }
+            if missing != "policies" {
+                listed(&mut w.policies);
+            }
+            assert!(
+                !completes(&index, &caches).await,
+                "served without {missing}"
+            );
+        }
+        let (caches, mut w) = caches();
+        let index = synced_index();
+        listed(&mut w.gpunodes);
+        listed(&mut w.configs);
+        listed(&mut w.quotas);
+        assert!(!completes(&index, &caches).await);
+        listed(&mut w.policies);
+        assert!(completes(&index, &caches).await, "every cache listed");
+    }
+
+    #[tokio::test]
+    async fn a_watch_that_ends_before_its_first_list_is_named() {
+        let (caches, mut w) = caches();
+        let index = synced_index();
+        listed(&mut w.gpunodes);
+        listed(&mut w.configs);
+        listed(&mut w.quotas);
+        drop(w.policies);
+        let err = decision_caches_synced(&index, &caches)
+            .await
+            .expect_err("the NumaPolicy watch ended");
+        assert_eq!(
+            err.to_string(),
+            RunError::TaskEnded("NumaPolicy watch").to_string()
+        );
     }
 }
