@@ -143,6 +143,104 @@ async fn a_standby_replica_takes_over_when_the_leader_is_killed() {
     assert!(answer.contains("\"NodeNames\":[\"gpu-0\"]"), "{answer}");
 }
 
+/// A rollout's SIGTERM in the middle of a burst: the leader stops deciding, waits until every
+/// write it sent is answered and frees its Lease, so the warm standby takes over within one
+/// election round rather than after the Lease's term; and the ledger stays exact across the
+/// handover.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_leader_hands_its_lease_to_the_standby_mid_burst() {
+    let mut rng = rng("a_stopped_leader_hands_its_lease");
+    let rig = Rig::start(2, SHAPE).await;
+    let client = rig.client();
+    let mut leader = ChildOperator::spawn(rig.operator_options("replica-a", true)).unwrap();
+    leader.wait_ready(WAIT).await.expect("first replica leads");
+    let mut standby_opts = rig.operator_options("replica-b", true);
+    standby_opts.extender_port = free_port();
+    let standby = ChildOperator::spawn(standby_opts).unwrap();
+    wait_for("standby up and following", WAIT, || async {
+        let up = http_get(standby.options().metrics_port, "/healthz").await;
+        Ok::<_, std::io::Error>(up.ok().filter(|(code, _)| *code == 200))
+    })
+    .await
+    .unwrap();
+
+    let pods = mixed_pods("handover", 24, SHAPE, &mut rng);
+    let names: BTreeSet<String> = pods.iter().map(|p| p.name_any()).collect();
+    let creator = tokio::spawn({
+        let client = client.clone();
+        async move { create_pods(&client, pods).await }
+    });
+    let reservations: Api<GpuReservation> = Api::all(client.clone());
+    wait_for("the leader's first reservations", WAIT, || {
+        let reservations = reservations.clone();
+        async move {
+            let n = reservations.list(&Default::default()).await?.items.len();
+            Ok::<_, kube::Error>((n >= 3).then_some(()))
+        }
+    })
+    .await
+    .unwrap();
+
+    // Its last renewal as read now: without a handover, the standby could take the Lease no
+    // earlier than a whole term after it (later still if the leader renews once more).
+    let leases: Api<Lease> = Api::namespaced(client.clone(), DEFAULT_NAMESPACE);
+    let before = leases.get(LEADER_LEASE).await.unwrap().spec.unwrap();
+    assert_eq!(before.holder_identity.as_deref(), Some("replica-a"));
+    let renewed = before.renew_time.unwrap().0;
+    let stopped_at = Instant::now();
+    leader
+        .terminate(Duration::from_secs(30))
+        .await
+        .expect("leader stops");
+    let stopped_in = stopped_at.elapsed();
+    wait_for("standby becomes ready", WAIT, || async {
+        Ok::<_, std::io::Error>((standby.readyz().await == Some(200)).then_some(()))
+    })
+    .await
+    .unwrap();
+    let takeover = stopped_at.elapsed();
+    let after = leases.get(LEADER_LEASE).await.unwrap().spec.unwrap();
+    assert_eq!(after.holder_identity.as_deref(), Some("replica-b"));
+    let acquired = after.acquire_time.unwrap().0;
+    let term = k8s_openapi::jiff::SignedDuration::from_secs(i64::from(LEASE_SECONDS));
+    assert!(
+        acquired.duration_since(renewed) < term,
+        "the standby waited for the Lease to expire: acquired {:?} after the renewal read \
+         before the SIGTERM; the leader did not hand it over",
+        acquired.duration_since(renewed)
+    );
+    eprintln!(
+        "handover: leader exited {:.2} s after SIGTERM, standby ready {:.2} s after it",
+        stopped_in.as_secs_f64(),
+        takeover.as_secs_f64()
+    );
+
+    // The new leader decides (on its own port: kube-scheduler's extender address was the old
+    // leader's, so the rest of the burst waits Pending, as behind a Service with no ready
+    // endpoint); and the ledger equals what runs: every bind the old leader began before it
+    // stopped either completed or was undone, none left half-written.
+    let body = r#"{"Pod": {"metadata": {"name": "p", "namespace": "default", "uid": "u"},
+        "spec": {"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}},
+        "NodeNames": ["gpu-0"]}"#;
+    let answer = post_json(standby.options().extender_port, "/filter", body).await;
+    // Fits or not (the burst may have filled gpu-0), the node was judged, not refused.
+    assert!(
+        answer.contains("gpu-0") && !answer.contains("not the leader"),
+        "{answer}"
+    );
+    creator.await.unwrap();
+    let outcome = settle(&client, &names, Duration::from_secs(5)).await;
+    assert_eq!(outcome.bound.len() + outcome.pending.len(), names.len());
+    assert!(
+        !outcome.bound.is_empty(),
+        "nothing was bound before the handover"
+    );
+    audit_clean(&client).await;
+    no_repairs_needed(&client).await;
+    reservations_match_bindings(&rig).await;
+    drop(standby);
+}
+
 /// A minimal HTTP POST on loopback; the body of the answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn api_server_paused_for_five_seconds_during_scheduling_and_refits() {

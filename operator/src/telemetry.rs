@@ -7,7 +7,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use gpuledger_crds::ReservationPhase;
@@ -378,11 +378,18 @@ enum WatchState {
     Ended,
 }
 
+/// Leadership states of [`Health`].
+const FOLLOWING: u8 = 0;
+const LEADING: u8 = 1;
+/// Stopping: never leads again.
+const STEPPED_DOWN: u8 = 2;
+
 /// Health of the watches and leadership.
 #[derive(Default)]
 pub struct Health {
     watches: Mutex<BTreeMap<&'static str, WatchState>>,
-    leader: AtomicBool,
+    /// [`FOLLOWING`], [`LEADING`] or [`STEPPED_DOWN`].
+    leader: AtomicU8,
     /// How many times this replica became leader: numbers its terms.
     terms: AtomicU64,
 }
@@ -424,19 +431,35 @@ impl Health {
             .collect()
     }
 
-    /// Records leadership; becoming leader starts a new term.
+    /// Records leadership; becoming leader starts a new term. Nothing changes once this
+    /// replica has stepped down ([`Health::step_down`]).
     pub fn set_leader(&self, leader: bool) {
-        // The term is counted before leadership shows, so no reader pairs "leading" with the
-        // previous term's number (one task, the election loop, calls this).
-        if leader && !self.is_leader() {
+        let (from, to) = if leader {
+            (FOLLOWING, LEADING)
+        } else {
+            (LEADING, FOLLOWING)
+        };
+        if leader && self.leader.load(Ordering::SeqCst) == FOLLOWING {
+            // Counted before leadership shows, so no reader pairs "leading" with the previous
+            // term's number (one task, the election loop, calls this). A step-down in between
+            // leaves a number no one reads.
             self.terms.fetch_add(1, Ordering::SeqCst);
         }
-        self.leader.store(leader, Ordering::SeqCst);
+        // One exchange: a step-down between a read and a write would otherwise be undone.
+        let _ = self
+            .leader
+            .compare_exchange(from, to, Ordering::SeqCst, Ordering::SeqCst);
+    }
+
+    /// Stops leading for good (the process is stopping); whether it led until now. From here
+    /// on this replica decides and writes nothing, whatever its election loop still sees.
+    pub fn step_down(&self) -> bool {
+        self.leader.swap(STEPPED_DOWN, Ordering::SeqCst) == LEADING
     }
 
     /// Whether this replica leads.
     pub fn is_leader(&self) -> bool {
-        self.leader.load(Ordering::SeqCst)
+        self.leader.load(Ordering::SeqCst) == LEADING
     }
 
     /// The number of this replica's current leadership term; `None` while it follows. Another
@@ -466,6 +489,24 @@ mod tests {
         assert_eq!(h.term(), None);
         h.set_leader(true);
         assert_eq!(h.term(), Some(first + 1));
+    }
+
+    #[test]
+    fn a_replica_that_stepped_down_never_leads_again() {
+        let h = Health::default();
+        assert!(!h.step_down(), "was following");
+        h.set_leader(true);
+        assert!(!h.is_leader());
+        let h = Health::default();
+        h.set_leader(true);
+        assert!(h.step_down(), "was leading");
+        assert!(!h.is_leader());
+        assert_eq!(h.term(), None);
+        // The election loop's next round still sees the Lease held: nothing changes.
+        h.set_leader(true);
+        h.set_leader(false);
+        h.set_leader(true);
+        assert!(!h.is_leader());
     }
 
     #[test]

@@ -53,6 +53,8 @@ fn per_node() -> usize {
         .unwrap_or(PER_NODE)
 }
 const STARTS: usize = 3;
+/// Handovers from a leader to its warm standby per size.
+const HANDOVERS: usize = 3;
 /// How long after ready the peak RSS is read.
 const SETTLE: Duration = Duration::from_secs(10);
 /// Filter calls per size, every node a candidate.
@@ -87,6 +89,8 @@ struct SizeFigures {
     nodes: usize,
     reservations: usize,
     ready_s: Vec<f64>,
+    /// SIGTERM of the leader to its synced standby's /readyz 200.
+    handover_s: Vec<f64>,
     /// Spawn to the pod cache synced.
     cached_s: Vec<f64>,
     /// The bench listing every reservation (ready's floor) ...
@@ -190,6 +194,7 @@ async fn run() -> Result<Vec<Row>, String> {
             let op: ChildOperator = op;
             op.kill().await.map_err(|e| e.to_string())?;
         }
+        let handover_s = handovers(&options, nodes).await?;
         let mut ready_s = Vec::new();
         let mut cached_s = Vec::new();
         let mut list_s = Vec::new();
@@ -242,6 +247,7 @@ async fn run() -> Result<Vec<Row>, String> {
             nodes,
             reservations,
             ready_s,
+            handover_s,
             cached_s,
             list_s,
             list_all_s,
@@ -280,6 +286,55 @@ async fn run() -> Result<Vec<Row>, String> {
         &names_per_call,
         after_mib,
     ))
+}
+
+/// A rollout's view of readiness: two replicas with leader election, the standby started and
+/// synced (its ledger index warm), then the leader sent SIGTERM; seconds from the signal to
+/// the standby's /readyz 200, [`HANDOVERS`] times (each new leader gets a fresh standby). The
+/// last leader is stopped the same way, so the cold starts that follow find no other writer.
+async fn handovers(
+    options: &impl Fn(String) -> OperatorOptions,
+    nodes: usize,
+) -> Result<Vec<f64>, String> {
+    const WAIT: Duration = Duration::from_secs(600);
+    let replica = |i: usize| OperatorOptions {
+        leader_elect: true,
+        // Nothing is scheduled meanwhile: each replica serves its extender on a port of its own.
+        extender_port: free_port(),
+        ..options(format!("handover-{nodes}-{i}"))
+    };
+    let mut leader = ChildOperator::spawn(replica(0)).map_err(|e| e.to_string())?;
+    leader.wait_ready(WAIT).await.map_err(|e| e.to_string())?;
+    let mut took = Vec::new();
+    for i in 1..=HANDOVERS {
+        let mut standby = ChildOperator::spawn(replica(i)).map_err(|e| e.to_string())?;
+        standby
+            .wait_logged("ledger index synced", WAIT)
+            .await
+            .map_err(|e| e.to_string())?;
+        let signalled = Instant::now();
+        leader
+            .terminate(Duration::from_secs(30))
+            .await
+            .map_err(|e| e.to_string())?;
+        while standby.readyz().await != Some(200) {
+            if signalled.elapsed() > Duration::from_secs(60) {
+                return Err(format!(
+                    "standby {i} not ready 60 s after its leader's SIGTERM"
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let s = signalled.elapsed().as_secs_f64();
+        eprintln!("[bench] scale {nodes}: handover {i}: standby ready {s:.2} s after SIGTERM");
+        took.push(s);
+        leader = standby;
+    }
+    leader
+        .terminate(Duration::from_secs(30))
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(took)
 }
 
 /// Seconds to list every reservation, and to list every reservation and then every pod, in
@@ -513,6 +568,20 @@ fn rows(figures: &[SizeFigures], scheduled: &[f64], names: &[usize], after_mib: 
             "s",
             &f.ready_s,
             ready_note,
+        ));
+        rows.push(Row::measured(
+            "operator handover: standby ready",
+            format!("{workload}; SIGTERM of the leader -> its synced standby's /readyz 200"),
+            "s",
+            &f.handover_s,
+            if i == last {
+                format!(
+                    "a rollout or a stopped leader, 2 replicas (the default): the ready target's case on a running deployment, < {READY_TARGET_S} s at {TARGET_RESERVATIONS}: {}; the leader frees its Lease once its writes are answered, the standby takes it at its next round (2 s)",
+                    verdict_at(f.reservations, p99(&f.handover_s) < READY_TARGET_S)
+                )
+            } else {
+                "no list: the standby's index is already warm".to_string()
+            },
         ));
         rows.push(Row::measured(
             "cold start floor: list reservations",

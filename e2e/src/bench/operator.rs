@@ -206,6 +206,21 @@ impl ChildOperator {
         self.group.stop();
     }
 
+    /// SIGTERMs the operator, as a Deployment's rollout does, and waits at most `limit` for it
+    /// to exit (a leader hands its Lease over first); then stops what is left.
+    pub async fn terminate(mut self, limit: Duration) -> Result<(), ClusterError> {
+        signal(self.pid, Signal::TERM)?;
+        let deadline = std::time::Instant::now() + limit;
+        while is_alive(self.pid) && std::time::Instant::now() < deadline {
+            if self.group.check_running().is_err() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        self.group.stop();
+        Ok(())
+    }
+
     /// SIGKILLs the operator (no cleanup, no lease release) and waits until it is gone.
     pub async fn kill(mut self) -> Result<(), ClusterError> {
         signal(self.pid, Signal::KILL)?;

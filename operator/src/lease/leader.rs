@@ -131,6 +131,39 @@ pub async fn run(
     }
 }
 
+/// How long a stopping leader waits for its writes in flight to be answered, and then for its
+/// release of the Lease, before it leaves the Lease to expire instead.
+pub const HANDOVER_WAIT: Duration = Duration::from_secs(5);
+
+/// Frees the leader Lease if `identity` still holds it: a standby then takes it at its next
+/// round (within [`RETRY_PERIOD`]) instead of waiting out [`LEASE_SECONDS`] since the last
+/// renewal. Whether this call freed it.
+///
+/// Call it only once this replica has stepped down and nothing it sent can still be committed
+/// (`run`'s shutdown): the next leader starts deciding at once. The replace carries the version
+/// read, so a Lease another replica took meanwhile is never touched.
+pub async fn release(api: &Api<Lease>, identity: &str) -> Result<bool, kube::Error> {
+    let Some(mut lease) = api.get_opt(LEADER_LEASE).await? else {
+        return Ok(false);
+    };
+    let mut spec = lease.spec.clone().unwrap_or_default();
+    if spec.holder_identity.as_deref() != Some(identity) {
+        return Ok(false);
+    }
+    spec.holder_identity = None;
+    spec.renew_time = Some(MicroTime(Timestamp::now()));
+    spec.lease_duration_seconds = Some(1);
+    lease.spec = Some(spec);
+    match api
+        .replace(LEADER_LEASE, &PostParams::default(), &lease)
+        .await
+    {
+        Ok(_) => Ok(true),
+        Err(kube::Error::Api(s)) if s.is_conflict() => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
 /// Identity of this process: `$HOSTNAME` (the pod name in a cluster) plus the process id.
 pub fn default_identity() -> String {
     let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "gpuledger-operator".into());

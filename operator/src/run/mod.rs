@@ -12,10 +12,11 @@ use axum::Router;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::get;
+use gpuledger_crds::kubeclient::writes::WritesInFlight;
 use gpuledger_crds::kubeclient::{self, ClientError};
 
 use crate::controllers::pod_facts::PodFactsCache;
-use futures::{StreamExt, TryStreamExt};
+use futures::{FutureExt, StreamExt, TryStreamExt};
 use gpuledger_crds::{GpuConfig, GpuNode, GpuReservation, NumaPolicy};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, ResourceQuota};
@@ -92,7 +93,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         (Some(cert), Some(key)) => Some(extender::tls::acceptor(cert, key)?),
         _ => None,
     };
-    let client = kubeclient::client(config.kubeconfig.as_deref()).await?;
+    let (client, writes) = kubeclient::client_counting_writes(config.kubeconfig.as_deref()).await?;
     ensure_namespace(&client, &config.namespace).await;
     let mut cert_keeper = None;
     if let Some(secret) = &config.self_signed_tls {
@@ -297,11 +298,15 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         tasks.spawn(certs::keep_current(client.clone(), keeper, live, identity));
     }
     let ext_app = extender::server::router(ctx.clone()).merge(webhook::server::router(ctx.clone()));
-    // Kept until `run` returns or is dropped: the extender stops with the operator.
-    let (_extender, extender_stopped) =
+    // Kept until `run` stops it or is dropped: the extender stops with the operator.
+    let (extender, extender_stopped) =
         extender_thread::spawn(ext_listener, tls, ext_app).map_err(RunError::ExtenderThread)?;
-    tasks.spawn(async move {
-        let _ = extender_stopped.await;
+    let extender_stopped = extender_stopped.shared();
+    tasks.spawn({
+        let stopped = extender_stopped.clone();
+        async move {
+            let _ = stopped.await;
+        }
     });
     let tel_app = telemetry_router(ctx.clone());
     tasks.spawn(async move {
@@ -321,15 +326,69 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         config.usage_interval,
     ));
 
-    tokio::select! {
+    let outcome = tokio::select! {
         () = shutdown => {
             tracing::info!("shutting down");
-            tasks.abort_all();
             Ok(())
         }
-        _ = tasks.join_next() => {
-            tasks.abort_all();
-            Err(RunError::TaskEnded("an essential task"))
+        _ = tasks.join_next() => Err(RunError::TaskEnded("an essential task")),
+    };
+    let stopping = Stopping {
+        health,
+        extender,
+        extender_stopped: extender_stopped.map(|_| ()).boxed(),
+        tasks,
+        writes,
+    };
+    let handover = config
+        .leader_elect
+        .then(|| Api::<Lease>::namespaced(client.clone(), &config.namespace));
+    stopping.stop(handover, &identity).await;
+    outcome
+}
+
+/// What `run` stops, in order.
+struct Stopping {
+    health: Arc<Health>,
+    extender: extender_thread::ExtenderThread,
+    extender_stopped: futures::future::BoxFuture<'static, ()>,
+    tasks: tokio::task::JoinSet<()>,
+    writes: WritesInFlight,
+}
+
+impl Stopping {
+    /// Stops deciding, then every task; a leader (`handover`: its election's Lease API) then
+    /// frees its Lease once every write it sent has been answered, so a standby takes over
+    /// within one election round instead of after the Lease's whole term. A write still
+    /// unanswered after [`leader::HANDOVER_WAIT`] could land after the next leader began: the
+    /// Lease is then left to expire, as a killed leader's would.
+    async fn stop(self, handover: Option<Api<Lease>>, identity: &str) {
+        let led = self.health.step_down();
+        drop(self.extender);
+        let extender_gone = tokio::time::timeout(leader::HANDOVER_WAIT, self.extender_stopped)
+            .await
+            .is_ok();
+        let mut tasks = self.tasks;
+        tasks.shutdown().await;
+        let Some(api) = handover.filter(|_| led) else {
+            return;
+        };
+        if !extender_gone {
+            tracing::warn!("the extender did not stop; the leader Lease is left to expire");
+            return;
+        }
+        if !self.writes.settled_within(leader::HANDOVER_WAIT).await {
+            tracing::warn!(
+                in_flight = self.writes.count(),
+                "writes still unanswered; the leader Lease is left to expire"
+            );
+            return;
+        }
+        match tokio::time::timeout(leader::HANDOVER_WAIT, leader::release(&api, identity)).await {
+            Ok(Ok(true)) => tracing::info!(identity, "leader Lease released for a standby"),
+            Ok(Ok(false)) => {}
+            Ok(Err(e)) => tracing::warn!(error = %e, "leader Lease not released; it will expire"),
+            Err(_) => tracing::warn!("leader Lease release timed out; it will expire"),
         }
     }
 }

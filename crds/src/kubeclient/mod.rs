@@ -20,6 +20,10 @@ use kube::client::retry::RetryPolicy;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use tower::retry::RetryLayer;
 
+pub mod writes;
+
+use writes::{TrackWritesLayer, WritesInFlight};
+
 /// Why no client could be built.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -49,6 +53,21 @@ pub enum ClientError {
 
 /// A client for the cluster `kubeconfig` points at (in-cluster or `$KUBECONFIG` when `None`).
 pub async fn client(kubeconfig: Option<&Path>) -> Result<kube::Client, ClientError> {
+    Ok(client_for(config(kubeconfig).await?)?)
+}
+
+/// [`client`], and the count of its writes in flight ([`writes`]); each write runs to its
+/// answer on a task of the runtime this is called on.
+pub async fn client_counting_writes(
+    kubeconfig: Option<&Path>,
+) -> Result<(kube::Client, WritesInFlight), ClientError> {
+    let writes = WritesInFlight::default();
+    let layer = TrackWritesLayer::new(writes.clone(), tokio::runtime::Handle::current());
+    let client = build(config(kubeconfig).await?, Some(layer))?;
+    Ok((client, writes))
+}
+
+async fn config(kubeconfig: Option<&Path>) -> Result<kube::Config, ClientError> {
     let config = match kubeconfig {
         Some(path) => {
             let kc = Kubeconfig::read_from(path).map_err(|source| ClientError::ReadKubeconfig {
@@ -64,11 +83,18 @@ pub async fn client(kubeconfig: Option<&Path>) -> Result<kube::Client, ClientErr
         }
         None => kube::Config::infer().await?,
     };
-    Ok(client_for(config)?)
+    Ok(config)
 }
 
 /// A client for `config`, its TCP connections with `TCP_NODELAY` set.
 pub fn client_for(config: kube::Config) -> Result<kube::Client, kube::Error> {
+    build(config, None)
+}
+
+fn build(
+    config: kube::Config,
+    writes: Option<TrackWritesLayer>,
+) -> Result<kube::Client, kube::Error> {
     let mut http = HttpConnector::new();
     http.enforce_http(false);
     http.set_nodelay(true);
@@ -88,6 +114,8 @@ pub fn client_for(config: kube::Config) -> Result<kube::Client, kube::Error> {
         .option_layer(retry)
         .option_layer(config.auth_layer()?)
         .layer(config.extra_headers_layer()?)
+        // Innermost: a retried write is counted once per try, each until its answer.
+        .option_layer(writes)
         .map_err(tower::BoxError::from)
         .service(http_client);
     Ok(kube::Client::new(service, config.default_namespace))

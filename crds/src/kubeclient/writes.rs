@@ -1,0 +1,202 @@
+//! The client's writes in flight: every request but a read, from the moment it is sent until
+//! the API server has answered it.
+//!
+//! A leader that steps down hands its Lease over only once nothing it sent can still land
+//! (`gpuledger-operator`'s shutdown): a write the API server commits after the next leader
+//! has begun deciding is a second writer of the ledger. Dropping a request's future does not
+//! take back bytes already on the wire, so each write runs to its answer on a task of its own,
+//! whoever stops waiting for it, and is counted until then.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http::{Method, Request};
+use tokio::runtime::Handle;
+use tokio::sync::watch;
+use tower::{BoxError, Layer, Service};
+
+/// How many of a client's writes are in flight. Clones share the count.
+#[derive(Clone, Debug)]
+pub struct WritesInFlight(watch::Sender<usize>);
+
+impl Default for WritesInFlight {
+    fn default() -> Self {
+        WritesInFlight(watch::Sender::new(0))
+    }
+}
+
+impl WritesInFlight {
+    /// Writes sent and not yet answered.
+    pub fn count(&self) -> usize {
+        *self.0.borrow()
+    }
+
+    /// Waits at most `limit` until no write is in flight; whether none is.
+    pub async fn settled_within(&self, limit: Duration) -> bool {
+        let mut count = self.0.subscribe();
+        // The sender is `self`: `wait_for` cannot see it dropped.
+        tokio::time::timeout(limit, count.wait_for(|n| *n == 0))
+            .await
+            .is_ok_and(|r| r.is_ok())
+    }
+
+    fn enter(&self) -> InFlight {
+        self.0.send_modify(|n| *n += 1);
+        InFlight(self.0.clone())
+    }
+}
+
+/// One write in flight; counted until dropped.
+struct InFlight(watch::Sender<usize>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
+
+/// Wraps a client's HTTP service so that [`WritesInFlight`] counts its writes.
+#[derive(Clone, Debug)]
+pub struct TrackWritesLayer {
+    writes: WritesInFlight,
+    runtime: Handle,
+}
+
+impl TrackWritesLayer {
+    /// Counts into `writes`; each write runs to its answer on a task of `runtime`.
+    pub fn new(writes: WritesInFlight, runtime: Handle) -> Self {
+        TrackWritesLayer { writes, runtime }
+    }
+}
+
+impl<S> Layer<S> for TrackWritesLayer {
+    type Service = TrackWrites<S>;
+
+    fn layer(&self, inner: S) -> TrackWrites<S> {
+        TrackWrites {
+            inner,
+            writes: self.writes.clone(),
+            runtime: self.runtime.clone(),
+        }
+    }
+}
+
+/// See [`TrackWritesLayer`].
+#[derive(Clone, Debug)]
+pub struct TrackWrites<S> {
+    inner: S,
+    writes: WritesInFlight,
+    runtime: Handle,
+}
+
+type Answer<R> = Pin<Box<dyn Future<Output = Result<R, BoxError>> + Send>>;
+
+impl<S, B> Service<Request<B>> for TrackWrites<S>
+where
+    S: Service<Request<B>>,
+    S::Future: Send + 'static,
+    S::Response: Send + 'static,
+    S::Error: Into<BoxError> + Send + 'static,
+{
+    type Response = S::Response;
+    type Error = BoxError;
+    type Future = Answer<S::Response>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        // Reads (gets, lists, watches) change nothing: they run on the caller's task.
+        if req.method() == Method::GET {
+            let answer = self.inner.call(req);
+            return Box::pin(async move { answer.await.map_err(Into::into) });
+        }
+        let counted = self.writes.enter();
+        let answer = self.inner.call(req);
+        let write = self.runtime.spawn(async move {
+            let answered = answer.await;
+            drop(counted);
+            answered
+        });
+        Box::pin(async move {
+            match write.await {
+                Ok(answered) => answered.map_err(Into::into),
+                Err(e) => Err(Box::new(e) as BoxError),
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use tokio::sync::Notify;
+
+    /// A service whose answers wait for `release`.
+    #[derive(Clone)]
+    struct Held {
+        release: Arc<Notify>,
+    }
+
+    impl Service<Request<()>> for Held {
+        type Response = &'static str;
+        type Error = BoxError;
+        type Future = Answer<&'static str>;
+
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn call(&mut self, _: Request<()>) -> Self::Future {
+            let release = self.release.clone();
+            Box::pin(async move {
+                release.notified().await;
+                Ok("answered")
+            })
+        }
+    }
+
+    fn request(method: Method) -> Request<()> {
+        let mut req = Request::new(());
+        *req.method_mut() = method;
+        req
+    }
+
+    #[tokio::test]
+    async fn a_write_is_counted_until_answered_even_when_its_caller_gives_up() {
+        let writes = WritesInFlight::default();
+        let release = Arc::new(Notify::new());
+        let mut svc = TrackWritesLayer::new(writes.clone(), Handle::current()).layer(Held {
+            release: release.clone(),
+        });
+        let read = svc.call(request(Method::GET));
+        let write = svc.call(request(Method::PATCH));
+        assert_eq!(writes.count(), 1, "the write, not the read");
+        // The caller stops waiting; the write is still on its way.
+        drop(write);
+        drop(read);
+        tokio::task::yield_now().await;
+        assert_eq!(writes.count(), 1);
+        assert!(!writes.settled_within(Duration::from_millis(20)).await);
+        release.notify_one();
+        assert!(writes.settled_within(Duration::from_secs(5)).await);
+        assert_eq!(writes.count(), 0);
+    }
+
+    #[tokio::test]
+    async fn the_caller_gets_the_answer() {
+        let writes = WritesInFlight::default();
+        let release = Arc::new(Notify::new());
+        let mut svc = TrackWritesLayer::new(writes.clone(), Handle::current()).layer(Held {
+            release: release.clone(),
+        });
+        let write = svc.call(request(Method::POST));
+        release.notify_one();
+        assert_eq!(write.await.unwrap(), "answered");
+        assert!(writes.settled_within(Duration::ZERO).await);
+    }
+}
