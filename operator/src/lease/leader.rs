@@ -21,6 +21,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use k8s_openapi::jiff::Timestamp;
 use kube::Client;
 use kube::api::{Api, PostParams};
+use tokio::sync::Notify;
 
 use crate::telemetry::{Health, Metrics};
 use gpuledger_crds::protocol::lease::expired;
@@ -103,6 +104,7 @@ pub async fn run(
     identity: String,
     health: Arc<Health>,
     metrics: Arc<Metrics>,
+    freed: Arc<Notify>,
 ) {
     let api: Api<Lease> = Api::namespaced(client, &namespace);
     let mut last_renewal: Option<Instant> = None;
@@ -127,8 +129,21 @@ pub async fn run(
         }
         health.set_leader(leading);
         metrics.leader.set(i64::from(leading));
-        tokio::time::sleep(RETRY_PERIOD).await;
+        // A follower is woken early when the Lease watch sees it freed ([`release`]).
+        tokio::select! {
+            () = tokio::time::sleep(RETRY_PERIOD) => {}
+            () = freed.notified(), if !leading => {}
+        }
     }
+}
+
+/// Whether `lease` is the leader Lease with no holder: what [`release`] leaves.
+pub fn is_freed(lease: &Lease) -> bool {
+    lease.metadata.name.as_deref() == Some(LEADER_LEASE)
+        && lease
+            .spec
+            .as_ref()
+            .is_none_or(|s| s.holder_identity.as_deref().unwrap_or("").is_empty())
 }
 
 /// How long a stopping leader waits for its writes in flight to be answered, and then for its
@@ -168,4 +183,31 @@ pub async fn release(api: &Api<Lease>, identity: &str) -> Result<bool, kube::Err
 pub fn default_identity() -> String {
     let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "gpuledger-operator".into());
     format!("{host}-{}", std::process::id())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lease(name: &str, holder: Option<&str>) -> Lease {
+        Lease {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                ..Default::default()
+            },
+            spec: Some(LeaseSpec {
+                holder_identity: holder.map(String::from),
+                ..Default::default()
+            }),
+        }
+    }
+
+    #[test]
+    fn only_the_leader_lease_without_a_holder_wakes_the_election() {
+        assert!(is_freed(&lease(LEADER_LEASE, None)));
+        assert!(is_freed(&lease(LEADER_LEASE, Some(""))));
+        assert!(!is_freed(&lease(LEADER_LEASE, Some("replica-a"))));
+        // An allocation Lease freed by a plugin is not the election's business.
+        assert!(!is_freed(&lease("gpuledger-alloc-node-1", None)));
+    }
 }

@@ -205,6 +205,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
     // The allocation Leases (and the leader Lease, which the feed leaves out) of our namespace:
     // a bind waiting for a node's Lease waits for this watch to show it released.
     let leases = Arc::new(WatchedLeases::default());
+    let leader_freed = Arc::new(tokio::sync::Notify::new());
     let stream = watcher(
         Api::<Lease>::namespaced(client.clone(), &config.namespace),
         watcher::Config::default(),
@@ -212,7 +213,16 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
     .default_backoff()
     .inspect_ok({
         let leases = leases.clone();
-        move |event| leases.apply(event)
+        let freed = leader_freed.clone();
+        move |event| {
+            leases.apply(event);
+            // A stopping leader freed its Lease: try for it now, not at the next round.
+            if let watcher::Event::Apply(lease) = event
+                && leader::is_freed(lease)
+            {
+                freed.notify_one();
+            }
+        }
     });
     tasks.spawn(drive("leases", stream, health.clone()));
 
@@ -223,6 +233,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
             identity.clone(),
             health.clone(),
             metrics.clone(),
+            leader_freed,
         ));
     } else {
         health.set_leader(true);
