@@ -46,6 +46,9 @@ pub enum ClientError {
     /// Neither in-cluster config nor `$KUBECONFIG` worked.
     #[error("no kubeconfig given and none could be inferred (in-cluster or $KUBECONFIG): {0}")]
     Infer(#[from] kube::config::InferConfigError),
+    /// The thread that carries the client's writes could not be started.
+    #[error("starting the thread that carries the client's writes: {0}")]
+    WritesThread(std::io::Error),
     /// The client could not be constructed (TLS setup, credentials …).
     #[error("building the Kubernetes client: {0}")]
     Build(#[from] kube::Error),
@@ -57,12 +60,13 @@ pub async fn client(kubeconfig: Option<&Path>) -> Result<kube::Client, ClientErr
 }
 
 /// [`client`], and the count of its writes in flight ([`writes`]); each write runs to its
-/// answer on a task of the runtime this is called on.
+/// answer on a thread of its own ([`writes::carrier`]).
 pub async fn client_counting_writes(
     kubeconfig: Option<&Path>,
 ) -> Result<(kube::Client, WritesInFlight), ClientError> {
     let writes = WritesInFlight::default();
-    let layer = TrackWritesLayer::new(writes.clone(), tokio::runtime::Handle::current());
+    let carrier = writes::carrier().map_err(ClientError::WritesThread)?;
+    let layer = TrackWritesLayer::new(writes.clone(), carrier);
     let client = build(config(kubeconfig).await?, Some(layer))?;
     Ok((client, writes))
 }

@@ -17,6 +17,23 @@ use tokio::runtime::Handle;
 use tokio::sync::watch;
 use tower::{BoxError, Layer, Service};
 
+/// A runtime on a thread of its own, for as long as the process runs, to carry writes to their
+/// answers. Not the caller's: the extender serves kube-scheduler from a thread of its own so
+/// that its calls never queue behind the main runtime's work (decoding watch events in a
+/// burst), and a bind's writes carried by the main runtime would queue there again, each
+/// answer handed back only when a busy worker gets to it. Nor the extender thread's: a write
+/// must outlive the thread of the caller that sent it.
+pub fn carrier() -> std::io::Result<Handle> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let handle = runtime.handle().clone();
+    std::thread::Builder::new()
+        .name("api-writes".into())
+        .spawn(move || runtime.block_on(std::future::pending::<()>()))?;
+    Ok(handle)
+}
+
 /// How many of a client's writes are in flight. Clones share the count.
 #[derive(Clone, Debug)]
 pub struct WritesInFlight(watch::Sender<usize>);
@@ -188,10 +205,10 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn the_caller_gets_the_answer() {
+    async fn the_caller_gets_the_answer_from_the_carrier_thread() {
         let writes = WritesInFlight::default();
         let release = Arc::new(Notify::new());
-        let mut svc = TrackWritesLayer::new(writes.clone(), Handle::current()).layer(Held {
+        let mut svc = TrackWritesLayer::new(writes.clone(), carrier().unwrap()).layer(Held {
             release: release.clone(),
         });
         let write = svc.call(request(Method::POST));
