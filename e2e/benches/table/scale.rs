@@ -576,7 +576,7 @@ fn rows(figures: &[SizeFigures], scheduled: &[f64], names: &[usize], after_mib: 
             &f.handover_s,
             if i == last {
                 format!(
-                    "a rollout or a stopped leader, 2 replicas (the default): the ready target's case on a running deployment, < {READY_TARGET_S} s at {TARGET_RESERVATIONS}: {}; the leader frees its Lease once its writes are answered, the standby takes it at its next round (2 s)",
+                    "a rollout or a stopped leader, 2 replicas (the default): the ready target's case on a running deployment, < {READY_TARGET_S} s at {TARGET_RESERVATIONS}: {}; the leader frees its Lease once its writes are answered, the standby takes it when its Lease watch shows it freed",
                     verdict_at(f.reservations, p99(&f.handover_s) < READY_TARGET_S)
                 )
             } else {
