@@ -80,25 +80,8 @@ async fn operator_sigkilled_during_a_scheduling_storm_keeps_the_ledger() {
 async fn a_standby_replica_takes_over_when_the_leader_is_killed() {
     let rig = Rig::start(1, SHAPE).await;
     let client = rig.client();
-    let mut leader = ChildOperator::spawn(rig.operator_options("replica-a", true)).unwrap();
-    leader.wait_ready(WAIT).await.expect("first replica leads");
-    // The standby serves its extender on another port; only the leader is ready.
-    let mut standby_opts = rig.operator_options("replica-b", true);
-    standby_opts.extender_port = free_port();
-    let standby_extender = standby_opts.extender_port;
-    let standby = ChildOperator::spawn(standby_opts).unwrap();
+    let (leader, standby) = leader_and_standby(&rig).await;
     let leases: Api<Lease> = Api::namespaced(client.clone(), DEFAULT_NAMESPACE);
-    wait_for("standby up and following", WAIT, || async {
-        let up = http_get(standby.options().metrics_port, "/healthz").await;
-        Ok::<_, std::io::Error>(up.ok().filter(|(code, _)| *code == 200))
-    })
-    .await
-    .unwrap();
-    assert_ne!(
-        standby.readyz().await,
-        Some(200),
-        "two replicas ready at once"
-    );
 
     // Freeze the leader so its last renewal is the one we read, then kill it.
     signal(leader.pid(), Signal::STOP).unwrap();
@@ -108,11 +91,7 @@ async fn a_standby_replica_takes_over_when_the_leader_is_killed() {
     let killed_at = Instant::now();
     leader.kill().await.unwrap();
 
-    wait_for("standby becomes ready", WAIT, || async {
-        Ok::<_, std::io::Error>((standby.readyz().await == Some(200)).then_some(()))
-    })
-    .await
-    .unwrap();
+    becomes_ready(&standby).await;
     let takeover = killed_at.elapsed();
     let after = leases.get(LEADER_LEASE).await.unwrap().spec.unwrap();
     assert_eq!(after.holder_identity.as_deref(), Some("replica-b"));
@@ -136,22 +115,13 @@ async fn a_standby_replica_takes_over_when_the_leader_is_killed() {
         (waited - lease).as_secs_f64(),
     );
     // The new leader decides: its extender answers a filter without "not the leader".
-    let body = r#"{"Pod": {"metadata": {"name": "p", "namespace": "default", "uid": "u"},
-        "spec": {"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}},
-        "NodeNames": ["gpu-0"]}"#;
-    let answer = post_json(standby_extender, "/filter", body).await;
+    let answer = filter_one_gpu_on_gpu_0(&standby).await;
     assert!(answer.contains("\"NodeNames\":[\"gpu-0\"]"), "{answer}");
 }
 
-/// A rollout's SIGTERM in the middle of a burst: the leader stops deciding, waits until every
-/// write it sent is answered and frees its Lease, so the warm standby takes over within one
-/// election round rather than after the Lease's term; and the ledger stays exact across the
-/// handover.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stopped_leader_hands_its_lease_to_the_standby_mid_burst() {
-    let mut rng = rng("a_stopped_leader_hands_its_lease");
-    let rig = Rig::start(2, SHAPE).await;
-    let client = rig.client();
+/// Replica `replica-a`, ready as the leader, and `replica-b` up and following, its extender on
+/// a port of its own (kube-scheduler calls the leader's); only the leader is ready.
+async fn leader_and_standby(rig: &Rig) -> (ChildOperator, ChildOperator) {
     let mut leader = ChildOperator::spawn(rig.operator_options("replica-a", true)).unwrap();
     leader.wait_ready(WAIT).await.expect("first replica leads");
     let mut standby_opts = rig.operator_options("replica-b", true);
@@ -163,6 +133,40 @@ async fn a_stopped_leader_hands_its_lease_to_the_standby_mid_burst() {
     })
     .await
     .unwrap();
+    assert_ne!(
+        standby.readyz().await,
+        Some(200),
+        "two replicas ready at once"
+    );
+    (leader, standby)
+}
+
+async fn becomes_ready(standby: &ChildOperator) {
+    wait_for("standby becomes ready", WAIT, || async {
+        Ok::<_, std::io::Error>((standby.readyz().await == Some(200)).then_some(()))
+    })
+    .await
+    .unwrap();
+}
+
+/// `replica`'s extender's answer to a filter of a one-GPU pod on `gpu-0`.
+async fn filter_one_gpu_on_gpu_0(replica: &ChildOperator) -> String {
+    let body = r#"{"Pod": {"metadata": {"name": "p", "namespace": "default", "uid": "u"},
+        "spec": {"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}},
+        "NodeNames": ["gpu-0"]}"#;
+    post_json(replica.options().extender_port, "/filter", body).await
+}
+
+/// A rollout's SIGTERM in the middle of a burst: the leader stops deciding, waits until every
+/// write it sent is answered and frees its Lease, so the warm standby takes over within one
+/// election round rather than after the Lease's term; and the ledger stays exact across the
+/// handover.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_leader_hands_its_lease_to_the_standby_mid_burst() {
+    let mut rng = rng("a_stopped_leader_hands_its_lease");
+    let rig = Rig::start(2, SHAPE).await;
+    let client = rig.client();
+    let (leader, standby) = leader_and_standby(&rig).await;
 
     let pods = mixed_pods("handover", 24, SHAPE, &mut rng);
     let names: BTreeSet<String> = pods.iter().map(|p| p.name_any()).collect();
@@ -193,11 +197,7 @@ async fn a_stopped_leader_hands_its_lease_to_the_standby_mid_burst() {
         .await
         .expect("leader stops");
     let stopped_in = stopped_at.elapsed();
-    wait_for("standby becomes ready", WAIT, || async {
-        Ok::<_, std::io::Error>((standby.readyz().await == Some(200)).then_some(()))
-    })
-    .await
-    .unwrap();
+    becomes_ready(&standby).await;
     let takeover = stopped_at.elapsed();
     let after = leases.get(LEADER_LEASE).await.unwrap().spec.unwrap();
     assert_eq!(after.holder_identity.as_deref(), Some("replica-b"));
@@ -219,10 +219,7 @@ async fn a_stopped_leader_hands_its_lease_to_the_standby_mid_burst() {
     // leader's, so the rest of the burst waits Pending, as behind a Service with no ready
     // endpoint); and the ledger equals what runs: every bind the old leader began before it
     // stopped either completed or was undone, none left half-written.
-    let body = r#"{"Pod": {"metadata": {"name": "p", "namespace": "default", "uid": "u"},
-        "spec": {"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}},
-        "NodeNames": ["gpu-0"]}"#;
-    let answer = post_json(standby.options().extender_port, "/filter", body).await;
+    let answer = filter_one_gpu_on_gpu_0(&standby).await;
     // Fits or not (the burst may have filled gpu-0), the node was judged, not refused.
     assert!(
         answer.contains("gpu-0") && !answer.contains("not the leader"),

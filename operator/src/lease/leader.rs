@@ -150,9 +150,11 @@ pub fn is_freed(lease: &Lease) -> bool {
 /// release of the Lease, before it leaves the Lease to expire instead.
 pub const HANDOVER_WAIT: Duration = Duration::from_secs(5);
 
-/// Frees the leader Lease if `identity` still holds it: a standby then takes it at its next
-/// round (within [`RETRY_PERIOD`]) instead of waiting out [`LEASE_SECONDS`] since the last
-/// renewal. Whether this call freed it.
+/// Frees the leader Lease if `identity` still holds it: a standby's Lease watch sees it freed
+/// and tries for it at once ([`is_freed`]; at its next round, within [`RETRY_PERIOD`], if the
+/// watch lags) instead of waiting out [`LEASE_SECONDS`] since the last renewal. Whether this
+/// call freed it. The renewal time and a one-second term are written too, so that anything
+/// reading only the times (`kubectl describe`, client-go candidates) also sees it expired.
 ///
 /// Call it only once this replica has stepped down and nothing it sent can still be committed
 /// (`run`'s shutdown): the next leader starts deciding at once. The replace carries the version
@@ -188,6 +190,9 @@ pub fn default_identity() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gpuledger_crds::scripted_api::{expect, scripted, status};
+    use http::Method;
+    use serde_json::json;
 
     fn lease(name: &str, holder: Option<&str>) -> Lease {
         Lease {
@@ -200,6 +205,57 @@ mod tests {
                 ..Default::default()
             }),
         }
+    }
+
+    const LEASE_PATH: &str =
+        "/apis/coordination.k8s.io/v1/namespaces/gpuledger-system/leases/gpuledger-operator-leader";
+
+    fn held(holder: &str, rv: &str) -> serde_json::Value {
+        let mut l = lease(LEADER_LEASE, Some(holder));
+        l.metadata.namespace = Some("gpuledger-system".into());
+        l.metadata.resource_version = Some(rv.into());
+        serde_json::to_value(l).unwrap()
+    }
+
+    fn leases(client: Client) -> Api<Lease> {
+        Api::namespaced(client, "gpuledger-system")
+    }
+
+    #[tokio::test]
+    async fn our_lease_is_freed_at_the_version_read() {
+        let (client, api) = scripted(vec![
+            expect(Method::GET, LEASE_PATH).reply(200, held("replica-a", "7")),
+            expect(Method::PUT, LEASE_PATH)
+                .body_field("/metadata/resourceVersion", json!("7"))
+                .body_field("/spec/leaseDurationSeconds", json!(1))
+                .reply(200, held("", "8")),
+        ]);
+        let freed = release(&leases(client), "replica-a").await;
+        api.finish().await;
+        assert!(freed.unwrap());
+    }
+
+    #[tokio::test]
+    async fn a_lease_another_replica_holds_is_left_alone() {
+        // A careless second release (or a replica whose term ended while it stopped): no write.
+        let (client, api) = scripted(vec![
+            expect(Method::GET, LEASE_PATH).reply(200, held("replica-b", "7")),
+        ]);
+        let freed = release(&leases(client), "replica-a").await;
+        api.finish().await;
+        assert!(!freed.unwrap());
+    }
+
+    #[tokio::test]
+    async fn a_lease_taken_between_the_read_and_the_write_is_not_freed() {
+        let (client, api) = scripted(vec![
+            expect(Method::GET, LEASE_PATH).reply(200, held("replica-a", "7")),
+            expect(Method::PUT, LEASE_PATH)
+                .reply(409, status(409, "Conflict", "the object has been modified")),
+        ]);
+        let freed = release(&leases(client), "replica-a").await;
+        api.finish().await;
+        assert!(!freed.unwrap());
     }
 
     #[test]

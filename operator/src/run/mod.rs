@@ -3,6 +3,7 @@
 
 pub mod config;
 mod extender_thread;
+mod shutdown;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -12,7 +13,6 @@ use axum::Router;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::get;
-use gpuledger_crds::kubeclient::writes::WritesInFlight;
 use gpuledger_crds::kubeclient::{self, ClientError};
 
 use crate::controllers::pod_facts::PodFactsCache;
@@ -344,7 +344,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         }
         _ = tasks.join_next() => Err(RunError::TaskEnded("an essential task")),
     };
-    let stopping = Stopping {
+    let stopping = shutdown::Stopping {
         health,
         extender,
         extender_stopped: extender_stopped.map(|_| ()).boxed(),
@@ -356,52 +356,6 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         .then(|| Api::<Lease>::namespaced(client.clone(), &config.namespace));
     stopping.stop(handover, &identity).await;
     outcome
-}
-
-/// What `run` stops, in order.
-struct Stopping {
-    health: Arc<Health>,
-    extender: extender_thread::ExtenderThread,
-    extender_stopped: futures::future::BoxFuture<'static, ()>,
-    tasks: tokio::task::JoinSet<()>,
-    writes: WritesInFlight,
-}
-
-impl Stopping {
-    /// Stops deciding, then every task; a leader (`handover`: its election's Lease API) then
-    /// frees its Lease once every write it sent has been answered, so a standby takes over
-    /// within one election round instead of after the Lease's whole term. A write still
-    /// unanswered after [`leader::HANDOVER_WAIT`] could land after the next leader began: the
-    /// Lease is then left to expire, as a killed leader's would.
-    async fn stop(self, handover: Option<Api<Lease>>, identity: &str) {
-        let led = self.health.step_down();
-        drop(self.extender);
-        let extender_gone = tokio::time::timeout(leader::HANDOVER_WAIT, self.extender_stopped)
-            .await
-            .is_ok();
-        let mut tasks = self.tasks;
-        tasks.shutdown().await;
-        let Some(api) = handover.filter(|_| led) else {
-            return;
-        };
-        if !extender_gone {
-            tracing::warn!("the extender did not stop; the leader Lease is left to expire");
-            return;
-        }
-        if !self.writes.settled_within(leader::HANDOVER_WAIT).await {
-            tracing::warn!(
-                in_flight = self.writes.count(),
-                "writes still unanswered; the leader Lease is left to expire"
-            );
-            return;
-        }
-        match tokio::time::timeout(leader::HANDOVER_WAIT, leader::release(&api, identity)).await {
-            Ok(Ok(true)) => tracing::info!(identity, "leader Lease released for a standby"),
-            Ok(Ok(false)) => {}
-            Ok(Err(e)) => tracing::warn!(error = %e, "leader Lease not released; it will expire"),
-            Err(_) => tracing::warn!("leader Lease release timed out; it will expire"),
-        }
-    }
 }
 
 /// Waits until the ledger index and every cache a decision reads hold their first full list;
