@@ -1,5 +1,5 @@
-//! The client's writes in flight: every request but a read, from the moment it is sent until
-//! the API server has answered it.
+//! The client's writes in flight: every request but a read or an Event, from the moment it is
+//! sent until the API server has answered it.
 //!
 //! A leader that steps down hands its Lease over only once nothing it sent can still land
 //! (`gpuledger-operator`'s shutdown): a write the API server commits after the next leader
@@ -131,7 +131,10 @@ where
             let answer = self.inner.call(req);
             return Box::pin(async move { answer.await.map_err(Into::into) });
         }
-        let counted = self.writes.enter();
+        // An Event is carried like any write but not waited for: it records, it decides
+        // nothing, and one that lands after the next leader has begun misleads no one. Counted,
+        // a burst's queued Events would hold a handover for its whole wait.
+        let counted = (!is_event(req.uri().path())).then(|| self.writes.enter());
         let answer = self.inner.call(req);
         let write = self.runtime.spawn(async move {
             let answered = answer.await;
@@ -144,6 +147,22 @@ where
                 Err(e) => Err(Box::new(e) as BoxError),
             }
         })
+    }
+}
+
+/// Whether `path` names Events, of `events.k8s.io` or of the core group.
+fn is_event(path: &str) -> bool {
+    if path.starts_with("/apis/events.k8s.io/") {
+        return true;
+    }
+    let mut segments = path.trim_start_matches('/').split('/');
+    match (segments.next(), segments.next(), segments.next()) {
+        (Some("api"), Some("v1"), Some("events")) => true,
+        (Some("api"), Some("v1"), Some("namespaces")) => {
+            segments.next();
+            segments.next() == Some("events")
+        }
+        _ => false,
     }
 }
 
@@ -181,6 +200,61 @@ mod tests {
         let mut req = Request::new(());
         *req.method_mut() = method;
         req
+    }
+
+    fn request_to(method: Method, path: &'static str) -> Request<()> {
+        let mut req = request(method);
+        *req.uri_mut() = http::Uri::from_static(path);
+        req
+    }
+
+    #[tokio::test]
+    async fn an_event_is_carried_but_does_not_hold_the_settle() {
+        let writes = WritesInFlight::default();
+        let release = Arc::new(Notify::new());
+        let mut svc = TrackWritesLayer::new(writes.clone(), Handle::current()).layer(Held {
+            release: release.clone(),
+        });
+        let event = svc.call(request_to(
+            Method::POST,
+            "/apis/events.k8s.io/v1/namespaces/team/events",
+        ));
+        assert!(writes.settled_within(Duration::ZERO).await);
+        let booking = svc.call(request_to(
+            Method::PATCH,
+            "/apis/gpuledger.io/v1alpha1/namespaces/team/gpureservations/r/status",
+        ));
+        assert_eq!(writes.count(), 1, "the reservation write, not the event");
+        // Both carried writes wait on `release` once their tasks have run.
+        for _ in 0..3 {
+            tokio::task::yield_now().await;
+        }
+        release.notify_waiters();
+        assert_eq!(event.await.unwrap(), "answered");
+        assert_eq!(booking.await.unwrap(), "answered");
+        assert_eq!(writes.count(), 0);
+    }
+
+    #[test]
+    fn events_are_told_from_other_writes() {
+        for path in [
+            "/apis/events.k8s.io/v1/namespaces/team/events",
+            "/apis/events.k8s.io/v1/namespaces/team/events/pod-a.17f",
+            "/api/v1/namespaces/team/events",
+            "/api/v1/namespaces/team/events/pod-a.17f",
+            "/api/v1/events",
+        ] {
+            assert!(is_event(path), "{path}");
+        }
+        for path in [
+            "/apis/gpuledger.io/v1alpha1/namespaces/team/gpureservations/events",
+            "/apis/coordination.k8s.io/v1/namespaces/gpuledger/leases/gpuledger-operator",
+            "/api/v1/namespaces/events/pods/p/binding",
+            "/api/v1/namespaces/team/pods/events",
+            "/api/v1/namespaces",
+        ] {
+            assert!(!is_event(path), "{path}");
+        }
     }
 
     #[tokio::test]
