@@ -89,8 +89,10 @@ struct SizeFigures {
     nodes: usize,
     reservations: usize,
     ready_s: Vec<f64>,
-    /// SIGTERM of the leader to its synced standby's /readyz 200.
+    /// SIGTERM of the leader to its synced standby's /readyz 200 ...
     handover_s: Vec<f64>,
+    /// ... and to the old leader's exit.
+    exited_s: Vec<f64>,
     /// Spawn to the pod cache synced.
     cached_s: Vec<f64>,
     /// The bench listing every reservation (ready's floor) ...
@@ -194,7 +196,7 @@ async fn run() -> Result<Vec<Row>, String> {
             let op: ChildOperator = op;
             op.kill().await.map_err(|e| e.to_string())?;
         }
-        let handover_s = handovers(&options, nodes).await?;
+        let (handover_s, exited_s) = handovers(&options, nodes).await?;
         let mut ready_s = Vec::new();
         let mut cached_s = Vec::new();
         let mut list_s = Vec::new();
@@ -248,6 +250,7 @@ async fn run() -> Result<Vec<Row>, String> {
             reservations,
             ready_s,
             handover_s,
+            exited_s,
             cached_s,
             list_s,
             list_all_s,
@@ -290,12 +293,13 @@ async fn run() -> Result<Vec<Row>, String> {
 
 /// A rollout's view of readiness: two replicas with leader election, the standby started and
 /// synced (its ledger index warm), then the leader sent SIGTERM; seconds from the signal to
-/// the standby's /readyz 200, [`HANDOVERS`] times (each new leader gets a fresh standby). The
-/// last leader is stopped the same way, so the cold starts that follow find no other writer.
+/// the standby's /readyz 200, and to the old leader's exit, [`HANDOVERS`] times (each new leader
+/// gets a fresh standby). The last leader is stopped the same way, so the cold starts that
+/// follow find no other writer.
 async fn handovers(
     options: &impl Fn(String) -> OperatorOptions,
     nodes: usize,
-) -> Result<Vec<f64>, String> {
+) -> Result<(Vec<f64>, Vec<f64>), String> {
     const WAIT: Duration = Duration::from_secs(600);
     let replica = |i: usize| OperatorOptions {
         leader_elect: true,
@@ -306,6 +310,7 @@ async fn handovers(
     let mut leader = ChildOperator::spawn(replica(0)).map_err(|e| e.to_string())?;
     leader.wait_ready(WAIT).await.map_err(|e| e.to_string())?;
     let mut took = Vec::new();
+    let mut exits = Vec::new();
     for i in 1..=HANDOVERS {
         let mut standby = ChildOperator::spawn(replica(i)).map_err(|e| e.to_string())?;
         standby
@@ -313,10 +318,12 @@ async fn handovers(
             .await
             .map_err(|e| e.to_string())?;
         let signalled = Instant::now();
-        leader
-            .terminate(Duration::from_secs(30))
-            .await
-            .map_err(|e| e.to_string())?;
+        // The standby is watched while the old leader stops: a rollout waits for the new
+        // leader, not for the old process to free its memory and exit.
+        let stopping = tokio::spawn(async move {
+            let stopped = leader.terminate(Duration::from_secs(30)).await;
+            (stopped, signalled.elapsed())
+        });
         while standby.readyz().await != Some(200) {
             if signalled.elapsed() > Duration::from_secs(60) {
                 return Err(format!(
@@ -326,15 +333,22 @@ async fn handovers(
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         let s = signalled.elapsed().as_secs_f64();
-        eprintln!("[bench] scale {nodes}: handover {i}: standby ready {s:.2} s after SIGTERM");
+        let (stopped, exited) = stopping.await.map_err(|e| e.to_string())?;
+        stopped.map_err(|e| e.to_string())?;
+        eprintln!(
+            "[bench] scale {nodes}: handover {i}: standby ready {s:.2} s after SIGTERM; \
+             the old leader exited after {:.2} s",
+            exited.as_secs_f64()
+        );
         took.push(s);
+        exits.push(exited.as_secs_f64());
         leader = standby;
     }
     leader
         .terminate(Duration::from_secs(30))
         .await
         .map_err(|e| e.to_string())?;
-    Ok(took)
+    Ok((took, exits))
 }
 
 /// Seconds to list every reservation, and to list every reservation and then every pod, in
@@ -576,11 +590,15 @@ fn rows(figures: &[SizeFigures], scheduled: &[f64], names: &[usize], after_mib: 
             &f.handover_s,
             if i == last {
                 format!(
-                    "a rollout or a stopped leader, 2 replicas (the default): the ready target's case on a running deployment, < {READY_TARGET_S} s at {TARGET_RESERVATIONS}: {}; the leader frees its Lease once its writes are answered, the standby takes it when its Lease watch shows it freed",
-                    verdict_at(f.reservations, p99(&f.handover_s) < READY_TARGET_S)
+                    "a rollout or a stopped leader, 2 replicas (the default): the ready target's case on a running deployment, < {READY_TARGET_S} s at {TARGET_RESERVATIONS}: {}; the leader frees its Lease once its writes are answered, the standby takes it when its Lease watch shows it freed; the old leader exited after {:.2} s (median)",
+                    verdict_at(f.reservations, p99(&f.handover_s) < READY_TARGET_S),
+                    median(&f.exited_s)
                 )
             } else {
-                "no list: the standby's index is already warm".to_string()
+                format!(
+                    "no list: the standby's index is already warm; the old leader exited after {:.2} s (median)",
+                    median(&f.exited_s)
+                )
             },
         ));
         rows.push(Row::measured(
