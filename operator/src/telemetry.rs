@@ -53,6 +53,13 @@ pub struct PhaseLabels {
     pub phase: String,
 }
 
+/// Labels naming how much a sweep looked at.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ScopeLabels {
+    /// `changed` (what changed since the last look) or `every` (every pod).
+    pub scope: String,
+}
+
 /// Labels naming one outcome.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabels {
@@ -130,6 +137,8 @@ pub struct Metrics {
     /// Bound GPU pods that have no reservation on their node right now and could not be given
     /// one (0 in a healthy cluster).
     pub unreserved_pods: Gauge,
+    /// How long each look of the unreserved sweep took, by scope.
+    pub unreserved_looks: Family<ScopeLabels, Histogram>,
     /// Events dropped because the publishing queue was full (the API server is the bottleneck;
     /// events are advisory, decisions never wait for them).
     pub events_dropped: Counter,
@@ -229,6 +238,14 @@ impl Metrics {
             "Bound GPU pods without a reservation on their node that could not be given one",
             unreserved_pods.clone(),
         );
+        let unreserved_looks = Family::<ScopeLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(0.0001, 2.0, 14))
+        });
+        registry.register(
+            "ledger_unreserved_look_seconds",
+            "Time of each look for bound GPU pods without a reservation: scope changed (the pods and reservations changed since the last look) or every (every pod, every 30 s)",
+            unreserved_looks.clone(),
+        );
         let events_dropped = Counter::default();
         registry.register(
             "events_dropped",
@@ -299,6 +316,7 @@ impl Metrics {
             busy_skips,
             repairs,
             unreserved_pods,
+            unreserved_looks,
             events_dropped,
             watch_restarts,
             lifecycle_resyncs,

@@ -119,6 +119,8 @@ pub(crate) async fn log_filter_histograms(op: &ChildOperator, phase: &str) {
         if line.starts_with("gpuledger_extender_decisions_total")
             || line.starts_with("gpuledger_extender_busy_node_skips_total")
             || line.starts_with("gpuledger_ledger_conflicts_total")
+            || line.starts_with("gpuledger_ledger_unreserved_look_seconds_sum")
+            || line.starts_with("gpuledger_ledger_unreserved_look_seconds_count")
             || filter_latency
         {
             eprintln!("[bench] operator after {phase}: {line}");

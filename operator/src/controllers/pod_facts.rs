@@ -26,7 +26,7 @@ use kube::{Resource, ResourceExt};
 use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use super::pod_uid::PodUid;
-use crate::ledger::{ReservationKey, shared_names};
+use crate::ledger::{ChangedKeys, Changes, ReservationKey, shared_names};
 
 /// The fields of a pod the lifecycle decision reads.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -50,6 +50,11 @@ pub struct PodFacts {
 }
 
 impl PodFacts {
+    /// Bound to a node, wanting GPUs, not finished: a pod that must have a reservation.
+    pub fn is_bound_gpu_pod(&self) -> bool {
+        self.wants_gpus && self.node_name.is_some() && !self.finished
+    }
+
     /// The facts of `pod`, read with the operator's pod-API defaults.
     pub fn of(pod: &Pod, config: &PodApiConfig) -> Self {
         Self {
@@ -128,6 +133,8 @@ struct Inner {
     /// Pods of a relist in progress (between `Init` and `InitDone`).
     relist: Option<BTreeMap<ReservationKey, PodFacts>>,
     synced: bool,
+    /// Pods put in or taken out since the unreserved sweep last asked.
+    changed: ChangedKeys,
 }
 
 impl Inner {
@@ -140,10 +147,12 @@ impl Inner {
                 self.terminating.remove(&key);
             }
         }
+        self.changed.mark(&key);
         self.pods.insert(key, facts);
     }
 
     fn remove(&mut self, key: &ReservationKey) {
+        self.changed.mark(key);
         self.terminating.remove(key);
         self.pending.remove(key);
         self.pods.remove(key);
@@ -254,6 +263,8 @@ impl PodFactsCache {
             }
             Event::InitDone => {
                 if let Some(listed) = inner.relist.take() {
+                    // Any pod may have changed (and the inserts below mark nothing more).
+                    inner.changed.mark_everything();
                     inner.pods.clear();
                     inner.terminating.clear();
                     for (key, facts) in listed {
@@ -311,7 +322,7 @@ impl PodFactsCache {
             for (k, f) in inner.pods.range((from, Bound::Unbounded)).take(SCAN_CHUNK) {
                 looked += 1;
                 last = Some(k);
-                if f.wants_gpus && f.node_name.is_some() && !f.finished && keep(k, f) {
+                if f.is_bound_gpu_pod() && keep(k, f) {
                     out.push((k.clone(), f.clone()));
                 }
             }
@@ -320,6 +331,26 @@ impl PodFactsCache {
             }
             after = last.cloned();
         }
+    }
+
+    /// [`Self::bound_gpu_pods_where`], among `keys` only (a key the cache does not hold is
+    /// passed over). One short hold of the lock per key.
+    pub fn bound_gpu_pods_among<'k>(
+        &self,
+        keys: impl IntoIterator<Item = &'k ReservationKey>,
+        keep: impl Fn(&ReservationKey, &PodFacts) -> bool,
+    ) -> Vec<(ReservationKey, PodFacts)> {
+        keys.into_iter()
+            .filter_map(|k| {
+                let f = self.get(k)?;
+                (f.is_bound_gpu_pod() && keep(k, &f)).then(|| (k.clone(), f))
+            })
+            .collect()
+    }
+
+    /// The keys of the pods put in or taken out since the last call (see [`ChangedKeys`]).
+    pub fn take_changed(&self) -> Changes {
+        self.write().changed.take()
     }
 
     /// How many GPU pods bound to `node` are being deleted but have not stopped: their GPUs

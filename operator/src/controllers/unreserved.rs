@@ -5,7 +5,9 @@
 //! up for lost, a pod bound by someone else, a reservation deleted by hand, or one the lifecycle
 //! controller removed because it named another node than the pod's. Such a pod runs on GPUs the
 //! ledger does not count, which is worse than no ledger. Every [`SWEEP_EVERY`] this looks at the
-//! pods the lifecycle controller's pod watch knows and, for each bound GPU pod that has had no
+//! pods the lifecycle controller's pod watch knows (those whose pod or reservation changed since
+//! the last look, and every pod every [`WHOLE_LOOK_EVERY`] looks) and, for each bound GPU pod
+//! that has had no
 //! reservation on its node for `--repair-after` (5 s), decides once more on fresh reads under
 //! the node lock (the same lock bind and refits take) and either writes the reservation the
 //! pod's request fits to on that node, or, when the node has no room for it, says so loudly: a
@@ -24,8 +26,8 @@ use super::pod_facts::{PodFacts, PodFactsCache};
 use super::pod_uid::PodUid;
 use crate::context::{Context, pod_ref};
 use crate::ledger::render::{devices_summary, reservation_for};
-use crate::ledger::{ReservationKey, WriteError};
-use crate::telemetry::OutcomeLabels;
+use crate::ledger::{Changes, ReservationKey, WriteError};
+use crate::telemetry::{OutcomeLabels, ScopeLabels};
 
 /// How often the pods are looked at.
 pub const SWEEP_EVERY: Duration = Duration::from_secs(2);
@@ -58,16 +60,50 @@ enum Repair {
     Unfit(String),
 }
 
-/// The bound GPU pods whose reservation is missing from the index or names another node or pod.
-fn unreserved(ctx: &Context, pods: &PodFactsCache) -> Vec<(ReservationKey, PodFacts)> {
-    // The index's lock is taken inside the pod cache's (a read in a read); nothing takes them
-    // the other way round.
-    pods.bound_gpu_pods_where(|key, facts| {
-        !ctx.ledger.index.get(key).is_some_and(|r| {
-            facts.uid.is(&r.spec.pod_uid)
-                && Some(r.spec.node_name.as_str()) == facts.node_name.as_deref()
-        })
+/// Every this many sweeps, every pod is looked at, whatever changed: the marks are how a look
+/// is kept short, not what the ledger's correctness rests on.
+pub const WHOLE_LOOK_EVERY: u32 = 15;
+
+/// Which pods a sweep looks at.
+#[derive(Debug)]
+enum Look {
+    /// Every pod the cache holds.
+    Every,
+    /// Only these: the keys whose pod or reservation changed since the last look, and the
+    /// pods the last look found.
+    Among(HashSet<ReservationKey>),
+}
+
+/// What the next sweep looks at: every pod at `whole`, or when anything may have changed (a
+/// relist, or more changes than are kept), else the `changes` and the keys `found` last time.
+fn next_look(whole: bool, changes: Changes, found: &[(ReservationKey, PodFacts)]) -> Look {
+    match changes {
+        Changes::Keys(mut keys) if !whole => {
+            keys.extend(found.iter().map(|(key, _)| key.clone()));
+            Look::Among(keys)
+        }
+        _ => Look::Every,
+    }
+}
+
+/// Whether `facts`' pod lacks a reservation in the index on its node.
+fn lacks_reservation(ctx: &Context, key: &ReservationKey, facts: &PodFacts) -> bool {
+    !ctx.ledger.index.get(key).is_some_and(|r| {
+        facts.uid.is(&r.spec.pod_uid)
+            && Some(r.spec.node_name.as_str()) == facts.node_name.as_deref()
     })
+}
+
+/// The bound GPU pods (all, or among the look's keys) whose reservation is missing from the
+/// index or names another node or pod.
+fn unreserved(ctx: &Context, pods: &PodFactsCache, look: &Look) -> Vec<(ReservationKey, PodFacts)> {
+    let lacks = |key: &ReservationKey, facts: &PodFacts| lacks_reservation(ctx, key, facts);
+    match look {
+        // The index's lock is taken inside the pod cache's (a read in a read); nothing takes
+        // them the other way round.
+        Look::Every => pods.bound_gpu_pods_where(lacks),
+        Look::Among(keys) => pods.bound_gpu_pods_among(keys, lacks),
+    }
 }
 
 /// Runs the sweep until the process ends.
@@ -76,25 +112,48 @@ pub async fn run(ctx: Arc<Context>, pods: Arc<PodFactsCache>) {
     let mut missing_since: HashMap<PodUid, Instant> = HashMap::new();
     // Pods already reported as unfit (one event each, not one per sweep).
     let mut reported: HashSet<PodUid> = HashSet::new();
+    // What the last look found: looked at again next time whatever changed.
+    let mut found: Vec<(ReservationKey, PodFacts)> = Vec::new();
+    // Sweeps since the last look at every pod; at the start, and after any sweep skipped,
+    // the next look is at every pod.
+    let mut since_whole = WHOLE_LOOK_EVERY;
     let mut tick = tokio::time::interval(SWEEP_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
+        // Taken every tick, swept or not, so that a standby's marks do not pile up.
+        let changes = ctx.ledger.index.take_changed().and(pods.take_changed());
         if !ctx.may_write() || !pods.is_synced() {
             missing_since.clear();
+            found.clear();
+            since_whole = WHOLE_LOOK_EVERY;
             continue;
         }
         let now = Instant::now();
-        // A look at every bound pod (100 000 in a large cluster): off the runtime's workers,
-        // which serve filter.
-        let look = {
-            let (ctx, pods) = (ctx.clone(), pods.clone());
-            tokio::task::spawn_blocking(move || unreserved(&ctx, &pods))
+        let look = next_look(since_whole >= WHOLE_LOOK_EVERY, changes, &found);
+        since_whole = match look {
+            Look::Every => 1,
+            Look::Among(_) => since_whole + 1,
         };
-        let found = match look.await {
+        // A look at every bound pod (100 000 in a large cluster) takes a tenth of a second:
+        // off the runtime's workers, which serve filter.
+        let looked = {
+            let (ctx, pods) = (ctx.clone(), pods.clone());
+            tokio::task::spawn_blocking(move || unreserved(&ctx, &pods, &look))
+        };
+        let looked = looked.await;
+        ctx.metrics
+            .unreserved_looks
+            .get_or_create(&ScopeLabels {
+                scope: if since_whole == 1 { "every" } else { "changed" }.to_string(),
+            })
+            .observe(now.elapsed().as_secs_f64());
+        found = match looked {
             Ok(found) => found,
             Err(e) => {
                 tracing::error!(error = %e, "looking for unreserved pods failed");
+                // Nothing is lost: the next look is at every pod.
+                since_whole = WHOLE_LOOK_EVERY;
                 continue;
             }
         };
@@ -219,4 +278,135 @@ async fn repair(
 
 fn is_the_pods(r: &GpuReservation, facts: &PodFacts, node: &str) -> bool {
     facts.uid.is(&r.spec.pod_uid) && r.spec.node_name == node
+}
+
+#[cfg(test)]
+mod tests {
+    use gpuledger_crds::ReservationPhase;
+    use kube::runtime::watcher::Event;
+
+    use super::*;
+    use crate::controllers::lifecycle::tests::reservation;
+    use crate::controllers::pod_facts::tests::{pod, wanting_a_gpu};
+    use crate::controllers::refit::commit::tests::context;
+
+    /// Pod ns/p (uid-1), bound to n1 and wanting a GPU.
+    fn bound_pod() -> Pod {
+        wanting_a_gpu(pod("p", "uid-1", Some("n1"), "Running"))
+    }
+
+    /// Its reservation, on n1, at resourceVersion `rv`.
+    fn its_reservation_at(rv: &str) -> GpuReservation {
+        let mut r = reservation(Some(ReservationPhase::Allocated), 0);
+        r.metadata.namespace = Some("ns".into());
+        r.metadata.resource_version = Some(rv.into());
+        r
+    }
+
+    fn its_reservation() -> GpuReservation {
+        its_reservation_at("5")
+    }
+
+    /// A synced pod cache that listed `listed`.
+    fn pods_listing(listed: Vec<Pod>) -> PodFactsCache {
+        let pods = PodFactsCache::default();
+        pods.apply(&Event::Init);
+        for p in listed {
+            pods.apply(&Event::InitApply(p));
+        }
+        pods.apply(&Event::InitDone);
+        pods
+    }
+
+    fn changes(ctx: &Context, pods: &PodFactsCache) -> Changes {
+        ctx.ledger.index.take_changed().and(pods.take_changed())
+    }
+
+    fn keys(found: &[(ReservationKey, PodFacts)]) -> Vec<ReservationKey> {
+        found.iter().map(|(k, _)| k.clone()).collect()
+    }
+
+    fn p() -> ReservationKey {
+        ReservationKey::new("ns", "p")
+    }
+
+    #[tokio::test]
+    async fn a_reservation_deleted_by_hand_is_found_without_a_look_at_every_pod() {
+        let ctx = context();
+        let pods = pods_listing(vec![bound_pod()]);
+        ctx.ledger
+            .index
+            .apply_event(Event::Apply(its_reservation()));
+        // The first look is at every pod (the pod cache was listed), and finds nothing.
+        let look = next_look(false, changes(&ctx, &pods), &[]);
+        assert!(matches!(look, Look::Every), "{look:?}");
+        assert!(unreserved(&ctx, &pods, &look).is_empty());
+        // Nothing changed since: the next look is at no pod at all.
+        let look = next_look(false, changes(&ctx, &pods), &[]);
+        assert!(matches!(&look, Look::Among(k) if k.is_empty()), "{look:?}");
+
+        ctx.ledger
+            .index
+            .apply_event(Event::Delete(its_reservation()));
+        let look = next_look(false, changes(&ctx, &pods), &[]);
+        assert!(matches!(&look, Look::Among(k) if k.len() == 1), "{look:?}");
+        let found = unreserved(&ctx, &pods, &look);
+        assert_eq!(keys(&found), vec![p()]);
+        // Found once, it is looked at again though nothing changed, until it has a reservation.
+        let look = next_look(false, changes(&ctx, &pods), &found);
+        let found = unreserved(&ctx, &pods, &look);
+        assert_eq!(keys(&found), vec![p()]);
+        // Written again (by the repair, or by hand): found no more.
+        ctx.ledger
+            .index
+            .apply_event(Event::Apply(its_reservation_at("7")));
+        let look = next_look(false, changes(&ctx, &pods), &found);
+        assert!(unreserved(&ctx, &pods, &look).is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_pod_bound_around_the_extender_is_found_without_a_look_at_every_pod() {
+        let ctx = context();
+        let pods = pods_listing(Vec::new());
+        let _ = changes(&ctx, &pods);
+        // Created with spec.nodeName: no filter, no bind, no reservation.
+        pods.apply(&Event::Apply(bound_pod()));
+        let look = next_look(false, changes(&ctx, &pods), &[]);
+        assert!(matches!(&look, Look::Among(k) if k.len() == 1), "{look:?}");
+        assert_eq!(keys(&unreserved(&ctx, &pods, &look)), vec![p()]);
+    }
+
+    #[tokio::test]
+    async fn a_reservation_moved_to_another_node_is_found_without_a_look_at_every_pod() {
+        let ctx = context();
+        let pods = pods_listing(vec![bound_pod()]);
+        ctx.ledger
+            .index
+            .apply_event(Event::Apply(its_reservation()));
+        let _ = changes(&ctx, &pods);
+        let mut moved = its_reservation();
+        moved.spec.node_name = "n2".into();
+        ctx.ledger.index.apply_event(Event::Apply(moved));
+        let look = next_look(false, changes(&ctx, &pods), &[]);
+        assert_eq!(keys(&unreserved(&ctx, &pods, &look)), vec![p()]);
+    }
+
+    #[tokio::test]
+    async fn every_pod_is_looked_at_when_due_or_after_a_relist() {
+        let none = || Changes::Keys(HashSet::new());
+        assert!(matches!(next_look(true, none(), &[]), Look::Every));
+        assert!(matches!(
+            next_look(false, Changes::Everything, &[]),
+            Look::Every
+        ));
+        let ctx = context();
+        let pods = pods_listing(Vec::new());
+        let _ = changes(&ctx, &pods);
+        ctx.ledger.index.apply_event(Event::Init);
+        ctx.ledger.index.apply_event(Event::InitDone);
+        assert!(matches!(
+            next_look(false, changes(&ctx, &pods), &[]),
+            Look::Every
+        ));
+    }
 }

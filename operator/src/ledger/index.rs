@@ -28,6 +28,7 @@ use tokio::sync::watch;
 
 use gpuledger_fit::quota::QuotaUse;
 
+use super::changed::{ChangedKeys, Changes};
 use super::shared_names;
 use super::usage::{NodeUsage, quota_use, sum_usage};
 use crate::watches::compacted;
@@ -142,6 +143,8 @@ struct Inner {
     node_versions: HashMap<String, Arc<NodeClock>>,
     /// Counts changes; never goes back, so a version is never reused.
     clock: u64,
+    /// Keys put in or taken out of `live` since the unreserved sweep last asked.
+    changed: ChangedKeys,
 }
 
 /// A namespace's quota use summed over its reservations. Wider than [`QuotaUse`]'s saturating
@@ -252,6 +255,7 @@ impl Inner {
         let node = obj.spec.node_name.clone();
         let added = quota_use(&obj);
         self.touch(&node);
+        self.changed.mark(&key);
         if let Some(old) = self.live.insert(key.clone(), obj) {
             self.take_use(&key.namespace, quota_use(&old));
             if old.spec.node_name != node {
@@ -271,6 +275,7 @@ impl Inner {
     /// Removes from `live`, keeping `by_node` and `ns_use` in step.
     fn take_live(&mut self, key: &ReservationKey) {
         if let Some(old) = self.live.remove(key) {
+            self.changed.mark(key);
             self.take_use(&key.namespace, quota_use(&old));
             self.touch(&old.spec.node_name);
             self.unindex(&old.spec.node_name, key);
@@ -297,7 +302,8 @@ impl Inner {
 
     /// Replaces `live` wholesale (after a relist) and rebuilds `by_node`.
     fn replace_live(&mut self, live: HashMap<ReservationKey, Arc<GpuReservation>>) {
-        // Every node that had or has reservations may have changed.
+        // Every node that had or has reservations may have changed, and every key.
+        self.changed.mark_everything();
         let before: Vec<String> = self.by_node.keys().cloned().collect();
         for node in &before {
             self.touch(node);
@@ -534,6 +540,11 @@ impl LedgerIndex {
         let mut rx = self.synced.subscribe();
         // An error means the sender is gone, which cannot happen while `self` lives.
         let _ = rx.wait_for(|s| *s).await;
+    }
+
+    /// The keys put in or taken out since the last call (see [`ChangedKeys`]).
+    pub fn take_changed(&self) -> Changes {
+        self.write().changed.take()
     }
 
     /// The reservation at `key`.

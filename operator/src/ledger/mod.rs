@@ -3,6 +3,7 @@
 //! fit-then-write atomic per node, the writer that talks to the API server with
 //! resourceVersion preconditions, and what an entry looks like (`render`).
 
+pub mod changed;
 pub mod feed;
 pub mod holds;
 pub mod in_flight;
@@ -13,6 +14,7 @@ pub mod shared_names;
 pub mod usage;
 pub mod writer;
 
+pub use changed::{ChangedKeys, Changes};
 pub use holds::{Held, Holds};
 pub use index::{LedgerIndex, NodeClock, ReservationKey};
 pub use node_lock::NodeLocks;
