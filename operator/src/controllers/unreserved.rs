@@ -74,6 +74,16 @@ enum Look {
     Among(HashSet<ReservationKey>),
 }
 
+impl Look {
+    /// The label of the look's time in `gpuledger_ledger_unreserved_look_seconds`.
+    fn scope(&self) -> &'static str {
+        match self {
+            Look::Every => "every",
+            Look::Among(_) => "changed",
+        }
+    }
+}
+
 /// What the next sweep looks at: every pod at `whole`, or when anything may have changed (a
 /// relist, or more changes than are kept), else the `changes` and the keys `found` last time.
 fn next_look(whole: bool, changes: Changes, found: &[(ReservationKey, PodFacts)]) -> Look {
@@ -135,6 +145,7 @@ pub async fn run(ctx: Arc<Context>, pods: Arc<PodFactsCache>) {
             Look::Every => 1,
             Look::Among(_) => since_whole + 1,
         };
+        let scope = look.scope();
         // A look at every bound pod (100 000 in a large cluster) takes a tenth of a second:
         // off the runtime's workers, which serve filter.
         let looked = {
@@ -145,7 +156,7 @@ pub async fn run(ctx: Arc<Context>, pods: Arc<PodFactsCache>) {
         ctx.metrics
             .unreserved_looks
             .get_or_create(&ScopeLabels {
-                scope: if since_whole == 1 { "every" } else { "changed" }.to_string(),
+                scope: scope.to_string(),
             })
             .observe(now.elapsed().as_secs_f64());
         found = match looked {
@@ -330,13 +341,20 @@ mod tests {
         ReservationKey::new("ns", "p")
     }
 
-    #[tokio::test]
-    async fn a_reservation_deleted_by_hand_is_found_without_a_look_at_every_pod() {
+    /// A leader whose pod cache listed the bound pod and whose index holds its reservation;
+    /// the changes of the set-up are not taken.
+    fn reserved_pod() -> (Context, PodFactsCache) {
         let ctx = context();
         let pods = pods_listing(vec![bound_pod()]);
         ctx.ledger
             .index
             .apply_event(Event::Apply(its_reservation()));
+        (ctx, pods)
+    }
+
+    #[tokio::test]
+    async fn a_reservation_deleted_by_hand_is_found_without_a_look_at_every_pod() {
+        let (ctx, pods) = reserved_pod();
         // The first look is at every pod (the pod cache was listed), and finds nothing.
         let look = next_look(false, changes(&ctx, &pods), &[]);
         assert!(matches!(look, Look::Every), "{look:?}");
@@ -378,11 +396,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_reservation_moved_to_another_node_is_found_without_a_look_at_every_pod() {
-        let ctx = context();
-        let pods = pods_listing(vec![bound_pod()]);
-        ctx.ledger
-            .index
-            .apply_event(Event::Apply(its_reservation()));
+        let (ctx, pods) = reserved_pod();
         let _ = changes(&ctx, &pods);
         let mut moved = its_reservation();
         moved.spec.node_name = "n2".into();
@@ -399,11 +413,19 @@ mod tests {
             next_look(false, Changes::Everything, &[]),
             Look::Every
         ));
-        let ctx = context();
-        let pods = pods_listing(Vec::new());
+        let (ctx, pods) = reserved_pod();
         let _ = changes(&ctx, &pods);
+        // A relist of the ledger may hide a deletion.
         ctx.ledger.index.apply_event(Event::Init);
         ctx.ledger.index.apply_event(Event::InitDone);
+        assert!(matches!(
+            next_look(false, changes(&ctx, &pods), &[]),
+            Look::Every
+        ));
+        // So may a relist of the pods, the ledger unchanged.
+        pods.apply(&Event::Init);
+        pods.apply(&Event::InitApply(bound_pod()));
+        pods.apply(&Event::InitDone);
         assert!(matches!(
             next_look(false, changes(&ctx, &pods), &[]),
             Look::Every

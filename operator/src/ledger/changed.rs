@@ -2,7 +2,7 @@
 //! instead of over everything.
 //!
 //! The unreserved sweep ([`crate::controllers::unreserved`]) compares every bound GPU pod with
-//! its reservation every two seconds. At 100 000 pods that look cost 90–220 ms of CPU each
+//! its reservation every two seconds. At 100 000 pods that look cost 90–265 ms of CPU each
 //! time (measured in the scale bench), a tenth of a core on a two-core node, and a filter call
 //! that landed during it waited for a core. Between two looks only a few keys change; the
 //! index and the pod cache each keep a [`ChangedKeys`] of them, marked under the write lock
