@@ -96,6 +96,39 @@ fn next_look(whole: bool, changes: Changes, found: &[(ReservationKey, PodFacts)]
     }
 }
 
+/// Which look comes next: every pod each [`WHOLE_LOOK_EVERY`]th look, at the start, after a
+/// look that could not finish or a pause (standby, pod cache not synced), and whenever
+/// anything may have changed; otherwise only what changed.
+#[derive(Debug)]
+struct LookPlan {
+    /// Looks since the last one at every pod (1 right after it).
+    since_whole: u32,
+}
+
+impl LookPlan {
+    /// A plan whose first look is at every pod.
+    fn new() -> Self {
+        LookPlan {
+            since_whole: WHOLE_LOOK_EVERY,
+        }
+    }
+
+    /// Makes the next look one at every pod: what the marks would have said may be lost.
+    fn restart(&mut self) {
+        self.since_whole = WHOLE_LOOK_EVERY;
+    }
+
+    /// The next look (see [`next_look`]), counted.
+    fn next(&mut self, changes: Changes, found: &[(ReservationKey, PodFacts)]) -> Look {
+        let look = next_look(self.since_whole >= WHOLE_LOOK_EVERY, changes, found);
+        self.since_whole = match look {
+            Look::Every => 1,
+            Look::Among(_) => self.since_whole.saturating_add(1),
+        };
+        look
+    }
+}
+
 /// Whether `facts`' pod lacks a reservation in the index on its node.
 fn lacks_reservation(ctx: &Context, key: &ReservationKey, facts: &PodFacts) -> bool {
     !ctx.ledger.index.get(key).is_some_and(|r| {
@@ -124,9 +157,7 @@ pub async fn run(ctx: Arc<Context>, pods: Arc<PodFactsCache>) {
     let mut reported: HashSet<PodUid> = HashSet::new();
     // What the last look found: looked at again next time whatever changed.
     let mut found: Vec<(ReservationKey, PodFacts)> = Vec::new();
-    // Sweeps since the last look at every pod; at the start, and after any sweep skipped,
-    // the next look is at every pod.
-    let mut since_whole = WHOLE_LOOK_EVERY;
+    let mut plan = LookPlan::new();
     let mut tick = tokio::time::interval(SWEEP_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -136,15 +167,11 @@ pub async fn run(ctx: Arc<Context>, pods: Arc<PodFactsCache>) {
         if !ctx.may_write() || !pods.is_synced() {
             missing_since.clear();
             found.clear();
-            since_whole = WHOLE_LOOK_EVERY;
+            plan.restart();
             continue;
         }
         let now = Instant::now();
-        let look = next_look(since_whole >= WHOLE_LOOK_EVERY, changes, &found);
-        since_whole = match look {
-            Look::Every => 1,
-            Look::Among(_) => since_whole + 1,
-        };
+        let look = plan.next(changes, &found);
         let scope = look.scope();
         // A look at every bound pod (100 000 in a large cluster) takes a tenth of a second:
         // off the runtime's workers, which serve filter.
@@ -164,7 +191,7 @@ pub async fn run(ctx: Arc<Context>, pods: Arc<PodFactsCache>) {
             Err(e) => {
                 tracing::error!(error = %e, "looking for unreserved pods failed");
                 // Nothing is lost: the next look is at every pod.
-                since_whole = WHOLE_LOOK_EVERY;
+                plan.restart();
                 continue;
             }
         };
@@ -430,5 +457,33 @@ mod tests {
             next_look(false, changes(&ctx, &pods), &[]),
             Look::Every
         ));
+    }
+
+    #[test]
+    fn every_fifteenth_look_and_the_first_after_a_pause_are_at_every_pod() {
+        let some = || Changes::Keys(HashSet::from([p()]));
+        let mut plan = LookPlan::new();
+        let wholes: Vec<usize> = (0..2 * WHOLE_LOOK_EVERY as usize + 1)
+            .filter(|_| matches!(plan.next(some(), &[]), Look::Every))
+            .collect();
+        let every = WHOLE_LOOK_EVERY as usize;
+        assert_eq!(wholes, vec![0, every, 2 * every]);
+
+        // Paused (standby, or a look that failed) a few looks after a whole one.
+        let mut plan = LookPlan::new();
+        for _ in 0..3 {
+            plan.next(some(), &[]);
+        }
+        plan.restart();
+        assert!(matches!(plan.next(some(), &[]), Look::Every));
+        assert!(matches!(plan.next(some(), &[]), Look::Among(_)));
+        // A look at every pod forced by a relist counts as the whole look: the next one is
+        // WHOLE_LOOK_EVERY looks on.
+        let mut plan = LookPlan::new();
+        plan.next(some(), &[]);
+        plan.next(some(), &[]);
+        assert!(matches!(plan.next(Changes::Everything, &[]), Look::Every));
+        let next_whole = (1..=every).find(|_| matches!(plan.next(some(), &[]), Look::Every));
+        assert_eq!(next_whole, Some(every));
     }
 }
