@@ -6,7 +6,7 @@
 //! controller removed because it named another node than the pod's. Such a pod runs on GPUs the
 //! ledger does not count, which is worse than no ledger. Every [`SWEEP_EVERY`] this looks at the
 //! pods the lifecycle controller's pod watch knows (those whose pod or reservation changed since
-//! the last look, and every pod every [`WHOLE_LOOK_EVERY`] looks: [`LookPlan`]) and, for each
+//! the last look, and every pod every [`WHOLE_LOOK_EVERY`] looks: `LookPlan`) and, for each
 //! bound GPU pod that has had no reservation on its node for `--repair-after` (5 s), decides
 //! once more on fresh reads under the node lock (the same lock bind and refits take) and either
 //! writes the reservation the pod's request fits to on that node, or, when the node has no room
