@@ -78,8 +78,6 @@ pub async fn run(ctx: Arc<Context>, interval: Duration) {
     let mut seen = Seen::default();
     loop {
         tokio::time::sleep(interval).await;
-        // Housekeeping on the same beat: forget filter's views of nodes that left.
-        ctx.caches.views.retain(|name| ctx.gpunode(name).is_some());
         if !ctx.may_write() {
             // Another replica may write meanwhile: look at everything again when leading.
             seen = Seen::default();

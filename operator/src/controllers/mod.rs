@@ -1,6 +1,7 @@
 //! The operator's controllers: reservation lifecycle, NumaPolicy and GpuConfig status, GpuNode
-//! usage, GPU quota usage, NUMA refits.
+//! usage, GPU quota usage, NUMA refits, and the upkeep of the extender's fit views.
 
+pub mod fit_views;
 pub mod gpuconfig;
 pub mod gpunode_usage;
 pub mod lifecycle;

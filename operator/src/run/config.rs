@@ -77,7 +77,8 @@ pub struct RunConfig {
     #[arg(long, env = "GPULEDGER_LEASE_WAIT", default_value = "3s", value_parser = parse_duration)]
     pub lease_wait: Duration,
     /// Minimum interval between two writes of one GpuNode's status.usage (a display field for
-    /// `kubectl get gpunodes`: under churn every busy node costs one write per interval).
+    /// `kubectl get gpunodes`: under churn every busy node costs one write per interval); also
+    /// the beat of GPU quota usage and of the upkeep of the extender's fit views.
     #[arg(long, env = "GPULEDGER_USAGE_INTERVAL", default_value = "5s", value_parser = parse_duration)]
     pub usage_interval: Duration,
     /// How long answered RefitRequests are kept (for `kubectl get refit`) before deletion.

@@ -328,6 +328,10 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
     tasks.spawn(controllers::numapolicy::run(ctx.clone()));
     tasks.spawn(controllers::gpuconfig::run(ctx.clone()));
     tasks.spawn(controllers::refit::run(ctx.clone(), config.refit_ttl));
+    tasks.spawn(controllers::fit_views::run(
+        ctx.clone(),
+        config.usage_interval,
+    ));
     tasks.spawn(controllers::gpunode_usage::run(
         ctx.clone(),
         config.usage_interval,

@@ -233,7 +233,7 @@ impl NodeViewCache {
     }
 
     /// Drops the views of nodes for which `keep` is false (nodes that left the cluster; the
-    /// GpuNode usage loop calls it every `--usage-interval`).
+    /// views' upkeep, [`crate::controllers::fit_views`], calls it every `--usage-interval`).
     pub fn retain(&self, keep: impl Fn(&str) -> bool) {
         let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
         entries.retain(|name, _| keep(name));
