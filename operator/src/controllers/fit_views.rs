@@ -65,31 +65,12 @@ pub async fn pass(ctx: &Context) {
 mod tests {
     use std::sync::Arc;
 
-    use gpuledger_crds::{
-        GpuDevice, GpuNode, GpuNodeSpec, GpuNodeStatus, GpuReservation, GpuReservationSpec,
-    };
+    use gpuledger_crds::{GpuNode, GpuReservation, GpuReservationSpec};
     use kube::runtime::{reflector, watcher};
 
     use super::*;
     use crate::ledger::LedgerIndex;
-
-    /// A GpuNode with `gpus` GPUs.
-    fn gpunode(name: &str, gpus: usize) -> GpuNode {
-        let mut node = GpuNode::new(name, GpuNodeSpec::default());
-        node.status = Some(GpuNodeStatus {
-            devices: (0..gpus)
-                .map(|i| GpuDevice {
-                    uuid: format!("GPU-{name}-{i}"),
-                    memory_mib: 20000,
-                    cores: 100,
-                    healthy: true,
-                    ..Default::default()
-                })
-                .collect(),
-            ..Default::default()
-        });
-        node
-    }
+    use crate::schedule::tests::node as gpunode;
 
     fn reservation(node: &str) -> GpuReservation {
         let mut r = GpuReservation::new(

@@ -142,4 +142,4 @@ pub fn place(
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

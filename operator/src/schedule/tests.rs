@@ -9,7 +9,9 @@ use gpuledger_crds::podapi::{ContainerRequest, GpuRequest, MemoryRequest};
 use gpuledger_crds::{GpuDevice, GpuNodeSpec, GpuNodeStatus};
 use gpuledger_fit::FitFailure;
 
-fn node(name: &str, gpus: u32) -> GpuNode {
+/// A GpuNode with `gpus` NVIDIA L4s on NUMA 0, split 4 ways (also used by the views' upkeep
+/// tests, `controllers::fit_views`).
+pub(crate) fn node(name: &str, gpus: u32) -> GpuNode {
     let mut n = GpuNode::new(name, GpuNodeSpec::default());
     n.status = Some(GpuNodeStatus {
         devices: (0..gpus)
