@@ -20,14 +20,18 @@ use std::time::{Duration, Instant};
 use fault_support::*;
 use gpuledger_crds::names::DEFAULT_NAMESPACE;
 use gpuledger_crds::{GpuReservation, ReservationPhase};
+use gpuledger_e2e::bench::operator::OperatorOptions;
 use gpuledger_e2e::bench::operator::{http_get, signal};
 use gpuledger_e2e::bench::{ChildOperator, GpuShape};
 use gpuledger_e2e::cluster::process::is_alive;
 use gpuledger_e2e::cluster::wait_for;
 use gpuledger_operator::lease::leader::{LEADER_LEASE, LEASE_SECONDS};
 use k8s_openapi::api::coordination::v1::Lease;
-use kube::ResourceExt;
-use kube::api::Api;
+use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Api, PostParams};
+use kube::{Client, ResourceExt};
 use rand::Rng;
 use rustix::process::Signal;
 
@@ -117,28 +121,133 @@ async fn a_standby_replica_takes_over_when_the_leader_is_killed() {
     // The new leader decides: its extender answers a filter without "not the leader".
     let answer = filter_one_gpu_on_gpu_0(&standby).await;
     assert!(answer.contains("\"NodeNames\":[\"gpu-0\"]"), "{answer}");
+    // The killed leader could not hand the Service over; the new one takes it, and keeps it
+    // against a hand edit.
+    endpoint_names(&client, "192.0.2.11", "replica-b").await;
+    let put_back = hand_edited_endpoint_is_put_back(&client, "192.0.2.11", "replica-b").await;
+    eprintln!(
+        "endpoint: a hand edit was put back after {:.2} s",
+        put_back.as_secs_f64()
+    );
 }
 
-/// Replica `replica-a`, ready as the leader, and `replica-b` up and following, its extender on
-/// a port of its own (kube-scheduler calls the leader's); only the leader is ready.
+/// The Service both replicas publish the leader behind, as the chart's does.
+const EXTENDER_SERVICE: &str = "gpuledger-operator";
+
+/// Replica `replica-a`, ready as the leader, and `replica-b` up, warm and following, its
+/// extender on a port of its own (kube-scheduler calls the leader's). Each runs "in" a Pod
+/// object of its own (created here, never scheduled) with a documentation-range IP, as the
+/// downward API would tell it, and keeps the extender Service's endpoint while it leads. Only
+/// the leader serves (`/readyz`), both are warm (`/warmz`: what the Deployment's readiness
+/// probe asks, so a rollout can go on), and the Service's endpoint names the leader.
 async fn leader_and_standby(rig: &Rig) -> (ChildOperator, ChildOperator) {
-    let mut leader = ChildOperator::spawn(rig.operator_options("replica-a", true)).unwrap();
+    let client = rig.client();
+    let mut leader =
+        ChildOperator::spawn(publishing(rig, "replica-a", "192.0.2.10").await).unwrap();
     leader.wait_ready(WAIT).await.expect("first replica leads");
-    let mut standby_opts = rig.operator_options("replica-b", true);
+    let mut standby_opts = publishing(rig, "replica-b", "192.0.2.11").await;
     standby_opts.extender_port = free_port();
     let standby = ChildOperator::spawn(standby_opts).unwrap();
-    wait_for("standby up and following", WAIT, || async {
-        let up = http_get(standby.options().metrics_port, "/healthz").await;
-        Ok::<_, std::io::Error>(up.ok().filter(|(code, _)| *code == 200))
+    wait_for("standby up, warm and following", WAIT, || async {
+        let warm = http_get(standby.options().metrics_port, "/warmz").await;
+        Ok::<_, std::io::Error>(warm.ok().filter(|(code, _)| *code == 200))
     })
     .await
     .unwrap();
     assert_ne!(
         standby.readyz().await,
         Some(200),
-        "two replicas ready at once"
+        "two replicas serving at once"
     );
+    let (_, body) = http_get(standby.options().metrics_port, "/warmz")
+        .await
+        .unwrap();
+    assert!(body.starts_with("standby"), "{body}");
+    endpoint_names(&client, "192.0.2.10", "replica-a").await;
     (leader, standby)
+}
+
+/// Options of a leader-electing replica that runs in the Pod `identity` (created here) at `ip`
+/// and publishes itself behind [`EXTENDER_SERVICE`] while it leads.
+async fn publishing(rig: &Rig, identity: &str, ip: &str) -> OperatorOptions {
+    let pods: Api<Pod> = Api::namespaced(rig.client(), DEFAULT_NAMESPACE);
+    let pod = Pod {
+        metadata: ObjectMeta {
+            name: Some(identity.into()),
+            ..Default::default()
+        },
+        spec: Some(PodSpec {
+            // No scheduler of that name: the object only stands for the replica's pod.
+            scheduler_name: Some("nobody".into()),
+            containers: vec![Container {
+                name: "operator".into(),
+                image: Some("gpuledger".into()),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let pod = pods.create(&PostParams::default(), &pod).await.unwrap();
+    let mut opts = rig.operator_options(identity, true);
+    opts.extra_args.extend([
+        format!("--extender-service={EXTENDER_SERVICE}"),
+        format!("--pod-name={identity}"),
+        format!("--pod-uid={}", pod.uid().unwrap()),
+        format!("--pod-ip={ip}"),
+    ]);
+    opts
+}
+
+/// Waits until the extender Service's one endpoint is `ip`, the Pod `pod`; how long it took.
+async fn endpoint_names(client: &Client, ip: &str, pod: &str) -> Duration {
+    let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), DEFAULT_NAMESPACE);
+    let name = format!("{EXTENDER_SERVICE}-leader");
+    let started = Instant::now();
+    wait_for(
+        format!("the extender Service's endpoint on {pod}"),
+        WAIT,
+        || {
+            let slices = slices.clone();
+            let name = name.clone();
+            async move {
+                let Some(slice) = slices.get_opt(&name).await? else {
+                    return Ok::<_, kube::Error>(None);
+                };
+                let named: Vec<(String, String)> = slice
+                    .endpoints
+                    .iter()
+                    .map(|e| {
+                        let target = e.target_ref.as_ref().and_then(|t| t.name.clone());
+                        (e.addresses.join(","), target.unwrap_or_default())
+                    })
+                    .collect();
+                let labelled = slice
+                    .labels()
+                    .get("kubernetes.io/service-name")
+                    .map(String::as_str)
+                    == Some(EXTENDER_SERVICE);
+                Ok((labelled && named == [(ip.to_string(), pod.to_string())]).then_some(()))
+            }
+        },
+    )
+    .await
+    .unwrap();
+    started.elapsed()
+}
+
+/// A careless hand edit points the Service's endpoint somewhere else; the leader puts it back
+/// within its recheck (`--usage-interval`, 1 s here). How long that took.
+async fn hand_edited_endpoint_is_put_back(client: &Client, ip: &str, pod: &str) -> Duration {
+    let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), DEFAULT_NAMESPACE);
+    let name = format!("{EXTENDER_SERVICE}-leader");
+    let mut slice = slices.get(&name).await.unwrap();
+    slice.endpoints[0].addresses = vec!["192.0.2.99".into()];
+    slices
+        .replace(&name, &PostParams::default(), &slice)
+        .await
+        .unwrap();
+    endpoint_names(client, ip, pod).await
 }
 
 async fn becomes_ready(standby: &ChildOperator) {
@@ -199,6 +308,9 @@ async fn a_stopped_leader_hands_its_lease_to_the_standby_mid_burst() {
     let stopped_in = stopped_at.elapsed();
     becomes_ready(&standby).await;
     let takeover = stopped_at.elapsed();
+    // The Service follows: its endpoint is now the new leader's pod.
+    endpoint_names(&client, "192.0.2.11", "replica-b").await;
+    let endpoint_moved = stopped_at.elapsed();
     let after = leases.get(LEADER_LEASE).await.unwrap().spec.unwrap();
     assert_eq!(after.holder_identity.as_deref(), Some("replica-b"));
     let acquired = after.acquire_time.unwrap().0;
@@ -210,9 +322,11 @@ async fn a_stopped_leader_hands_its_lease_to_the_standby_mid_burst() {
         acquired.duration_since(renewed)
     );
     eprintln!(
-        "handover: leader exited {:.2} s after SIGTERM, standby ready {:.2} s after it",
+        "handover: leader exited {:.2} s after SIGTERM, standby ready {:.2} s and the \
+         Service's endpoint on it {:.2} s after it",
         stopped_in.as_secs_f64(),
-        takeover.as_secs_f64()
+        takeover.as_secs_f64(),
+        endpoint_moved.as_secs_f64()
     );
 
     // The new leader decides (on its own port: kube-scheduler's extender address was the old

@@ -297,8 +297,8 @@ fn rbac_and_admission_differences(kustomized: &str, chart: &str) -> Vec<String> 
         .collect();
     assert_eq!(
         roles.len(),
-        8,
-        "config/rbac has 7 roles, config/scheduler one: {roles:?}"
+        9,
+        "config/rbac has 8 roles, config/scheduler one: {roles:?}"
     );
     for key in roles {
         differ(key, "rules");

@@ -49,6 +49,11 @@ pub fn test_config(
         self_signed_tls: None,
         tls_names: Vec::new(),
         webhook_configuration: String::new(),
+        // One replica, reached on its own port: no Service endpoint to keep.
+        extender_service: String::new(),
+        pod_name: None,
+        pod_uid: None,
+        pod_ip: None,
     }
 }
 

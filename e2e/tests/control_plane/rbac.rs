@@ -3,6 +3,7 @@
 //! refused (HTTP 403) the rest.
 
 use super::*;
+use k8s_openapi::api::discovery::v1::{Endpoint, EndpointSlice};
 
 pub(crate) async fn device_plugin_may_write_reservation_status_only(cp: &ControlPlane) {
     let plugin = cp
@@ -285,6 +286,29 @@ async fn moving_the_reservation_is_forbidden(api: &Api<GpuReservation>, who: &st
     );
 }
 
+/// An EndpointSlice of the operator's Service with one address.
+fn endpoint_slice(name: &str, ip: &str) -> EndpointSlice {
+    EndpointSlice {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            labels: Some(
+                [(
+                    "kubernetes.io/service-name".to_string(),
+                    "gpuledger-operator".to_string(),
+                )]
+                .into(),
+            ),
+            ..Default::default()
+        },
+        address_type: "IPv4".into(),
+        endpoints: vec![Endpoint {
+            addresses: vec![ip.into()],
+            ..Default::default()
+        }],
+        ports: None,
+    }
+}
+
 pub(crate) fn lease(name: &str) -> Lease {
     Lease {
         metadata: ObjectMeta {
@@ -370,6 +394,70 @@ pub(crate) async fn operator_is_confined_to_its_rules(cp: &ControlPlane) {
         "forbidden",
         "operator creating a lease outside its namespace",
     );
+
+    // Of EndpointSlices, the one the leader keeps for the extender Service (--extender-service)
+    // only: created, read and replaced; no other is readable or replaceable, none is listed,
+    // and none is written outside its namespace. A stolen operator token cannot point another
+    // Service of the namespace elsewhere.
+    let slices: Api<EndpointSlice> = Api::namespaced(op.clone(), SYSTEM_NS);
+    let own = slices
+        .create(
+            &pp,
+            &endpoint_slice("gpuledger-operator-leader", "192.0.2.10"),
+        )
+        .await
+        .unwrap();
+    let mut moved = own.clone();
+    moved.endpoints[0].addresses = vec!["192.0.2.11".into()];
+    slices
+        .replace("gpuledger-operator-leader", &pp, &moved)
+        .await
+        .unwrap();
+    let as_admin_slices: Api<EndpointSlice> = Api::namespaced(cp.client(), SYSTEM_NS);
+    let theirs = as_admin_slices
+        .create(&pp, &endpoint_slice("someone-elses", "192.0.2.20"))
+        .await
+        .unwrap();
+    assert_refused(
+        slices.get("someone-elses").await,
+        403,
+        "forbidden",
+        "operator reading another EndpointSlice",
+    );
+    let mut hijacked = theirs.clone();
+    hijacked.endpoints[0].addresses = vec!["192.0.2.66".into()];
+    assert_refused(
+        slices.replace("someone-elses", &pp, &hijacked).await,
+        403,
+        "forbidden",
+        "operator replacing another EndpointSlice",
+    );
+    assert_refused(
+        slices.list(&Default::default()).await,
+        403,
+        "forbidden",
+        "operator listing EndpointSlices",
+    );
+    let elsewhere: Api<EndpointSlice> = Api::namespaced(op.clone(), NS);
+    assert_refused(
+        elsewhere
+            .create(
+                &pp,
+                &endpoint_slice("gpuledger-operator-leader", "192.0.2.10"),
+            )
+            .await,
+        403,
+        "forbidden",
+        "operator creating an EndpointSlice outside its namespace",
+    );
+    as_admin_slices
+        .delete("someone-elses", &DeleteParams::default())
+        .await
+        .unwrap();
+    as_admin_slices
+        .delete("gpuledger-operator-leader", &DeleteParams::default())
+        .await
+        .unwrap();
 
     // Reads pods and nodes, changes neither, and sees no secrets.
     let nodes: Api<Node> = Api::all(op.clone());

@@ -1,6 +1,8 @@
 //! The operator's controllers: reservation lifecycle, NumaPolicy and GpuConfig status, GpuNode
-//! usage, GPU quota usage, NUMA refits, and the upkeep of the extender's fit views.
+//! usage, GPU quota usage, NUMA refits, the upkeep of the extender's fit views, and the
+//! extender Service's endpoint, which follows the leader.
 
+pub mod extender_endpoint;
 pub mod fit_views;
 pub mod gpuconfig;
 pub mod gpunode_usage;

@@ -10,6 +10,8 @@ use gpuledger_crds::Alignment;
 use gpuledger_crds::names::DEFAULT_NAMESPACE;
 use gpuledger_crds::podapi::SchedulerPolicy;
 
+use crate::controllers::extender_endpoint::{ExtenderEndpoint, ThisPod};
+
 fn parse_policy(raw: &str) -> Result<SchedulerPolicy, String> {
     SchedulerPolicy::parse("policy", raw).map_err(|e| e.to_string())
 }
@@ -96,6 +98,70 @@ pub struct RunConfig {
     /// books it (or reports that it cannot): well above how far the reservation watch lags.
     #[arg(long, env = "GPULEDGER_REPAIR_AFTER", default_value = "5s", value_parser = parse_duration)]
     pub repair_after: Duration,
+    /// Service (in --namespace) that reaches the extender and the webhook: while this replica
+    /// leads, it keeps that Service's one endpoint (EndpointSlice `<service>-leader`) on its own
+    /// pod, so the Service needs no selector and every warm replica can be Ready. Needs
+    /// --pod-name, --pod-uid and --pod-ip; empty: no endpoint is written (one replica, or a
+    /// Service that selects its pods itself).
+    #[arg(long, env = "GPULEDGER_EXTENDER_SERVICE", default_value = "")]
+    pub extender_service: String,
+    /// This replica's pod name (downward API `metadata.name`).
+    #[arg(long, env = "POD_NAME")]
+    pub pod_name: Option<String>,
+    /// This replica's pod UID (downward API `metadata.uid`): the owner of its endpoint.
+    #[arg(long, env = "POD_UID")]
+    pub pod_uid: Option<String>,
+    /// This replica's pod IP (downward API `status.podIP`).
+    #[arg(long, env = "POD_IP")]
+    pub pod_ip: Option<std::net::IpAddr>,
+}
+
+/// A flag combination `run` cannot work with.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ConfigError {
+    /// --extender-service without the pod it would name.
+    #[error("--extender-service {service} needs {missing} (the downward API's pod fields)")]
+    ExtenderServiceWithoutPod {
+        /// The Service.
+        service: String,
+        /// The flags that are missing.
+        missing: String,
+    },
+}
+
+impl RunConfig {
+    /// The Service endpoint this replica keeps while it leads, `None` without
+    /// --extender-service.
+    pub fn extender_endpoint(&self) -> Result<Option<ExtenderEndpoint>, ConfigError> {
+        if self.extender_service.is_empty() {
+            return Ok(None);
+        }
+        let (Some(name), Some(uid), Some(ip)) = (&self.pod_name, &self.pod_uid, self.pod_ip) else {
+            let missing: Vec<&str> = [
+                ("--pod-name", self.pod_name.is_none()),
+                ("--pod-uid", self.pod_uid.is_none()),
+                ("--pod-ip", self.pod_ip.is_none()),
+            ]
+            .into_iter()
+            .filter_map(|(flag, absent)| absent.then_some(flag))
+            .collect();
+            return Err(ConfigError::ExtenderServiceWithoutPod {
+                service: self.extender_service.clone(),
+                missing: missing.join(", "),
+            });
+        };
+        Ok(Some(ExtenderEndpoint {
+            service: self.extender_service.clone(),
+            namespace: self.namespace.clone(),
+            pod: ThisPod {
+                name: name.clone(),
+                uid: uid.clone(),
+                ip,
+            },
+            extender_port: self.extender_addr.port(),
+            metrics_port: self.metrics_addr.port(),
+        }))
+    }
 }
 
 #[cfg(test)]
@@ -121,6 +187,33 @@ mod tests {
         assert!(!cli.run.leader_elect);
         assert_eq!(cli.run.refit_ttl, Duration::from_secs(600));
         assert_eq!(cli.run.repair_after, Duration::from_secs(5));
+    }
+
+    #[test]
+    fn an_extender_service_needs_the_pod_it_names() {
+        let none = Cli::try_parse_from(["x"]).unwrap();
+        assert_eq!(none.run.extender_endpoint(), Ok(None));
+        let lonely =
+            Cli::try_parse_from(["x", "--extender-service", "svc", "--pod-name", "a"]).unwrap();
+        let err = lonely.run.extender_endpoint().unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "--extender-service svc needs --pod-uid, --pod-ip (the downward API's pod fields)"
+        );
+        let full = Cli::try_parse_from([
+            "x",
+            "--extender-service=svc",
+            "--pod-name=a",
+            "--pod-uid=u",
+            "--pod-ip=10.0.0.5",
+            "--extender-addr=0.0.0.0:8443",
+        ])
+        .unwrap();
+        let endpoint = full.run.extender_endpoint().unwrap().unwrap();
+        assert_eq!(endpoint.slice_name(), "svc-leader");
+        assert_eq!(endpoint.extender_port, 8443);
+        assert_eq!(endpoint.pod.ip.to_string(), "10.0.0.5");
+        assert!(Cli::try_parse_from(["x", "--pod-ip", "not-an-ip"]).is_err());
     }
 
     #[test]

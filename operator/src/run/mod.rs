@@ -55,6 +55,9 @@ pub enum RunError {
         #[source]
         source: std::io::Error,
     },
+    /// The flags do not go together.
+    #[error(transparent)]
+    Config(#[from] config::ConfigError),
     /// The extender's TLS identity could not be loaded.
     #[error(transparent)]
     Tls(#[from] extender::tls::TlsError),
@@ -89,6 +92,7 @@ async fn ensure_namespace(client: &Client, ns: &str) {
 
 /// Runs the operator until `shutdown` completes or an essential task ends.
 pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Result<(), RunError> {
+    let extender_endpoint = config.extender_endpoint()?;
     let mut tls = match (&config.tls_cert, &config.tls_key) {
         (Some(cert), Some(key)) => Some(extender::tls::acceptor(cert, key)?),
         _ => None,
@@ -336,6 +340,13 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         ctx.clone(),
         config.usage_interval,
     ));
+    if let Some(endpoint) = extender_endpoint {
+        tasks.spawn(controllers::extender_endpoint::run(
+            ctx.clone(),
+            endpoint,
+            config.usage_interval,
+        ));
+    }
     tasks.spawn(controllers::quota_usage::run(
         ctx.clone(),
         config.usage_interval,
@@ -397,6 +408,7 @@ fn telemetry_router(ctx: Arc<Context>) -> Router {
         .route("/metrics", get(metrics_handler))
         .route("/healthz", get(healthz_handler))
         .route("/readyz", get(readyz_handler))
+        .route("/warmz", get(warmz_handler))
         .with_state(ctx)
 }
 
@@ -455,6 +467,23 @@ async fn healthz_handler(State(ctx): State<Arc<Context>>) -> (StatusCode, String
     }
 }
 
+/// Whether this replica is warm: its caches listed (it serves nothing before that) and its
+/// ledger index synced, leader or standby. The pod's readiness probe: a Deployment's rollout
+/// goes on only once a new replica is available, and a standby that can take over at once is.
+/// Callers reach the leader alone through the endpoint it publishes
+/// ([`controllers::extender_endpoint`]), not through readiness.
+async fn warmz_handler(State(ctx): State<Arc<Context>>) -> (StatusCode, String) {
+    if !ctx.ledger.index.is_synced() {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "ledger index not synced\n".into(),
+        );
+    }
+    let role = if ctx.may_write() { "leader" } else { "standby" };
+    (StatusCode::OK, format!("{role}; caches synced\n"))
+}
+
+/// Whether this replica serves the extender: the leader, with its ledger index synced.
 async fn readyz_handler(State(ctx): State<Arc<Context>>) -> (StatusCode, String) {
     if ctx.may_write() {
         let holding = ctx
