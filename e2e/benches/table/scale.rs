@@ -89,7 +89,7 @@ struct SizeFigures {
     nodes: usize,
     reservations: usize,
     ready_s: Vec<f64>,
-    /// SIGTERM of the leader to its synced standby's /readyz 200 ...
+    /// SIGTERM of the leader to its warm standby's /readyz 200 ...
     handover_s: Vec<f64>,
     /// ... and to the old leader's exit.
     exited_s: Vec<f64>,
@@ -309,7 +309,8 @@ struct Handovers {
 }
 
 /// A rollout's view of readiness: two replicas with leader election, the standby started and
-/// synced (its ledger index warm), then the leader sent SIGTERM; seconds from the signal to
+/// warm (`/warmz`, the chart's readiness probe: ledger synced, fit views built), then the leader
+/// sent SIGTERM; seconds from the signal to
 /// the standby's /readyz 200, and to the old leader's exit, and the new leader's first filter
 /// call naming every node in `names`, [`HANDOVERS`] times (each new leader gets a fresh
 /// standby). The last leader is stopped the same way, so the cold starts that follow find no
@@ -335,10 +336,19 @@ async fn handovers(
         let standby_options = replica(i);
         let standby_port = standby_options.extender_port;
         let mut standby = ChildOperator::spawn(standby_options).map_err(|e| e.to_string())?;
+        // As a Deployment's rollout: the old leader is stopped once the new replica is Ready,
+        // which is its readiness probe, /warmz (ledger synced, every fit view built).
         standby
             .wait_logged("ledger index synced", WAIT)
             .await
             .map_err(|e| e.to_string())?;
+        while standby.warmz().await != Some(200) {
+            standby.check_running().map_err(|e| e.to_string())?;
+            if standby.started().elapsed() > WAIT {
+                return Err(format!("standby {i} not warm after {WAIT:?}"));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         let signalled = Instant::now();
         // The standby is watched while the old leader stops: a rollout waits for the new
         // leader, not for the old process to free its memory and exit.
@@ -614,7 +624,7 @@ fn rows(figures: &[SizeFigures], scheduled: &[f64], names: &[usize], after_mib: 
         ));
         rows.push(Row::measured(
             "operator handover: standby ready",
-            format!("{workload}; SIGTERM of the leader -> its synced standby's /readyz 200"),
+            format!("{workload}; SIGTERM of the leader -> its warm standby's /readyz 200"),
             "s",
             &f.handover_s,
             if i == last {
@@ -625,7 +635,7 @@ fn rows(figures: &[SizeFigures], scheduled: &[f64], names: &[usize], after_mib: 
                 )
             } else {
                 format!(
-                    "no list: the standby's index is already warm; the old leader exited after {:.2} s (median)",
+                    "no list: the standby is warm (/warmz: index synced, fit views built); the old leader exited after {:.2} s (median)",
                     median(&f.exited_s)
                 )
             },
@@ -639,8 +649,9 @@ fn rows(figures: &[SizeFigures], scheduled: &[f64], names: &[usize], after_mib: 
             "ms",
             &f.handover_filter_ms,
             "no target; every replica, the standby too, builds filter's node views once its \
-             lists are in (controllers/fit_views.rs), so this call builds only those of nodes \
-             changed since"
+             lists are in (controllers/fit_views.rs) and is warm only then, and a rollout stops \
+             the old leader only once the new replica is warm (its readiness probe), so this \
+             call builds only the views of nodes changed since"
                 .to_string(),
         ));
         rows.push(Row::measured(

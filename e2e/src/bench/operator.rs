@@ -160,6 +160,20 @@ impl ChildOperator {
             .map(|(code, _)| code)
     }
 
+    /// The status code of `/warmz` (the chart's readiness probe), `None` when it does not
+    /// answer.
+    pub async fn warmz(&self) -> Option<u16> {
+        http_get(self.options.metrics_port, "/warmz")
+            .await
+            .ok()
+            .map(|(code, _)| code)
+    }
+
+    /// When the process was started.
+    pub fn started(&self) -> Instant {
+        self.started
+    }
+
     /// The `/metrics` text (empty when unreachable).
     pub async fn metrics(&self) -> String {
         http_get(self.options.metrics_port, "/metrics")

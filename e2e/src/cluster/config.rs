@@ -138,17 +138,26 @@ fn component_args(kubeconfig: &Path, port: u16, cert_dir: &Path) -> Vec<String> 
     ]
 }
 
-/// kube-controller-manager with [`CONTROLLERS`], running as the admin.
+/// The Deployment and ReplicaSet controllers, added to [`CONTROLLERS`] on request.
+pub const WORKLOAD_CONTROLLERS: [&str; 2] = ["deployment-controller", "replicaset-controller"];
+
+/// kube-controller-manager with [`CONTROLLERS`] (and [`WORKLOAD_CONTROLLERS`] when `workloads`),
+/// running as the admin.
 pub fn controller_manager_args(
     kubeconfig: &Path,
     pki: &Pki,
     port: u16,
     cert_dir: &Path,
+    workloads: bool,
 ) -> Vec<String> {
+    let mut controllers = CONTROLLERS.to_vec();
+    if workloads {
+        controllers.extend(WORKLOAD_CONTROLLERS);
+    }
     let mut args = vec![
         flag("kubeconfig", kubeconfig.display()),
         flag("leader-elect", false),
-        flag("controllers", CONTROLLERS.join(",")),
+        flag("controllers", controllers.join(",")),
         flag("service-account-private-key-file", pki.sa_key.display()),
         flag("root-ca-file", pki.ca_cert.display()),
         flag("use-service-account-credentials", false),
@@ -293,6 +302,7 @@ mod tests {
             &pki(),
             2,
             Path::new("/c"),
+            true,
         ));
         let network = |a: &&String| {
             a.contains("-urls=") || a.contains("address=") || a.starts_with("--etcd-servers=")
@@ -331,16 +341,24 @@ mod tests {
 
     #[test]
     fn controller_manager_runs_only_the_controllers_the_tests_need() {
-        let args = controller_manager_args(Path::new("/k"), &pki(), 2, Path::new("/c"));
-        let controllers = args
-            .iter()
-            .find_map(|a| a.strip_prefix("--controllers="))
-            .unwrap();
-        assert!(controllers.contains("garbage-collector-controller"));
-        assert!(controllers.contains("serviceaccount-token-controller"));
-        assert!(controllers.contains("clusterrole-aggregation-controller"));
-        assert!(!controllers.contains("node-lifecycle"));
-        assert!(!controllers.contains('*'));
+        let controllers = |workloads| {
+            let args =
+                controller_manager_args(Path::new("/k"), &pki(), 2, Path::new("/c"), workloads);
+            args.iter()
+                .find_map(|a| a.strip_prefix("--controllers="))
+                .unwrap()
+                .to_string()
+        };
+        let plain = controllers(false);
+        assert!(plain.contains("garbage-collector-controller"));
+        assert!(plain.contains("serviceaccount-token-controller"));
+        assert!(plain.contains("clusterrole-aggregation-controller"));
+        assert!(!plain.contains("node-lifecycle"));
+        assert!(!plain.contains("deployment-controller"));
+        assert!(!plain.contains('*'));
+        let with_workloads = controllers(true);
+        assert!(with_workloads.contains("deployment-controller"));
+        assert!(with_workloads.contains("replicaset-controller"));
     }
 
     #[test]

@@ -51,6 +51,10 @@ pub struct ControlPlaneOptions {
     pub scheduler_client_rate: Option<config::ClientRate>,
     /// Whether kube-apiserver serves `/debug/pprof` (a bench's CPU profile); off by default.
     pub apiserver_profiling: bool,
+    /// Whether kube-controller-manager also runs the Deployment and ReplicaSet controllers (a
+    /// rollout of the operator's own Deployment); off by default, so that no test's pods come
+    /// from a workload by surprise.
+    pub workload_controllers: bool,
 }
 
 impl Default for ControlPlaneOptions {
@@ -63,6 +67,7 @@ impl Default for ControlPlaneOptions {
             binaries: None,
             scheduler_client_rate: None,
             apiserver_profiling: false,
+            workload_controllers: false,
         }
     }
 }
@@ -77,6 +82,12 @@ impl ControlPlaneOptions {
     /// Runs without kube-scheduler.
     pub fn without_scheduler(mut self) -> Self {
         self.scheduler = SchedulerSetup::Disabled;
+        self
+    }
+
+    /// Runs the Deployment and ReplicaSet controllers too.
+    pub fn with_workload_controllers(mut self) -> Self {
+        self.workload_controllers = true;
         self
     }
 
@@ -187,6 +198,7 @@ impl ControlPlane {
                     &pki,
                     ports.controller_manager,
                     &run_dir.join("controller-manager-certs"),
+                    opts.workload_controllers,
                 ),
                 &log("kube-controller-manager"),
             )?;

@@ -7,7 +7,9 @@
 //! kube-scheduler's scheduling cycles. A pass here, once the reservations are listed and then
 //! every `--usage-interval`, brings every view up to date a few nodes at a time, so that a
 //! filter call only builds the views of the nodes that changed since the last pass. The same
-//! pass forgets the views of nodes that left.
+//! pass forgets the views of nodes that left. A replica is warm (`/warmz`, its readiness) only
+//! after its first complete pass, so a rollout does not stop the old leader before the new
+//! replica's views are built.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -59,6 +61,9 @@ pub async fn pass(ctx: &Context) {
         drop(ctx.node_views(&turn));
         tokio::task::yield_now().await;
     }
+    // From here this replica is warm (`/warmz`): a rollout stops the old leader only after
+    // this, so the new leader's first filter finds every view built.
+    ctx.caches.views.mark_complete();
 }
 
 #[cfg(test)]
@@ -125,6 +130,7 @@ mod tests {
         let names: Vec<&str> = names.iter().map(String::as_str).collect();
         let (ctx, mut writer) = context(&names, true);
         assert!(ctx.caches.views.is_empty());
+        assert!(!ctx.caches.views.complete_once(), "warm before any pass");
 
         pass(&ctx).await;
         assert_eq!(
@@ -132,6 +138,7 @@ mod tests {
             names.len(),
             "every node's view built"
         );
+        assert!(ctx.caches.views.complete_once(), "not warm after a pass");
         let resize = |writer: &mut reflector::store::Writer<GpuNode>, name: &str, gpus| {
             writer.apply_watcher_event(&watcher::Event::Apply(gpunode(name, gpus)));
         };
@@ -163,10 +170,15 @@ mod tests {
             assert_eq!(gpus, expected, "{name}");
         }
     }
+
     #[tokio::test]
     async fn no_view_is_built_from_an_index_that_is_not_synced() {
         let (ctx, _writer) = context(&["a", "b"], false);
         pass(&ctx).await;
         assert!(ctx.caches.views.is_empty());
+        assert!(
+            !ctx.caches.views.complete_once(),
+            "warm on an index without its first list"
+        );
     }
 }

@@ -467,16 +467,22 @@ async fn healthz_handler(State(ctx): State<Arc<Context>>) -> (StatusCode, String
     }
 }
 
-/// Whether this replica is warm: its caches listed (it serves nothing before that) and its
-/// ledger index synced, leader or standby. The pod's readiness probe: a Deployment's rollout
-/// goes on only once a new replica is available, and a standby that can take over at once is.
-/// Callers reach the leader alone through the endpoint it publishes
-/// ([`controllers::extender_endpoint`]), not through readiness.
+/// Whether this replica is warm: its caches listed (it serves nothing before that), its ledger
+/// index synced and every fit view built once, leader or standby. The pod's readiness probe: a
+/// Deployment's rollout goes on only once a new replica is available, and a standby that can
+/// take over at once, first filter included, is. Callers reach the leader alone through the
+/// endpoint it publishes ([`controllers::extender_endpoint`]), not through readiness.
 async fn warmz_handler(State(ctx): State<Arc<Context>>) -> (StatusCode, String) {
     if !ctx.ledger.index.is_synced() {
         return (
             StatusCode::SERVICE_UNAVAILABLE,
             "ledger index not synced\n".into(),
+        );
+    }
+    if !ctx.caches.views.complete_once() {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "fit views not built yet\n".into(),
         );
     }
     let role = if ctx.may_write() { "leader" } else { "standby" };

@@ -2,6 +2,7 @@
 //! engine's `NodeView`, cached between filter calls and remembering the last outcomes fitted on
 //! it.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use gpuledger_crds::GpuNode;
@@ -167,9 +168,24 @@ struct CachedView {
 pub struct NodeViewCache {
     entries: Mutex<ByName<CachedView>>,
     keys: FitKeys,
+    /// Whether a pass of the upkeep ([`crate::controllers::fit_views`]) has built every view
+    /// from a synced ledger at least once.
+    complete_once: AtomicBool,
 }
 
 impl NodeViewCache {
+    /// Records that every node's view has been built from a synced ledger.
+    pub fn mark_complete(&self) {
+        self.complete_once.store(true, Ordering::Release);
+    }
+
+    /// Whether every node's view has been built once: until then, a filter call may build
+    /// hundreds of them (130–170 ms at 5000 nodes and 100 000 reservations), so a replica is
+    /// not warm (`/warmz`) before.
+    pub fn complete_once(&self) -> bool {
+        self.complete_once.load(Ordering::Acquire)
+    }
+
     /// The keys the outcomes remembered on these views are filed under.
     pub fn keys(&self) -> &FitKeys {
         &self.keys
