@@ -124,6 +124,27 @@ async fn a_standby_replica_takes_over_when_the_leader_is_killed() {
     // The killed leader could not hand the Service over; the new one takes it, and keeps it
     // against a hand edit.
     endpoint_names(&client, "192.0.2.11", "replica-b").await;
+    // What the API server stores is what the leader wants: its rechecks (every second here)
+    // write nothing more.
+    let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), DEFAULT_NAMESPACE);
+    let version = |s: EndpointSlice| s.metadata.resource_version;
+    let settled = version(
+        slices
+            .get(&format!("{EXTENDER_SERVICE}-leader"))
+            .await
+            .unwrap(),
+    );
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(
+        version(
+            slices
+                .get(&format!("{EXTENDER_SERVICE}-leader"))
+                .await
+                .unwrap()
+        ),
+        settled,
+        "the leader rewrote an endpoint that already named it"
+    );
     let put_back = hand_edited_endpoint_is_put_back(&client, "192.0.2.11", "replica-b").await;
     eprintln!(
         "endpoint: a hand edit was put back after {:.2} s",
