@@ -2,8 +2,9 @@
 //!
 //! `/healthz` fails when a watch the operator depends on has been failing for longer than
 //! [`WATCH_STALL_LIMIT`] or has ended: the process is then deciding on stale data and a restart
-//! is the cure. `/warmz` is true on every replica whose caches are listed, the standby too: the
-//! pods' readiness, so a rollout can count a new standby as available. `/readyz` is true only
+//! is the cure. `/warmz` is true on every replica whose caches are listed and whose fit views
+//! are built, the standby too: the pods' readiness, so a rollout can count a new standby as
+//! available. `/readyz` is true only
 //! on the leader with a synced ledger index: the one that may write and that the extender
 //! Service reaches (its endpoint is the leader's, `controllers::extender_endpoint`).
 
