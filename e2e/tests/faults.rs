@@ -210,14 +210,8 @@ async fn publishing(rig: &Rig, identity: &str, ip: &str) -> OperatorOptions {
         ..Default::default()
     };
     let pod = pods.create(&PostParams::default(), &pod).await.unwrap();
-    let mut opts = rig.operator_options(identity, true);
-    opts.extra_args.extend([
-        format!("--extender-service={EXTENDER_SERVICE}"),
-        format!("--pod-name={identity}"),
-        format!("--pod-uid={}", pod.uid().unwrap()),
-        format!("--pod-ip={ip}"),
-    ]);
-    opts
+    rig.operator_options(identity, true)
+        .in_pod(EXTENDER_SERVICE, identity, &pod.uid().unwrap(), ip)
 }
 
 /// Waits until the extender Service's one endpoint is `ip`, the Pod `pod`; how long it took.

@@ -103,15 +103,10 @@ impl PlayedKubelet {
                     namespace: DEFAULT_NAMESPACE.into(),
                     identity: name.clone(),
                     leader_elect: true,
-                    extra_args: vec![
-                        "--usage-interval=1s".into(),
-                        format!("--extender-service={DEPLOYMENT}"),
-                        format!("--pod-name={name}"),
-                        format!("--pod-uid={uid}"),
-                        format!("--pod-ip={ip}"),
-                    ],
+                    extra_args: vec!["--usage-interval=1s".into()],
                     log_dir: self.logs.path().to_path_buf(),
-                };
+                }
+                .in_pod(DEPLOYMENT, name, &uid, &ip);
                 let process = ChildOperator::spawn(options).unwrap();
                 self.running.insert(
                     name.clone(),

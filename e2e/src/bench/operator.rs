@@ -48,6 +48,19 @@ pub struct OperatorOptions {
 }
 
 impl OperatorOptions {
+    /// These options for a replica that runs in the Pod `pod` (UID `uid`) at `ip`, as the
+    /// downward API tells it, and keeps the Service `service`'s endpoint on itself while it
+    /// leads (`--extender-service`).
+    pub fn in_pod(mut self, service: &str, pod: &str, uid: &str, ip: &str) -> Self {
+        self.extra_args.extend([
+            format!("--extender-service={service}"),
+            format!("--pod-name={pod}"),
+            format!("--pod-uid={uid}"),
+            format!("--pod-ip={ip}"),
+        ]);
+        self
+    }
+
     fn args(&self) -> Vec<String> {
         let mut args = vec![
             "run".to_string(),

@@ -242,6 +242,18 @@ mod tests {
     const PATH: &str = "/apis/discovery.k8s.io/v1/namespaces/gpuledger-system/endpointslices/gpuledger-operator-leader";
     const COLLECTION: &str = "/apis/discovery.k8s.io/v1/namespaces/gpuledger-system/endpointslices";
 
+    /// `publish(want)` against an API server that answers with `steps`, all of which it must
+    /// ask for.
+    async fn publish_scripted(
+        steps: Vec<gpuledger_crds::scripted_api::Step>,
+        want: &EndpointSlice,
+    ) -> kube::Result<Published> {
+        let (client, api) = scripted(steps);
+        let out = publish(&Api::namespaced(client, "gpuledger-system"), want).await;
+        api.finish().await;
+        out
+    }
+
     fn stored(slice: &EndpointSlice, rv: &str) -> serde_json::Value {
         let mut s = slice.clone();
         s.metadata.resource_version = Some(rv.into());
@@ -323,14 +335,16 @@ mod tests {
     #[tokio::test]
     async fn a_missing_slice_is_created() {
         let want = endpoint("10.1.2.3").desired();
-        let (client, api) = scripted(vec![
-            expect(Method::GET, PATH).reply(404, status(404, "NotFound", "not found")),
-            expect(Method::POST, COLLECTION)
-                .body_field("/endpoints/0/addresses/0", json!("10.1.2.3"))
-                .reply(201, stored(&want, "1")),
-        ]);
-        let out = publish(&Api::namespaced(client, "gpuledger-system"), &want).await;
-        api.finish().await;
+        let out = publish_scripted(
+            vec![
+                expect(Method::GET, PATH).reply(404, status(404, "NotFound", "not found")),
+                expect(Method::POST, COLLECTION)
+                    .body_field("/endpoints/0/addresses/0", json!("10.1.2.3"))
+                    .reply(201, stored(&want, "1")),
+            ],
+            &want,
+        )
+        .await;
         assert_eq!(out.unwrap(), Published::Created);
     }
 
@@ -343,27 +357,29 @@ mod tests {
             .as_mut()
             .unwrap()
             .insert("team".into(), "gpu".into());
-        let (client, api) = scripted(vec![
-            expect(Method::GET, PATH).reply(200, stored(&old, "7")),
-            expect(Method::PUT, PATH)
-                .body_field("/metadata/resourceVersion", json!("7"))
-                .body_field("/endpoints/0/addresses/0", json!("10.1.2.3"))
-                .body_field("/metadata/labels/team", json!("gpu"))
-                .reply(200, stored(&want, "8")),
-        ]);
-        let out = publish(&Api::namespaced(client, "gpuledger-system"), &want).await;
-        api.finish().await;
+        let out = publish_scripted(
+            vec![
+                expect(Method::GET, PATH).reply(200, stored(&old, "7")),
+                expect(Method::PUT, PATH)
+                    .body_field("/metadata/resourceVersion", json!("7"))
+                    .body_field("/endpoints/0/addresses/0", json!("10.1.2.3"))
+                    .body_field("/metadata/labels/team", json!("gpu"))
+                    .reply(200, stored(&want, "8")),
+            ],
+            &want,
+        )
+        .await;
         assert_eq!(out.unwrap(), Published::Replaced);
     }
 
     #[tokio::test]
     async fn a_current_slice_is_left_alone() {
         let want = endpoint("10.1.2.3").desired();
-        let (client, api) = scripted(vec![
-            expect(Method::GET, PATH).reply(200, stored(&want, "7")),
-        ]);
-        let out = publish(&Api::namespaced(client, "gpuledger-system"), &want).await;
-        api.finish().await;
+        let out = publish_scripted(
+            vec![expect(Method::GET, PATH).reply(200, stored(&want, "7"))],
+            &want,
+        )
+        .await;
         assert_eq!(out.unwrap(), Published::Current);
     }
 
@@ -371,12 +387,14 @@ mod tests {
     async fn a_slice_changed_between_the_read_and_the_write_is_an_error_to_retry() {
         let want = endpoint("10.1.2.3").desired();
         let old = endpoint("10.1.2.4").desired();
-        let (client, api) = scripted(vec![
-            expect(Method::GET, PATH).reply(200, stored(&old, "7")),
-            expect(Method::PUT, PATH).reply(409, status(409, "Conflict", "modified")),
-        ]);
-        let out = publish(&Api::namespaced(client, "gpuledger-system"), &want).await;
-        api.finish().await;
+        let out = publish_scripted(
+            vec![
+                expect(Method::GET, PATH).reply(200, stored(&old, "7")),
+                expect(Method::PUT, PATH).reply(409, status(409, "Conflict", "modified")),
+            ],
+            &want,
+        )
+        .await;
         assert!(out.is_err());
     }
 }
