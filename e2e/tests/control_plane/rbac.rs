@@ -26,6 +26,9 @@ pub(crate) async fn device_plugin_may_write_reservation_status_only(cp: &Control
         1
     );
 
+    // A compromised node cannot point the extender's Service at itself.
+    cannot_redirect_the_extender(&plugin, "device plugin").await;
+
     // The spec is the operator's: replace, patch, create and delete are all forbidden.
     let mut moved = mine.clone();
     moved.spec.node_name = OTHER_NODE.into();
@@ -286,6 +289,30 @@ async fn moving_the_reservation_is_forbidden(api: &Api<GpuReservation>, who: &st
     );
 }
 
+/// `who` can neither write the extender Service's endpoint (the leader's EndpointSlice) nor add
+/// one of its own to that Service: either would send kube-scheduler's filter and bind calls,
+/// and the API server's pod webhook calls, somewhere else.
+async fn cannot_redirect_the_extender(client: &Client, who: &str) {
+    let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), SYSTEM_NS);
+    let pp = PostParams::default();
+    for name in ["gpuledger-operator-leader", "another-endpoint"] {
+        assert_refused(
+            slices
+                .create(&pp, &endpoint_slice(name, "192.0.2.66"))
+                .await,
+            403,
+            "forbidden",
+            &format!("{who} creating EndpointSlice {name} of the operator's Service"),
+        );
+    }
+    assert_refused(
+        slices.get("gpuledger-operator-leader").await,
+        403,
+        "forbidden",
+        &format!("{who} reading the leader's EndpointSlice"),
+    );
+}
+
 /// An EndpointSlice of the operator's Service with one address.
 fn endpoint_slice(name: &str, ip: &str) -> EndpointSlice {
     EndpointSlice {
@@ -526,6 +553,7 @@ pub(crate) async fn namespace_users_read_the_ledger_and_write_numapolicies(cp: &
     .await
     .unwrap();
     reservations.get(RESERVATION).await.unwrap();
+    cannot_redirect_the_extender(&alice, "namespace user").await;
     Api::<RefitRequest>::namespaced(alice.clone(), NS)
         .list(&Default::default())
         .await

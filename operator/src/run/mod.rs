@@ -615,6 +615,39 @@ mod tests {
         assert!(completes(&index, &caches).await, "every cache listed");
     }
 
+    /// A detached context over `index`, leading or not.
+    fn context(index: LedgerIndex, leader: bool) -> Arc<Context> {
+        let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
+        let client = kube::Client::try_from(config).unwrap();
+        let (gpunodes, _) = reflector::store();
+        Arc::new(Context::detached(client, Arc::new(index), gpunodes, leader))
+    }
+
+    #[tokio::test]
+    async fn a_replica_is_warm_once_its_ledger_is_listed_and_its_views_built_leader_or_not() {
+        // Not listed yet: neither warm nor serving.
+        let cold = context(LedgerIndex::new(), true);
+        assert_eq!(
+            warmz_handler(State(cold.clone())).await.0,
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+        for leader in [true, false] {
+            let ctx = context(synced_index(), leader);
+            // Listed, but filter's views not built once: a rollout must not count it yet.
+            let (code, body) = warmz_handler(State(ctx.clone())).await;
+            assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE, "leader {leader}");
+            assert!(body.contains("fit views"), "{body}");
+            controllers::fit_views::pass(&ctx).await;
+            let (code, body) = warmz_handler(State(ctx.clone())).await;
+            assert_eq!(code, StatusCode::OK, "leader {leader}: {body}");
+            let role = if leader { "leader" } else { "standby" };
+            assert!(body.starts_with(role), "{body}");
+            // Only the leader serves the extender.
+            let serving = readyz_handler(State(ctx)).await.0;
+            assert_eq!(serving == StatusCode::OK, leader);
+        }
+    }
+
     #[tokio::test]
     async fn a_watch_that_ends_before_its_first_list_is_named() {
         let (caches, mut w) = caches();
