@@ -152,6 +152,82 @@ async fn a_standby_replica_takes_over_when_the_leader_is_killed() {
     );
 }
 
+/// A careless admin renames the extender Service in the operator's flags but not in its RBAC
+/// (`config/rbac` lets it read and replace only `gpuledger-operator-leader`). The leader, with
+/// its own least-privilege identity, cannot keep the renamed Service's endpoint: kube-scheduler
+/// would reach no one. It must not look healthy: `/readyz` fails naming the refusal, the
+/// failures are counted and the published gauge is 0, while it stays warm (`/warmz`; a
+/// rollout is not what is wrong). Once the Role is put right it publishes and serves, no
+/// restart needed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_the_service_cannot_reach_says_so_until_its_rbac_is_put_right() {
+    let rig = Rig::start(1, SHAPE).await;
+    let client = rig.client();
+    let repo = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    gpuledger_e2e::cluster::apply_path(&client, &repo.join("config/rbac"))
+        .await
+        .unwrap();
+    let mut opts = publishing_behind(&rig, "renamed", "replica-a", "192.0.2.10").await;
+    opts.kubeconfig = rig
+        .cp
+        .service_account_kubeconfig(DEFAULT_NAMESPACE, "gpuledger-operator", None)
+        .await
+        .unwrap();
+    let op = ChildOperator::spawn(opts).unwrap();
+    let port = op.options().metrics_port;
+    let refused = wait_for("the leader saying why it does not serve", WAIT, || async {
+        let warm = http_get(port, "/warmz").await?;
+        let ready = http_get(port, "/readyz").await?;
+        Ok::<_, std::io::Error>(
+            (warm.0 == 200 && ready.0 == 503 && ready.1.contains("forbidden")).then_some(ready.1),
+        )
+    })
+    .await
+    .unwrap();
+    assert!(refused.contains("renamed-leader"), "{refused}");
+    let metrics = op.metrics().await;
+    assert!(
+        metrics.contains("gpuledger_extender_endpoint_published 0"),
+        "{metrics}"
+    );
+    let failures = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("gpuledger_extender_endpoint_failures_total "))
+        .and_then(|v| v.parse::<f64>().ok());
+    assert!(failures >= Some(1.0), "{metrics}");
+    eprintln!("endpoint forbidden: /readyz said {refused:?}");
+
+    // Put right: the Role names the renamed Service's slice too.
+    let roles: Api<k8s_openapi::api::rbac::v1::Role> =
+        Api::namespaced(client.clone(), DEFAULT_NAMESPACE);
+    let mut role = roles.get("gpuledger-operator-endpoint").await.unwrap();
+    for rule in role.rules.iter_mut().flatten() {
+        if let Some(names) = rule.resource_names.as_mut() {
+            names.push("renamed-leader".into());
+        }
+    }
+    roles
+        .replace("gpuledger-operator-endpoint", &PostParams::default(), &role)
+        .await
+        .unwrap();
+    let fixed_at = Instant::now();
+    service_endpoint_names(&client, "renamed", "192.0.2.10", "replica-a").await;
+    wait_for("the leader serving again", WAIT, || async {
+        Ok::<_, std::io::Error>((op.readyz().await == Some(200)).then_some(()))
+    })
+    .await
+    .unwrap();
+    assert!(
+        op.metrics()
+            .await
+            .contains("gpuledger_extender_endpoint_published 1")
+    );
+    eprintln!(
+        "endpoint: published and serving {:.2} s after the Role was put right",
+        fixed_at.elapsed().as_secs_f64()
+    );
+}
+
 /// The Service both replicas publish the leader behind, as the chart's does.
 const EXTENDER_SERVICE: &str = "gpuledger-operator";
 
@@ -191,6 +267,11 @@ async fn leader_and_standby(rig: &Rig) -> (ChildOperator, ChildOperator) {
 /// Options of a leader-electing replica that runs in the Pod `identity` (created here) at `ip`
 /// and publishes itself behind [`EXTENDER_SERVICE`] while it leads.
 async fn publishing(rig: &Rig, identity: &str, ip: &str) -> OperatorOptions {
+    publishing_behind(rig, EXTENDER_SERVICE, identity, ip).await
+}
+
+/// [`publishing`] behind the Service `service`.
+async fn publishing_behind(rig: &Rig, service: &str, identity: &str, ip: &str) -> OperatorOptions {
     let pods: Api<Pod> = Api::namespaced(rig.client(), DEFAULT_NAMESPACE);
     let pod = Pod {
         metadata: ObjectMeta {
@@ -211,13 +292,19 @@ async fn publishing(rig: &Rig, identity: &str, ip: &str) -> OperatorOptions {
     };
     let pod = pods.create(&PostParams::default(), &pod).await.unwrap();
     rig.operator_options(identity, true)
-        .in_pod(EXTENDER_SERVICE, identity, &pod.uid().unwrap(), ip)
+        .in_pod(service, identity, &pod.uid().unwrap(), ip)
 }
 
 /// Waits until the extender Service's one endpoint is `ip`, the Pod `pod`; how long it took.
 async fn endpoint_names(client: &Client, ip: &str, pod: &str) -> Duration {
+    service_endpoint_names(client, EXTENDER_SERVICE, ip, pod).await
+}
+
+/// Waits until the one endpoint of the Service `service` is `ip`, the Pod `pod`; how long it
+/// took.
+async fn service_endpoint_names(client: &Client, service: &str, ip: &str, pod: &str) -> Duration {
     let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), DEFAULT_NAMESPACE);
-    let name = format!("{EXTENDER_SERVICE}-leader");
+    let name = format!("{service}-leader");
     let started = Instant::now();
     wait_for(
         format!("the extender Service's endpoint on {pod}"),
@@ -241,7 +328,7 @@ async fn endpoint_names(client: &Client, ip: &str, pod: &str) -> Duration {
                     .labels()
                     .get("kubernetes.io/service-name")
                     .map(String::as_str)
-                    == Some(EXTENDER_SERVICE);
+                    == Some(service);
                 Ok((labelled && named == [(ip.to_string(), pod.to_string())]).then_some(()))
             }
         },

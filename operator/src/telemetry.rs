@@ -6,7 +6,8 @@
 //! are built, the standby too: the pods' readiness, so a rollout can count a new standby as
 //! available. `/readyz` is true only
 //! on the leader with a synced ledger index: the one that may write and that the extender
-//! Service reaches (its endpoint is the leader's, `controllers::extender_endpoint`).
+//! Service reaches (its endpoint is the leader's, `controllers::extender_endpoint`; a leader
+//! whose endpoint is not current is not ready, and says why).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
@@ -159,6 +160,12 @@ pub struct Metrics {
     pub quota_used: Family<QuotaLabels, Gauge>,
     /// 1 on the leader.
     pub leader: Gauge,
+    /// 1 on the leader while the extender Service's endpoint names it (refreshed at scrape
+    /// time from [`Health::endpoint_problem`]; 0 on a standby, and on every replica that keeps
+    /// no endpoint).
+    pub endpoint_published: Gauge,
+    /// Failed attempts to publish the extender Service's endpoint.
+    pub endpoint_failures: Counter,
 }
 
 impl Default for Metrics {
@@ -303,6 +310,18 @@ impl Metrics {
             "1 when this replica is the leader",
             leader.clone(),
         );
+        let endpoint_published = Gauge::default();
+        registry.register(
+            "extender_endpoint_published",
+            "1 when this replica leads and the extender Service's endpoint names it",
+            endpoint_published.clone(),
+        );
+        let endpoint_failures = Counter::default();
+        registry.register(
+            "extender_endpoint_failures",
+            "Failed attempts to publish the extender Service's endpoint",
+            endpoint_failures.clone(),
+        );
         Self {
             registry,
             decisions,
@@ -327,6 +346,8 @@ impl Metrics {
             quota_limit,
             quota_used,
             leader,
+            endpoint_published,
+            endpoint_failures,
         }
     }
 
@@ -399,6 +420,15 @@ enum WatchState {
     Ended,
 }
 
+/// What a replica that keeps the extender Service's endpoint knows of it.
+#[derive(Clone, Debug, Default)]
+struct EndpointState {
+    /// The leadership term whose endpoint was last found naming this replica.
+    current_for: Option<u64>,
+    /// The last publish failed: why, and since when publishing has been failing.
+    failing: Option<(String, Instant)>,
+}
+
 /// Leadership states of [`Health`].
 const FOLLOWING: u8 = 0;
 const LEADING: u8 = 1;
@@ -413,6 +443,8 @@ pub struct Health {
     leader: AtomicU8,
     /// How many times this replica became leader: numbers its terms.
     terms: AtomicU64,
+    /// `Some` once this replica keeps the extender Service's endpoint (`--extender-service`).
+    endpoint: Mutex<Option<EndpointState>>,
 }
 
 impl Health {
@@ -487,6 +519,59 @@ impl Health {
     /// replica may have led between two of our terms.
     pub fn term(&self) -> Option<u64> {
         self.is_leader().then(|| self.terms.load(Ordering::SeqCst))
+    }
+
+    /// From now on this replica keeps the extender Service's endpoint while it leads, and
+    /// serves ([`Health::endpoint_problem`]) only once the endpoint names it.
+    pub fn keeps_endpoint(&self) {
+        self.endpoint_lock()
+            .get_or_insert_with(EndpointState::default);
+    }
+
+    /// The endpoint was found naming this replica, in leadership term `term`.
+    pub fn endpoint_current(&self, term: u64) {
+        if let Some(state) = self.endpoint_lock().as_mut() {
+            state.current_for = Some(term);
+            state.failing = None;
+        }
+    }
+
+    /// Publishing the endpoint failed with `why` (it is tried again).
+    pub fn endpoint_failed(&self, why: String) {
+        if let Some(state) = self.endpoint_lock().as_mut() {
+            let since = state.failing.take().map_or_else(Instant::now, |(_, t)| t);
+            state.failing = Some((why, since));
+        }
+    }
+
+    /// Why the extender Service does not reach this leader; `None` when it does, when this
+    /// replica follows, or when it keeps no endpoint. A leader the Service does not reach
+    /// decides nothing kube-scheduler asks, whatever its Lease says: an operator must see that
+    /// (`/readyz`, the metric `gpuledger_extender_endpoint_published`), not only a log line.
+    pub fn endpoint_problem(&self) -> Option<String> {
+        let term = self.term()?;
+        let guard = self.endpoint_lock();
+        let state = guard.as_ref()?;
+        match (&state.failing, state.current_for) {
+            (Some((why, since)), _) => Some(format!(
+                "the extender Service's endpoint cannot be kept on this leader (failing for {}s): {why}",
+                since.elapsed().as_secs()
+            )),
+            (None, Some(t)) if t == term => None,
+            (None, _) => {
+                Some("the extender Service's endpoint not yet published for this term".into())
+            }
+        }
+    }
+
+    /// Whether this replica leads and the endpoint it keeps names it.
+    pub fn endpoint_published(&self) -> bool {
+        let keeps = self.endpoint_lock().is_some();
+        keeps && self.term().is_some() && self.endpoint_problem().is_none()
+    }
+
+    fn endpoint_lock(&self) -> std::sync::MutexGuard<'_, Option<EndpointState>> {
+        self.endpoint.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<&'static str, WatchState>> {
@@ -573,6 +658,40 @@ mod tests {
             ),
             "{text}"
         );
+    }
+
+    #[test]
+    fn a_leader_keeping_the_endpoint_serves_only_while_it_names_this_replica() {
+        let h = Health::default();
+        h.set_leader(true);
+        assert_eq!(
+            h.endpoint_problem(),
+            None,
+            "keeps no endpoint: nothing to say"
+        );
+        h.keeps_endpoint();
+        let term = h.term().unwrap();
+        let pending = h.endpoint_problem().unwrap();
+        assert!(pending.contains("not yet published"), "{pending}");
+        h.endpoint_current(term);
+        assert_eq!(h.endpoint_problem(), None);
+        assert!(h.endpoint_published());
+        h.endpoint_failed("403 forbidden".into());
+        h.endpoint_failed("403 forbidden again".into());
+        let failing = h.endpoint_problem().unwrap();
+        assert!(failing.contains("403 forbidden again"), "{failing}");
+        assert!(!h.endpoint_published());
+        h.endpoint_current(term);
+        assert_eq!(h.endpoint_problem(), None, "put right: serves again");
+        // A new term needs its own publish.
+        h.set_leader(false);
+        assert_eq!(
+            h.endpoint_problem(),
+            None,
+            "a standby serves nothing anyway"
+        );
+        h.set_leader(true);
+        assert!(h.endpoint_problem().is_some());
     }
 
     #[test]

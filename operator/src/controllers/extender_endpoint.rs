@@ -16,6 +16,10 @@
 //! by the leader's Pod: when that pod is deleted before another replica leads, the garbage
 //! collector takes the slice with it and callers fail at once instead of waiting on a dead
 //! address.
+//!
+//! A leader whose slice is not current (not yet written this term, or the write refused, e.g.
+//! by RBAC naming another Service) is not serving as far as anyone can tell: `/readyz` fails
+//! with the reason and `gpuledger_extender_endpoint_published` is 0 until a write succeeds.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
@@ -184,6 +188,8 @@ pub async fn publish(api: &Api<EndpointSlice>, want: &EndpointSlice) -> kube::Re
 pub async fn run(ctx: Arc<Context>, endpoint: ExtenderEndpoint, recheck: Duration) {
     let api: Api<EndpointSlice> = Api::namespaced(ctx.client.clone(), &endpoint.namespace);
     let want = endpoint.desired();
+    // From here the leader serves (`/readyz`) only while its endpoint is current.
+    ctx.health.keeps_endpoint();
     // The term last published for, and when.
     let mut done: Option<(u64, Instant)> = None;
     loop {
@@ -208,13 +214,27 @@ pub async fn run(ctx: Arc<Context>, endpoint: ExtenderEndpoint, recheck: Duratio
                         "extender Service now reaches this replica"
                     );
                 }
+                ctx.health.endpoint_current(term);
                 done = Some((term, Instant::now()));
             }
             Err(e) => {
-                tracing::warn!(slice = %endpoint.slice_name(), error = %e, "could not publish the extender's endpoint");
+                let why = brief(&e);
+                tracing::warn!(slice = %endpoint.slice_name(), error = %why, "could not publish the extender's endpoint");
+                ctx.metrics.endpoint_failures.inc();
+                ctx.health
+                    .endpoint_failed(format!("slice {}: {why}", endpoint.slice_name()));
                 tokio::time::sleep(RETRY_AFTER).await;
             }
         }
+    }
+}
+
+/// The API server's own message and code for a refusal (what `/readyz` shows); the whole
+/// error otherwise.
+fn brief(e: &kube::Error) -> String {
+    match e {
+        kube::Error::Api(status) => format!("{} (HTTP {})", status.message, status.code),
+        other => other.to_string(),
     }
 }
 

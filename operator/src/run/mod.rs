@@ -420,6 +420,9 @@ async fn metrics_handler(State(ctx): State<Arc<Context>>) -> (StatusCode, String
     }
     ctx.metrics.set_phase_counts(&counts);
     set_quota_gauges(&ctx);
+    ctx.metrics
+        .endpoint_published
+        .set(i64::from(ctx.health.endpoint_published()));
     match ctx.metrics.encode() {
         Ok(text) => (StatusCode::OK, text),
         Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
@@ -489,8 +492,19 @@ async fn warmz_handler(State(ctx): State<Arc<Context>>) -> (StatusCode, String) 
     (StatusCode::OK, format!("{role}; caches synced\n"))
 }
 
-/// Whether this replica serves the extender: the leader, with its ledger index synced.
+/// Whether this replica serves the extender: the leader, with its ledger index synced and,
+/// when it keeps the extender Service's endpoint, that endpoint naming it.
 async fn readyz_handler(State(ctx): State<Arc<Context>>) -> (StatusCode, String) {
+    if let Some(problem) = ctx
+        .may_write()
+        .then(|| ctx.health.endpoint_problem())
+        .flatten()
+    {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("leader; {problem}\n"),
+        );
+    }
     if ctx.may_write() {
         let holding = ctx
             .ledger
@@ -646,6 +660,34 @@ mod tests {
             let serving = readyz_handler(State(ctx)).await.0;
             assert_eq!(serving == StatusCode::OK, leader);
         }
+    }
+
+    #[tokio::test]
+    async fn a_leader_the_extender_service_does_not_reach_is_not_ready_and_says_why() {
+        let ctx = context(synced_index(), true);
+        assert_eq!(readyz_handler(State(ctx.clone())).await.0, StatusCode::OK);
+        ctx.health.keeps_endpoint();
+        let (code, body) = readyz_handler(State(ctx.clone())).await;
+        assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+        assert!(body.contains("not yet published"), "{body}");
+        let term = ctx.health.term().unwrap();
+        ctx.health.endpoint_current(term);
+        assert_eq!(readyz_handler(State(ctx.clone())).await.0, StatusCode::OK);
+        let (_, text) = metrics_handler(State(ctx.clone())).await;
+        assert!(
+            text.contains("gpuledger_extender_endpoint_published 1"),
+            "{text}"
+        );
+        ctx.health
+            .endpoint_failed("slice x-leader: endpointslices is forbidden".into());
+        let (code, body) = readyz_handler(State(ctx.clone())).await;
+        assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+        assert!(body.contains("forbidden"), "{body}");
+        let (_, text) = metrics_handler(State(ctx)).await;
+        assert!(
+            text.contains("gpuledger_extender_endpoint_published 0"),
+            "{text}"
+        );
     }
 
     #[tokio::test]
