@@ -3,6 +3,7 @@
 //! conditions (`Ready`/`Reconciling`/`Stalled`, see `gpuledger_crds::kstatus`). The operator
 //! owns `status.usage`; users own `spec.cordoned`.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use gpuledger_crds::conditions::{self, types::HEALTHY, types::READY};
@@ -16,10 +17,11 @@ use kube::api::{Api, Patch, PatchParams, PostParams};
 use tokio::sync::watch;
 
 use crate::inventory::Inventory;
+use crate::metrics::Metrics;
 
 /// Why publishing failed (retried).
 #[derive(Debug, thiserror::Error)]
-#[error("{action} GpuNode {node}: {source}")]
+#[error("{action} GpuNode {node}: {}", gpuledger_crds::kubeclient::brief_error(.source))]
 pub struct PublishError {
     action: &'static str,
     node: String,
@@ -143,11 +145,13 @@ pub async fn publish(
 
 /// Publishes on every inventory change, retrying failures every 2s, and re-publishes once a
 /// minute so a deleted GpuNode comes back.
+/// Each outcome is reported to `metrics` (the plugin's `/readyz` and its GpuNode gauges).
 pub async fn publish_loop(
     client: Client,
     node: String,
     mut inventory: watch::Receiver<Inventory>,
     mut shutdown: watch::Receiver<bool>,
+    metrics: Arc<Metrics>,
 ) {
     loop {
         let snapshot = inventory.borrow_and_update().clone();
@@ -155,9 +159,13 @@ pub async fn publish_loop(
             match publish(&client, &node, &snapshot).await {
                 Ok(()) => {
                     tracing::debug!(%node, gpus = snapshot.gpus.len(), "GpuNode published");
+                    metrics.gpunode_current();
                     break;
                 }
-                Err(e) => tracing::warn!(error = %e, "publishing the GpuNode failed; retrying"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "publishing the GpuNode failed; retrying");
+                    metrics.gpunode_failed(e.to_string());
+                }
             }
             tokio::select! {
                 _ = tokio::time::sleep(Duration::from_secs(2)) => {}
@@ -165,7 +173,10 @@ pub async fn publish_loop(
             }
         }
         tokio::select! {
-            changed = inventory.changed() => if changed.is_err() { return },
+            changed = inventory.changed() => {
+                if changed.is_err() { return }
+                metrics.gpunode_stale();
+            }
             _ = tokio::time::sleep(Duration::from_secs(60)) => {}
             _ = shutdown.wait_for(|s| *s) => return,
         }

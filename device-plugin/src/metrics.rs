@@ -1,7 +1,13 @@
-//! Prometheus metrics and the `/metrics` + `/healthz` endpoint (`--metrics-addr`).
+//! Prometheus metrics and the `/metrics`, `/healthz` and `/readyz` endpoint (`--metrics-addr`).
+//!
+//! `/readyz` (the DaemonSet's readiness probe) is true once this node's GpuNode carries the
+//! current inventory. Until then the operator cannot place a GPU pod on the node, whatever the
+//! kubelet advertises; a plugin whose GpuNode writes are refused (a wrong `NODE_NAME`, RBAC or
+//! admission that does not let it) says why there, instead of in a log line alone, and a
+//! DaemonSet rollout of such a plugin stops at its first node.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -34,6 +40,12 @@ pub struct Metrics {
     /// XID errors the driver reported, by whether they mark the GPU unhealthy (`counted`) or
     /// are on the ignored list (`ignored`).
     pub xid_errors: Family<OutcomeLabel, Counter>,
+    /// 1 while this node's GpuNode carries the current inventory.
+    pub gpunode_published: Gauge,
+    /// Failed attempts to publish this node's GpuNode.
+    pub gpunode_publish_failures: Counter,
+    /// Why the GpuNode does not carry the current inventory; `None` once it does.
+    gpunode_problem: Mutex<Option<String>>,
 }
 
 impl Default for Metrics {
@@ -77,6 +89,18 @@ impl Default for Metrics {
             "XID errors reported by the driver, counted (GPU unhealthy) or ignored",
             xid_errors.clone(),
         );
+        let gpunode_published = Gauge::default();
+        registry.register(
+            "gpunode_published",
+            "1 while this node's GpuNode carries the current inventory",
+            gpunode_published.clone(),
+        );
+        let gpunode_publish_failures = Counter::default();
+        registry.register(
+            "gpunode_publish_failures",
+            "Failed attempts to publish this node's GpuNode",
+            gpunode_publish_failures.clone(),
+        );
         Metrics {
             registry,
             allocations,
@@ -86,6 +110,9 @@ impl Default for Metrics {
             healthy_gpus,
             gpus,
             xid_errors,
+            gpunode_published,
+            gpunode_publish_failures,
+            gpunode_problem: Mutex::new(Some("GpuNode not published yet".into())),
         }
     }
 }
@@ -100,6 +127,36 @@ impl Metrics {
             .inc();
     }
 
+    /// The GpuNode now carries the current inventory.
+    pub fn gpunode_current(&self) {
+        *self.problem() = None;
+        self.gpunode_published.set(1);
+    }
+
+    /// A new inventory is waiting to be published (it was not yet tried).
+    pub fn gpunode_stale(&self) {
+        *self.problem() = Some("the current inventory is not published yet".into());
+        self.gpunode_published.set(0);
+    }
+
+    /// Publishing failed with `why` (it is tried again).
+    pub fn gpunode_failed(&self, why: String) {
+        *self.problem() = Some(why);
+        self.gpunode_published.set(0);
+        self.gpunode_publish_failures.inc();
+    }
+
+    /// Why this node is not ready for GPU pods; `None` when it is.
+    pub fn not_ready_because(&self) -> Option<String> {
+        self.problem().clone()
+    }
+
+    fn problem(&self) -> std::sync::MutexGuard<'_, Option<String>> {
+        self.gpunode_problem
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
     /// The text exposition.
     pub fn render(&self) -> String {
         let mut out = String::new();
@@ -111,10 +168,16 @@ impl Metrics {
     }
 }
 
-/// Serves `/metrics` and `/healthz` until the process ends.
+/// Serves `/metrics`, `/healthz` and `/readyz` until the process ends.
 pub async fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> std::io::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    axum::serve(listener, router(metrics)).await
+}
+
+fn router(metrics: Arc<Metrics>) -> axum::Router {
     use axum::routing::get;
-    let app = axum::Router::new()
+    let for_ready = metrics.clone();
+    axum::Router::new()
         .route(
             "/metrics",
             get(move || {
@@ -122,9 +185,24 @@ pub async fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> std::io::Result<(
                 async move { m.render() }
             }),
         )
-        .route("/healthz", get(|| async { "ok" }));
-    let listener = tokio::net::TcpListener::bind(addr).await?;
-    axum::serve(listener, app).await
+        .route("/healthz", get(|| async { "ok" }))
+        .route(
+            "/readyz",
+            get(move || {
+                let m = for_ready.clone();
+                async move { readyz(&m) }
+            }),
+        )
+}
+
+fn readyz(m: &Metrics) -> (axum::http::StatusCode, String) {
+    match m.not_ready_because() {
+        None => (axum::http::StatusCode::OK, "GpuNode published\n".into()),
+        Some(why) => (
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            format!("{why}\n"),
+        ),
+    }
 }
 
 #[cfg(test)]
@@ -145,5 +223,35 @@ mod tests {
             text.contains("gpuledger_device_plugin_registrations_total 1"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn ready_only_while_the_gpunode_carries_the_current_inventory() {
+        let m = Metrics::default();
+        let (code, body) = readyz(&m);
+        assert_eq!(code, axum::http::StatusCode::SERVICE_UNAVAILABLE);
+        assert!(body.contains("not published yet"), "{body}");
+        m.gpunode_current();
+        assert_eq!(readyz(&m).0, axum::http::StatusCode::OK);
+        assert!(
+            m.render()
+                .contains("gpuledger_device_plugin_gpunode_published 1")
+        );
+        m.gpunode_failed("applying status of GpuNode n: forbidden (HTTP 403)".into());
+        let (code, body) = readyz(&m);
+        assert_eq!(code, axum::http::StatusCode::SERVICE_UNAVAILABLE);
+        assert!(body.contains("forbidden"), "{body}");
+        let text = m.render();
+        assert!(
+            text.contains("gpuledger_device_plugin_gpunode_published 0"),
+            "{text}"
+        );
+        assert!(
+            text.contains("gpuledger_device_plugin_gpunode_publish_failures_total 1"),
+            "{text}"
+        );
+        m.gpunode_current();
+        m.gpunode_stale();
+        assert_eq!(readyz(&m).0, axum::http::StatusCode::SERVICE_UNAVAILABLE);
     }
 }

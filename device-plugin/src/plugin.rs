@@ -247,6 +247,7 @@ pub async fn run(
         options.node_name.clone(),
         rx.clone(),
         shutdown.clone(),
+        metrics.clone(),
     ));
     if let Some(addr) = options.metrics_addr {
         let m = metrics.clone();

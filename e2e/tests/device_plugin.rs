@@ -88,6 +88,8 @@ async fn device_plugin_against_the_real_api_server() {
     let dir = tmp.path().join("device-plugins");
     let mut sim = KubeletSimulator::start(&dir).await.unwrap();
     let mut options = PluginOptions::new(NODE, &dir);
+    let metrics_port = gpuledger_e2e::cluster::free_port().unwrap();
+    options.metrics_addr = Some(([127, 0, 0, 1], metrics_port).into());
     options.poll_interval = Duration::from_millis(50);
     options.refresh_interval = Duration::from_millis(200);
     // A copy, so a step can turn a GPU unhealthy.
@@ -108,6 +110,9 @@ async fn device_plugin_against_the_real_api_server() {
 
     registers_and_advertises_80_replicas_with_numa(&sim).await;
     gpunode_is_published_and_shown_by_kubectl(&cp).await;
+    ready_once_its_gpunode_is_published(metrics_port).await;
+    a_plugin_given_another_nodes_name_is_not_ready_and_says_why(&plugin_client, &tmp, &sample)
+        .await;
     allocate_without_a_pending_reservation_is_a_clear_error(&sim, &dir).await;
     preferred_allocation_and_allocate_follow_the_reservation(&sim, &admin).await;
     lease_is_released_only_after_the_last_gpu_container(&dir, &admin).await;
@@ -125,6 +130,66 @@ async fn device_plugin_against_the_real_api_server() {
         "socket removed on shutdown"
     );
     sim.stop().await;
+}
+
+/// The plugin's `/readyz` (the DaemonSet's readiness probe) once its GpuNode is published.
+async fn ready_once_its_gpunode_is_published(metrics_port: u16) {
+    let (code, body) = gpuledger_e2e::http::get(metrics_port, "/readyz")
+        .await
+        .unwrap();
+    assert_eq!(code, 200, "{body}");
+    let (_, metrics) = gpuledger_e2e::http::get(metrics_port, "/metrics")
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("gpuledger_device_plugin_gpunode_published 1"),
+        "{metrics}"
+    );
+}
+
+/// A careless admin (or a copied manifest) gives a plugin another node's name: its
+/// node-bound token may not write that node's GpuNode, so the operator never learns this
+/// node's GPUs. The plugin must not pass for ready: `/readyz` fails with the API server's
+/// refusal and the failures are counted, so the DaemonSet shows it and a rollout stops.
+async fn a_plugin_given_another_nodes_name_is_not_ready_and_says_why(
+    plugin_client: &Client,
+    tmp: &tempfile::TempDir,
+    sample: &Path,
+) {
+    let dir = tmp.path().join("misnamed-device-plugins");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut options = PluginOptions::new("not-this-node", &dir);
+    let port = gpuledger_e2e::cluster::free_port().unwrap();
+    options.metrics_addr = Some(([127, 0, 0, 1], port).into());
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let misnamed = tokio::spawn(plugin::run(
+        options,
+        plugin_client.clone(),
+        Arc::new(FileDiscovery::new(sample)),
+        Arc::new(NoRefit),
+        stop_rx,
+    ));
+    let refused =
+        gpuledger_e2e::cluster::wait_for("the misnamed plugin saying why", WAIT, || async {
+            let (code, body) = gpuledger_e2e::http::get(port, "/readyz").await?;
+            Ok::<_, std::io::Error>((code == 503 && body.contains("HTTP 4")).then_some(body))
+        })
+        .await
+        .unwrap();
+    assert!(refused.contains("GpuNode not-this-node"), "{refused}");
+    let (_, metrics) = gpuledger_e2e::http::get(port, "/metrics").await.unwrap();
+    assert!(
+        metrics.contains("gpuledger_device_plugin_gpunode_published 0"),
+        "{metrics}"
+    );
+    assert!(
+        !metrics.contains("gpuledger_device_plugin_gpunode_publish_failures_total 0"),
+        "{metrics}"
+    );
+    eprintln!("misnamed plugin: /readyz said {refused:?}");
+    stop_tx.send(true).unwrap();
+    // It may not have registered with a kubelet (there is none here); it stops all the same.
+    let _ = misnamed.await.unwrap();
 }
 
 async fn registers_and_advertises_80_replicas_with_numa(sim: &KubeletSimulator) {

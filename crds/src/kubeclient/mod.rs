@@ -124,3 +124,13 @@ fn build(
         .service(http_client);
     Ok(kube::Client::new(service, config.default_namespace))
 }
+
+/// A failed request in a line a person can read: for an answer of the API server, its own
+/// message and HTTP code (kube's `Display` of it carries the whole `Status` in debug form);
+/// any other error as it displays. For health endpoints and log lines that name a refusal.
+pub fn brief_error(e: &kube::Error) -> String {
+    match e {
+        kube::Error::Api(status) => format!("{} (HTTP {})", status.message, status.code),
+        other => other.to_string(),
+    }
+}

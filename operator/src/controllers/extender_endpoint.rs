@@ -218,7 +218,7 @@ pub async fn run(ctx: Arc<Context>, endpoint: ExtenderEndpoint, recheck: Duratio
                 done = Some((term, Instant::now()));
             }
             Err(e) => {
-                let why = brief(&e);
+                let why = gpuledger_crds::kubeclient::brief_error(&e);
                 tracing::warn!(slice = %endpoint.slice_name(), error = %why, "could not publish the extender's endpoint");
                 ctx.metrics.endpoint_failures.inc();
                 ctx.health
@@ -226,15 +226,6 @@ pub async fn run(ctx: Arc<Context>, endpoint: ExtenderEndpoint, recheck: Duratio
                 tokio::time::sleep(RETRY_AFTER).await;
             }
         }
-    }
-}
-
-/// The API server's own message and code for a refusal (what `/readyz` shows); the whole
-/// error otherwise.
-fn brief(e: &kube::Error) -> String {
-    match e {
-        kube::Error::Api(status) => format!("{} (HTTP {})", status.message, status.code),
-        other => other.to_string(),
     }
 }
 
