@@ -151,6 +151,8 @@ async fn generation(
     tracing::info!(path = %socket.display(), "serving the device-plugin API");
 
     let outcome = register_and_watch(config, shared, metrics, shutdown, our_socket, &hung_up).await;
+    // Registered or not, this generation's registration is over (the next one starts over).
+    metrics.kubelet_registered.set(0);
 
     let _ = stop_tx.send(true);
     // In-flight calls finish; streams end through `stop`. A hung call must not block a restart.
@@ -213,6 +215,7 @@ async fn register_and_watch(
     };
     let (registered_with, registered_preferred) = registered_with;
     metrics.registrations.inc();
+    metrics.kubelet_registered.set(1);
     tracing::info!(resource = %config.resource_name, endpoint = %config.socket_name,
         preferred_allocation = registered_preferred, "registered with the kubelet");
     loop {

@@ -1,10 +1,11 @@
 //! Prometheus metrics and the `/metrics`, `/healthz` and `/readyz` endpoint (`--metrics-addr`).
 //!
 //! `/readyz` (the DaemonSet's readiness probe) is true once this node's GpuNode carries the
-//! current inventory. Until then the operator cannot place a GPU pod on the node, whatever the
-//! kubelet advertises; a plugin whose GpuNode writes are refused (a wrong `NODE_NAME`, RBAC or
-//! admission that does not let it) says why there, instead of in a log line alone, and a
-//! DaemonSet rollout of such a plugin stops at its first node.
+//! current inventory and the kubelet has taken the plugin's registration: without the first the
+//! operator cannot place a GPU pod on the node, without the second the kubelet advertises no
+//! replica. A plugin whose GpuNode writes are refused (a wrong `NODE_NAME`, RBAC or admission
+//! that does not let it) or that cannot register says why there, instead of in a log line
+//! alone, and a DaemonSet rollout of such a plugin stops at its first node.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -44,6 +45,8 @@ pub struct Metrics {
     pub gpunode_published: Gauge,
     /// Failed attempts to publish this node's GpuNode.
     pub gpunode_publish_failures: Counter,
+    /// 1 while the kubelet holds this plugin's registration.
+    pub kubelet_registered: Gauge,
     /// Why the GpuNode does not carry the current inventory; `None` once it does.
     gpunode_problem: Mutex<Option<String>>,
 }
@@ -101,6 +104,12 @@ impl Default for Metrics {
             "Failed attempts to publish this node's GpuNode",
             gpunode_publish_failures.clone(),
         );
+        let kubelet_registered = Gauge::default();
+        registry.register(
+            "kubelet_registered",
+            "1 while the kubelet holds this plugin's registration",
+            kubelet_registered.clone(),
+        );
         Metrics {
             registry,
             allocations,
@@ -112,6 +121,7 @@ impl Default for Metrics {
             xid_errors,
             gpunode_published,
             gpunode_publish_failures,
+            kubelet_registered,
             gpunode_problem: Mutex::new(Some("GpuNode not published yet".into())),
         }
     }
@@ -148,7 +158,11 @@ impl Metrics {
 
     /// Why this node is not ready for GPU pods; `None` when it is.
     pub fn not_ready_because(&self) -> Option<String> {
-        self.problem().clone()
+        let mut why: Vec<String> = self.problem().iter().cloned().collect();
+        if self.kubelet_registered.get() == 0 {
+            why.push("not registered with the kubelet".into());
+        }
+        (!why.is_empty()).then(|| why.join("; "))
     }
 
     fn problem(&self) -> std::sync::MutexGuard<'_, Option<String>> {
@@ -231,7 +245,12 @@ mod tests {
         let (code, body) = readyz(&m);
         assert_eq!(code, axum::http::StatusCode::SERVICE_UNAVAILABLE);
         assert!(body.contains("not published yet"), "{body}");
+        assert!(body.contains("not registered"), "{body}");
         m.gpunode_current();
+        let (code, body) = readyz(&m);
+        assert_eq!(code, axum::http::StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(body, "not registered with the kubelet\n");
+        m.kubelet_registered.set(1);
         assert_eq!(readyz(&m).0, axum::http::StatusCode::OK);
         assert!(
             m.render()
@@ -252,6 +271,9 @@ mod tests {
         );
         m.gpunode_current();
         m.gpunode_stale();
+        assert_eq!(readyz(&m).0, axum::http::StatusCode::SERVICE_UNAVAILABLE);
+        m.gpunode_current();
+        m.kubelet_registered.set(0);
         assert_eq!(readyz(&m).0, axum::http::StatusCode::SERVICE_UNAVAILABLE);
     }
 }

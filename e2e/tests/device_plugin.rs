@@ -119,6 +119,8 @@ async fn device_plugin_against_the_real_api_server() {
     numa_restricted_admission_still_exposes_the_reserved_gpu(&sim, &admin).await;
     recovers_after_a_kubelet_restart(&mut sim, &admin).await;
     registers_again_when_the_kubelet_drops_the_endpoint(&sim).await;
+    // Registered again after the restarts: Ready again.
+    ready_once_its_gpunode_is_published(metrics_port).await;
     an_unhealthy_gpu_reaches_the_kubelet_and_the_gpunode(&sim, &admin, &sample).await;
     admission_latency_report(&sim, &admin).await;
     the_refit_client_hears_the_commit_in_the_ledger(&cp, &admin, &plugin_client, &sample).await;
@@ -132,17 +134,24 @@ async fn device_plugin_against_the_real_api_server() {
     sim.stop().await;
 }
 
-/// The plugin's `/readyz` (the DaemonSet's readiness probe) once its GpuNode is published.
+/// The plugin's `/readyz` (the DaemonSet's readiness probe) once its GpuNode is published and
+/// the kubelet (simulator) holds its registration.
 async fn ready_once_its_gpunode_is_published(metrics_port: u16) {
-    let (code, body) = gpuledger_e2e::http::get(metrics_port, "/readyz")
-        .await
-        .unwrap();
-    assert_eq!(code, 200, "{body}");
+    gpuledger_e2e::cluster::wait_for("the plugin's /readyz 200", WAIT, || async {
+        let (code, _) = gpuledger_e2e::http::get(metrics_port, "/readyz").await?;
+        Ok::<_, std::io::Error>((code == 200).then_some(()))
+    })
+    .await
+    .unwrap();
     let (_, metrics) = gpuledger_e2e::http::get(metrics_port, "/metrics")
         .await
         .unwrap();
     assert!(
         metrics.contains("gpuledger_device_plugin_gpunode_published 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("gpuledger_device_plugin_kubelet_registered 1"),
         "{metrics}"
     );
 }
@@ -177,6 +186,11 @@ async fn a_plugin_given_another_nodes_name_is_not_ready_and_says_why(
         .await
         .unwrap();
     assert!(refused.contains("GpuNode not-this-node"), "{refused}");
+    // No kubelet here either: said too.
+    assert!(
+        refused.contains("not registered with the kubelet"),
+        "{refused}"
+    );
     let (_, metrics) = gpuledger_e2e::http::get(port, "/metrics").await.unwrap();
     assert!(
         metrics.contains("gpuledger_device_plugin_gpunode_published 0"),
