@@ -144,8 +144,7 @@ pub async fn publish(
 }
 
 /// Publishes on every inventory change, retrying failures every 2s, and re-publishes once a
-/// minute so a deleted GpuNode comes back.
-/// Each outcome is reported to `metrics` (the plugin's `/readyz` and its GpuNode gauges).
+/// minute so a deleted GpuNode comes back. Each outcome is reported to `metrics` (the plugin's `/readyz` and its GpuNode gauges).
 pub async fn publish_loop(
     client: Client,
     node: String,

@@ -188,8 +188,8 @@ pub async fn publish(api: &Api<EndpointSlice>, want: &EndpointSlice) -> kube::Re
 pub async fn run(ctx: Arc<Context>, endpoint: ExtenderEndpoint, recheck: Duration) {
     let api: Api<EndpointSlice> = Api::namespaced(ctx.client.clone(), &endpoint.namespace);
     let want = endpoint.desired();
-    // From here the leader serves (`/readyz`) only while its endpoint is current.
-    ctx.health.keeps_endpoint();
+    // The caller declared `Health::keeps_endpoint` before leadership could start: a leader
+    // serves (`/readyz`) only while the endpoint written here is current.
     // The term last published for, and when.
     let mut done: Option<(u64, Instant)> = None;
     loop {

@@ -230,6 +230,10 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
     });
     tasks.spawn(drive("leases", stream, health.clone()));
 
+    if extender_endpoint.is_some() {
+        // Before anyone can lead: a leader serves (`/readyz`) only once its endpoint names it.
+        health.keeps_endpoint();
+    }
     if config.leader_elect {
         tasks.spawn(leader::run(
             client.clone(),
