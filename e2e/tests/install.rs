@@ -213,6 +213,7 @@ async fn the_charts_scheduler_and_webhooks_place_default_and_refuse_gpu_pods_ove
     )
     .await
     .unwrap();
+    serving_certificate_expiry_is_exported(&cluster).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
 
     // No schedulerName: the webhook sends it to gpuledger-scheduler; its sidecar is shown no GPU.
@@ -318,6 +319,44 @@ async fn the_charts_scheduler_and_webhooks_place_default_and_refuse_gpu_pods_ove
         .await
         .unwrap();
     drop((nodes, scheduler, cp));
+}
+
+/// The operator exports when its serving certificate expires, the very instant its Secret
+/// records: what an alert needs to catch a renewal that keeps failing weeks ahead.
+async fn serving_certificate_expiry_is_exported(cluster: &SimCluster) {
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> =
+        Api::namespaced(cluster.cp.client(), DEFAULT_NAMESPACE);
+    let secret = secrets
+        .get(gpuledger_e2e::sim::scheduler::TLS_SECRET)
+        .await
+        .unwrap();
+    let recorded: k8s_openapi::jiff::Timestamp = secret.metadata.annotations.unwrap()
+        [gpuledger_operator::certs::NOT_AFTER]
+        .parse()
+        .unwrap();
+    let metrics = cluster.operator.metrics().await;
+    let gauge = |name: &str| {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+            .map(str::to_string)
+    };
+    assert_eq!(
+        gauge("gpuledger_serving_certificate_expiry_timestamp_seconds"),
+        Some(recorded.as_second().to_string()),
+        "{metrics}"
+    );
+    // Exported from the start (a CA patch that lost a race with the test's own apply of the
+    // webhook configurations would count one, so no exact figure is asserted).
+    assert!(
+        gauge("gpuledger_serving_certificate_failures_total")
+            .is_some_and(|v| v.parse::<u64>().is_ok()),
+        "{metrics}"
+    );
+    assert!(
+        recorded > k8s_openapi::jiff::Timestamp::now(),
+        "an expired certificate served: {recorded}"
+    );
 }
 
 fn scheduler_config(cluster: &SimCluster) -> serde_yaml::Value {

@@ -30,6 +30,8 @@ use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio_rustls::rustls::server::{ClientHello, ResolvesServerCert};
 use tokio_rustls::rustls::sign::CertifiedKey;
 
+use crate::telemetry::Metrics;
+
 /// Annotation on the Secret: when its serving certificate expires (RFC 3339).
 pub const NOT_AFTER: &str = "gpuledger.io/not-after";
 /// How long a serving certificate is valid.
@@ -388,23 +390,39 @@ impl ResolvesServerCert for LiveCert {
     }
 }
 
-/// Keeps the identity and the webhooks' `caBundle` current until the task is aborted.
+/// Keeps the identity and the webhooks' `caBundle` current until the task is aborted. The
+/// served certificate's expiry and every failure go to `metrics`: a renewal that keeps failing
+/// shows as an expiry that no longer moves, weeks before it matters.
 pub async fn keep_current(
     client: Client,
     cfg: SelfSigned,
     live: Arc<LiveCert>,
     mut serving: Identity,
+    metrics: Arc<Metrics>,
 ) {
     loop {
+        metrics
+            .certificate_expiry
+            .set(serving.not_after.as_second());
         match cfg.ensure(&client).await {
             Ok(id) if id != serving => match live.replace(&id) {
                 Ok(()) => serving = id,
-                Err(e) => tracing::error!(error = %e, "cannot serve the renewed certificate"),
+                Err(e) => {
+                    metrics.certificate_failures.inc();
+                    tracing::error!(error = %e, "cannot serve the renewed certificate")
+                }
             },
             Ok(_) => {}
-            Err(e) => tracing::warn!(error = %e, "checking the serving certificate"),
+            Err(e) => {
+                metrics.certificate_failures.inc();
+                tracing::warn!(error = %e, "checking the serving certificate")
+            }
         }
+        metrics
+            .certificate_expiry
+            .set(serving.not_after.as_second());
         if let Err(e) = cfg.publish_ca(&client, &serving.ca).await {
+            metrics.certificate_failures.inc();
             tracing::warn!(error = %e, "publishing the CA to the webhook configurations");
         }
         tokio::time::sleep(RECHECK_EVERY).await;

@@ -166,6 +166,12 @@ pub struct Metrics {
     pub endpoint_published: Gauge,
     /// Failed attempts to publish the extender Service's endpoint.
     pub endpoint_failures: Counter,
+    /// When the certificate the extender and webhook serve expires, Unix seconds
+    /// (`--self-signed-tls`; 0 without it). An alert on it firing weeks ahead catches a renewal
+    /// that keeps failing before kube-scheduler and the API server stop trusting the operator.
+    pub certificate_expiry: Gauge,
+    /// Failed checks, renewals and CA publications of the serving certificate.
+    pub certificate_failures: Counter,
 }
 
 impl Default for Metrics {
@@ -322,6 +328,18 @@ impl Metrics {
             "Failed attempts to publish the extender Service's endpoint",
             endpoint_failures.clone(),
         );
+        let certificate_expiry = Gauge::default();
+        registry.register(
+            "serving_certificate_expiry_timestamp_seconds",
+            "When the certificate the extender and webhook serve expires (Unix seconds; --self-signed-tls)",
+            certificate_expiry.clone(),
+        );
+        let certificate_failures = Counter::default();
+        registry.register(
+            "serving_certificate_failures",
+            "Failed checks, renewals and CA publications of the serving certificate",
+            certificate_failures.clone(),
+        );
         Self {
             registry,
             decisions,
@@ -348,6 +366,8 @@ impl Metrics {
             leader,
             endpoint_published,
             endpoint_failures,
+            certificate_expiry,
+            certificate_failures,
         }
     }
 

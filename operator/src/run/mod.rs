@@ -314,7 +314,13 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
     tracing::info!(extender = %config.extender_addr, metrics = %config.metrics_addr, "serving");
     // The admission webhook shares the extender's listener, Service and certificate.
     if let Some((keeper, live, identity)) = cert_keeper {
-        tasks.spawn(certs::keep_current(client.clone(), keeper, live, identity));
+        tasks.spawn(certs::keep_current(
+            client.clone(),
+            keeper,
+            live,
+            identity,
+            metrics.clone(),
+        ));
     }
     let ext_app = extender::server::router(ctx.clone()).merge(webhook::server::router(ctx.clone()));
     // Kept until `run` stops it or is dropped: the extender stops with the operator.
