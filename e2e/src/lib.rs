@@ -6,4 +6,5 @@ pub mod cluster;
 pub mod demo;
 pub mod http;
 pub mod kubelet;
+pub mod prometheus;
 pub mod sim;

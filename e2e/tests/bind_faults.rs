@@ -19,6 +19,7 @@ use gpuledger_crds::names::{RESERVATION_FINALIZER, reservation_name};
 use gpuledger_crds::{GpuReservation, ReservationPhase};
 use gpuledger_e2e::bench::{ChildOperator, GpuShape, gpu_pod};
 use gpuledger_e2e::cluster::{FaultAction, FaultProxy, FaultRule, wait_for};
+use gpuledger_e2e::prometheus::sum as metric;
 use gpuledger_operator::audit::Finding;
 use gpuledger_operator::audit::cli::audit_cluster;
 use k8s_openapi::api::core::v1::Pod;
@@ -42,17 +43,6 @@ async fn operator_behind(rig: &Rig, proxy: &FaultProxy, identity: &str) -> Child
     let mut op = ChildOperator::spawn(opts).expect("operator starts");
     op.wait_ready(WAIT).await.expect("operator ready");
     op
-}
-
-/// The sum of every series of metric `name` whose labels include each of `labels`
-/// (e.g. `outcome="in_flight"`).
-fn metric(text: &str, name: &str, labels: &[&str]) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| l.split(['{', ' ']).next() == Some(name))
-        .filter(|l| labels.iter().all(|want| l.contains(want)))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 async fn wait_bound(rig: &Rig, pod: &str) -> String {

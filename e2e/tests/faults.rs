@@ -25,6 +25,7 @@ use gpuledger_e2e::bench::operator::{http_get, signal};
 use gpuledger_e2e::bench::{ChildOperator, GpuShape};
 use gpuledger_e2e::cluster::process::is_alive;
 use gpuledger_e2e::cluster::wait_for;
+use gpuledger_e2e::prometheus::sample;
 use gpuledger_operator::lease::leader::{LEADER_LEASE, LEASE_SECONDS};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
@@ -190,10 +191,7 @@ async fn a_leader_the_service_cannot_reach_says_so_until_its_rbac_is_put_right()
         metrics.contains("gpuledger_extender_endpoint_published 0"),
         "{metrics}"
     );
-    let failures = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("gpuledger_extender_endpoint_failures_total "))
-        .and_then(|v| v.parse::<f64>().ok());
+    let failures = sample(&metrics, "gpuledger_extender_endpoint_failures_total", &[]);
     assert!(failures >= Some(1.0), "{metrics}");
     eprintln!("endpoint forbidden: /readyz said {refused:?}");
 

@@ -298,6 +298,8 @@ async fn the_charts_scheduler_and_webhooks_place_default_and_refuse_gpu_pods_ove
         .to_string();
     assert!(err.contains("spec.nodeName"), "{err}");
 
+    a_certificate_keeper_that_lost_its_rights_is_counted(&cluster).await;
+
     // Operator down: GPU pods fail closed with the webhook named; other pods are created.
     let SimCluster {
         nodes,
@@ -335,28 +337,49 @@ async fn serving_certificate_expiry_is_exported(cluster: &SimCluster) {
         .parse()
         .unwrap();
     let metrics = cluster.operator.metrics().await;
-    let gauge = |name: &str| {
-        metrics
-            .lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
-            .map(str::to_string)
-    };
+    let sample = |name: &str| gpuledger_e2e::prometheus::sample(&metrics, name, &[]);
     assert_eq!(
-        gauge("gpuledger_serving_certificate_expiry_timestamp_seconds"),
-        Some(recorded.as_second().to_string()),
+        sample("gpuledger_serving_certificate_expiry_timestamp_seconds"),
+        Some(recorded.as_second() as f64),
         "{metrics}"
     );
     // Exported from the start (a CA patch that lost a race with the test's own apply of the
     // webhook configurations would count one, so no exact figure is asserted).
     assert!(
-        gauge("gpuledger_serving_certificate_failures_total")
-            .is_some_and(|v| v.parse::<u64>().is_ok()),
+        sample("gpuledger_serving_certificate_failures_total").is_some(),
         "{metrics}"
     );
     assert!(
         recorded > k8s_openapi::jiff::Timestamp::now(),
         "an expired certificate served: {recorded}"
     );
+}
+
+/// A careless admin removes the binding that lets the operator read its certificate's Secret:
+/// the next check (every 10 s) is refused, and the refusal is counted, so an alert sees a
+/// renewal that would fail before the certificate runs out. It keeps serving what it has.
+async fn a_certificate_keeper_that_lost_its_rights_is_counted(cluster: &SimCluster) {
+    let failures = || async {
+        let metrics = cluster.operator.metrics().await;
+        gpuledger_e2e::prometheus::sample(
+            &metrics,
+            "gpuledger_serving_certificate_failures_total",
+            &[],
+        )
+    };
+    let before = failures().await.unwrap();
+    let bindings: Api<k8s_openapi::api::rbac::v1::RoleBinding> =
+        Api::namespaced(cluster.cp.client(), DEFAULT_NAMESPACE);
+    bindings
+        .delete("gpuledger-operator-tls", &Default::default())
+        .await
+        .unwrap();
+    let after = wait_for("the refused certificate check counted", WAIT, || async {
+        Ok::<_, std::io::Error>(failures().await.filter(|n| *n > before))
+    })
+    .await
+    .unwrap();
+    eprintln!("certificate: {before} -> {after} failures after its RoleBinding was removed");
 }
 
 fn scheduler_config(cluster: &SimCluster) -> serde_yaml::Value {

@@ -400,13 +400,15 @@ pub async fn keep_current(
     mut serving: Identity,
     metrics: Arc<Metrics>,
 ) {
+    let expiry = &metrics.certificate_expiry;
+    expiry.set(serving.not_after.as_second());
     loop {
-        metrics
-            .certificate_expiry
-            .set(serving.not_after.as_second());
         match cfg.ensure(&client).await {
             Ok(id) if id != serving => match live.replace(&id) {
-                Ok(()) => serving = id,
+                Ok(()) => {
+                    expiry.set(id.not_after.as_second());
+                    serving = id;
+                }
                 Err(e) => {
                     metrics.certificate_failures.inc();
                     tracing::error!(error = %e, "cannot serve the renewed certificate")
@@ -418,9 +420,6 @@ pub async fn keep_current(
                 tracing::warn!(error = %e, "checking the serving certificate")
             }
         }
-        metrics
-            .certificate_expiry
-            .set(serving.not_after.as_second());
         if let Err(e) = cfg.publish_ca(&client, &serving.ca).await {
             metrics.certificate_failures.inc();
             tracing::warn!(error = %e, "publishing the CA to the webhook configurations");
