@@ -1,0 +1,266 @@
+//! Health of this replica: its watches, its leadership, and the extender endpoint it keeps.
+//!
+//! `/healthz` fails when a watch the operator depends on has been failing for longer than
+//! [`WATCH_STALL_LIMIT`] or has ended: the process is then deciding on stale data and a restart
+//! is the cure. `/warmz` is true on every replica whose caches are listed and whose fit views
+//! are built, the standby too: the pods' readiness, so a rollout can count a new standby as
+//! available. `/readyz` is true only on the leader with a synced ledger index: the one that may
+//! write and that the extender Service reaches (its endpoint is the leader's,
+//! `controllers::extender_endpoint`; a leader whose endpoint is not current is not ready, and
+//! says why). The handlers that answer them are in `run`.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// How long a watch may keep failing before `/healthz` reports it.
+pub const WATCH_STALL_LIMIT: Duration = Duration::from_secs(90);
+
+#[derive(Clone, Copy, Debug)]
+enum WatchState {
+    Flowing,
+    FailingSince(Instant),
+    Ended,
+}
+
+/// What a replica that keeps the extender Service's endpoint knows of it.
+#[derive(Clone, Debug, Default)]
+struct EndpointState {
+    /// The leadership term whose endpoint was last found naming this replica.
+    current_for: Option<u64>,
+    /// The last publish failed: why, and since when publishing has been failing.
+    failing: Option<(String, Instant)>,
+}
+
+/// Leadership states of [`Health`].
+const FOLLOWING: u8 = 0;
+const LEADING: u8 = 1;
+/// Stopping: never leads again.
+const STEPPED_DOWN: u8 = 2;
+
+/// Health of the watches and leadership.
+#[derive(Default)]
+pub struct Health {
+    watches: Mutex<BTreeMap<&'static str, WatchState>>,
+    /// [`FOLLOWING`], [`LEADING`] or [`STEPPED_DOWN`].
+    leader: AtomicU8,
+    /// How many times this replica became leader: numbers its terms.
+    terms: AtomicU64,
+    /// `Some` once this replica keeps the extender Service's endpoint (`--extender-service`).
+    endpoint: Mutex<Option<EndpointState>>,
+}
+
+impl Health {
+    /// A watch delivered an event or a successful (re)list.
+    pub fn watch_ok(&self, name: &'static str) {
+        self.lock().insert(name, WatchState::Flowing);
+    }
+
+    /// A watch returned an error (it retries with backoff).
+    pub fn watch_error(&self, name: &'static str) {
+        let mut w = self.lock();
+        let state = match w.get(name) {
+            Some(WatchState::FailingSince(t)) => WatchState::FailingSince(*t),
+            _ => WatchState::FailingSince(Instant::now()),
+        };
+        w.insert(name, state);
+    }
+
+    /// A watch stream ended for good.
+    pub fn watch_ended(&self, name: &'static str) {
+        self.lock().insert(name, WatchState::Ended);
+    }
+
+    /// Names of unhealthy watches with why, empty when healthy.
+    pub fn problems(&self) -> Vec<String> {
+        self.lock()
+            .iter()
+            .filter_map(|(name, state)| match state {
+                WatchState::Flowing => None,
+                WatchState::FailingSince(t) if t.elapsed() < WATCH_STALL_LIMIT => None,
+                WatchState::FailingSince(t) => Some(format!(
+                    "watch {name} failing for {}s",
+                    t.elapsed().as_secs()
+                )),
+                WatchState::Ended => Some(format!("watch {name} ended")),
+            })
+            .collect()
+    }
+
+    /// Records leadership; becoming leader starts a new term. Nothing changes once this
+    /// replica has stepped down ([`Health::step_down`]).
+    pub fn set_leader(&self, leader: bool) {
+        let (from, to) = if leader {
+            (FOLLOWING, LEADING)
+        } else {
+            (LEADING, FOLLOWING)
+        };
+        if leader && self.leader.load(Ordering::SeqCst) == FOLLOWING {
+            // Counted before leadership shows, so no reader pairs "leading" with the previous
+            // term's number (one task, the election loop, calls this). A step-down in between
+            // leaves a number no one reads.
+            self.terms.fetch_add(1, Ordering::SeqCst);
+        }
+        // One exchange: a step-down between a read and a write would otherwise be undone.
+        let _ = self
+            .leader
+            .compare_exchange(from, to, Ordering::SeqCst, Ordering::SeqCst);
+    }
+
+    /// Stops leading for good (the process is stopping); whether it led until now. From here
+    /// on this replica decides and writes nothing, whatever its election loop still sees.
+    pub fn step_down(&self) -> bool {
+        self.leader.swap(STEPPED_DOWN, Ordering::SeqCst) == LEADING
+    }
+
+    /// Whether this replica leads.
+    pub fn is_leader(&self) -> bool {
+        self.leader.load(Ordering::SeqCst) == LEADING
+    }
+
+    /// The number of this replica's current leadership term; `None` while it follows. Another
+    /// replica may have led between two of our terms.
+    pub fn term(&self) -> Option<u64> {
+        self.is_leader().then(|| self.terms.load(Ordering::SeqCst))
+    }
+
+    /// From now on this replica keeps the extender Service's endpoint while it leads, and
+    /// serves ([`Health::endpoint_problem`]) only once the endpoint names it.
+    pub fn keeps_endpoint(&self) {
+        self.endpoint_lock()
+            .get_or_insert_with(EndpointState::default);
+    }
+
+    /// The endpoint was found naming this replica, in leadership term `term`.
+    pub fn endpoint_current(&self, term: u64) {
+        if let Some(state) = self.endpoint_lock().as_mut() {
+            state.current_for = Some(term);
+            state.failing = None;
+        }
+    }
+
+    /// Publishing the endpoint failed with `why` (it is tried again).
+    pub fn endpoint_failed(&self, why: String) {
+        if let Some(state) = self.endpoint_lock().as_mut() {
+            let since = state.failing.take().map_or_else(Instant::now, |(_, t)| t);
+            state.failing = Some((why, since));
+        }
+    }
+
+    /// Why the extender Service does not reach this leader; `None` when it does, when this
+    /// replica follows, or when it keeps no endpoint. A leader the Service does not reach
+    /// decides nothing kube-scheduler asks, whatever its Lease says: an operator must see that
+    /// (`/readyz`, the metric `gpuledger_extender_endpoint_published`), not only a log line.
+    pub fn endpoint_problem(&self) -> Option<String> {
+        let term = self.term()?;
+        let guard = self.endpoint_lock();
+        let state = guard.as_ref()?;
+        match (&state.failing, state.current_for) {
+            (Some((why, since)), _) => Some(format!(
+                "the extender Service's endpoint cannot be kept on this leader (failing for {}s): {why}",
+                since.elapsed().as_secs()
+            )),
+            (None, Some(t)) if t == term => None,
+            (None, _) => {
+                Some("the extender Service's endpoint not yet published for this term".into())
+            }
+        }
+    }
+
+    /// Whether this replica leads and the endpoint it keeps names it.
+    pub fn endpoint_published(&self) -> bool {
+        let keeps = self.endpoint_lock().is_some();
+        keeps && self.term().is_some() && self.endpoint_problem().is_none()
+    }
+
+    fn endpoint_lock(&self) -> std::sync::MutexGuard<'_, Option<EndpointState>> {
+        self.endpoint.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<&'static str, WatchState>> {
+        self.watches.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_time_leadership_is_taken_a_new_term_starts() {
+        let h = Health::default();
+        assert_eq!(h.term(), None);
+        h.set_leader(true);
+        let first = h.term().unwrap();
+        h.set_leader(true);
+        assert_eq!(h.term(), Some(first), "renewals stay in the term");
+        h.set_leader(false);
+        assert_eq!(h.term(), None);
+        h.set_leader(true);
+        assert_eq!(h.term(), Some(first + 1));
+    }
+
+    #[test]
+    fn a_replica_that_stepped_down_never_leads_again() {
+        let h = Health::default();
+        assert!(!h.step_down(), "was following");
+        h.set_leader(true);
+        assert!(!h.is_leader());
+        let h = Health::default();
+        h.set_leader(true);
+        assert!(h.step_down(), "was leading");
+        assert!(!h.is_leader());
+        assert_eq!(h.term(), None);
+        // The election loop's next round still sees the Lease held: nothing changes.
+        h.set_leader(true);
+        h.set_leader(false);
+        h.set_leader(true);
+        assert!(!h.is_leader());
+    }
+
+    #[test]
+    fn a_leader_keeping_the_endpoint_serves_only_while_it_names_this_replica() {
+        let h = Health::default();
+        h.set_leader(true);
+        assert_eq!(
+            h.endpoint_problem(),
+            None,
+            "keeps no endpoint: nothing to say"
+        );
+        h.keeps_endpoint();
+        let term = h.term().unwrap();
+        let pending = h.endpoint_problem().unwrap();
+        assert!(pending.contains("not yet published"), "{pending}");
+        h.endpoint_current(term);
+        assert_eq!(h.endpoint_problem(), None);
+        assert!(h.endpoint_published());
+        h.endpoint_failed("403 forbidden".into());
+        h.endpoint_failed("403 forbidden again".into());
+        let failing = h.endpoint_problem().unwrap();
+        assert!(failing.contains("403 forbidden again"), "{failing}");
+        assert!(!h.endpoint_published());
+        h.endpoint_current(term);
+        assert_eq!(h.endpoint_problem(), None, "put right: serves again");
+        // A new term needs its own publish.
+        h.set_leader(false);
+        assert_eq!(
+            h.endpoint_problem(),
+            None,
+            "a standby serves nothing anyway"
+        );
+        h.set_leader(true);
+        assert!(h.endpoint_problem().is_some());
+    }
+
+    #[test]
+    fn health_tolerates_short_failures_but_not_ended_watches() {
+        let h = Health::default();
+        h.watch_ok("reservations");
+        h.watch_error("reservations");
+        assert!(h.problems().is_empty());
+        h.watch_ok("reservations");
+        h.watch_ended("pods");
+        assert_eq!(h.problems(), ["watch pods ended"]);
+    }
+}
