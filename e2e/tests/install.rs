@@ -20,7 +20,8 @@ use gpuledger_e2e::cluster::{ensure_namespace, expected_git_version, wait_for};
 use gpuledger_e2e::sim::binaries::build_gpuledger_binaries;
 use gpuledger_e2e::sim::pods::{GpuPod, wait_bound, wait_pod_phase, wait_reservation};
 use gpuledger_e2e::sim::scheduler::{
-    WEBHOOK_CONFIGURATION, apply_docs, kind_name, operator_ca, rendered_chart,
+    WEBHOOK_CONFIGURATION, apply_docs, kind_name, operator_ca, operator_secret_entry,
+    rendered_chart,
 };
 use gpuledger_e2e::sim::{GPULEDGER_SCHEDULER, Quiet, SimCluster, SimClusterOptions};
 use k8s_openapi::api::admissionregistration::v1::{
@@ -160,6 +161,8 @@ async fn the_charts_scheduler_and_webhooks_place_default_and_refuse_gpu_pods_ove
         .next()
         .unwrap()
         .to_string();
+    only_the_schedulers_certificate_binds(&cluster, &port).await;
+
     let mut hooks: Vec<serde_yaml::Value> = rendered_chart()
         .unwrap()
         .into_iter()
@@ -380,6 +383,121 @@ async fn a_certificate_keeper_that_lost_its_rights_is_counted(cluster: &SimClust
     .await
     .unwrap();
     eprintln!("certificate: {before} -> {after} failures after its RoleBinding was removed");
+}
+
+/// POSTs `body` to `path` of the operator's extender on 127.0.0.1:`port` over TLS that verifies
+/// the operator (its CA, the Service's name), presenting `client` (certificate, key) when
+/// given: the answer's status line, or why there was none.
+async fn post_to_extender(
+    port: &str,
+    ca: &str,
+    client: Option<(&str, &str)>,
+    path: &str,
+    body: &str,
+) -> std::io::Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio_rustls::rustls::pki_types::pem::PemObject;
+    use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+    use tokio_rustls::rustls::{ClientConfig, RootCertStore};
+    let mut roots = RootCertStore::empty();
+    roots
+        .add(CertificateDer::from_pem_slice(ca.as_bytes()).unwrap())
+        .unwrap();
+    let provider = std::sync::Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
+    let builder = ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots);
+    let config = match client {
+        Some((cert, key)) => builder
+            .with_client_auth_cert(
+                vec![CertificateDer::from_pem_slice(cert.as_bytes()).unwrap()],
+                PrivateKeyDer::from_pem_slice(key.as_bytes()).unwrap(),
+            )
+            .unwrap(),
+        None => builder.with_no_client_auth(),
+    };
+    let tcp = tokio::net::TcpStream::connect(format!("127.0.0.1:{port}")).await?;
+    let name = ServerName::try_from(gpuledger_e2e::sim::scheduler::service_name()).unwrap();
+    let mut tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+        .connect(name, tcp)
+        .await?;
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nHost: gpuledger-operator\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    tls.write_all(request.as_bytes()).await?;
+    let mut answer = String::new();
+    tls.read_to_string(&mut answer).await?;
+    Ok(answer.lines().next().unwrap_or_default().to_string())
+}
+
+/// An attacker's pod that reached the operator's Service, over TLS that trusts the operator,
+/// asks the extender to bind a pod that no scheduler placed: refused (403, counted), the pod
+/// stays unbound and unbooked. A certificate of another CA does not even finish the handshake.
+/// The same call with gpuledger-scheduler's certificate (the Secret's `client.crt`) is answered
+/// and binds it, through the ledger as every bind.
+async fn only_the_schedulers_certificate_binds(cluster: &SimCluster, port: &str) {
+    let client = cluster.cp.client();
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let mut stray = GpuPod::new(NS, "stray")
+        .gpu_container("main", 1, 1024, 10)
+        .build();
+    stray.spec.as_mut().unwrap().scheduler_name = Some("no-such-scheduler".into());
+    let stray = pods.create(&PostParams::default(), &stray).await.unwrap();
+    let node = cluster.nodes[0].name();
+    // kube-scheduler's ExtenderBindingArgs, Go field names as it sends them.
+    let body = serde_json::json!({
+        "PodName": "stray",
+        "PodNamespace": NS,
+        "PodUID": stray.metadata.uid,
+        "Node": node,
+    })
+    .to_string();
+    let ca = operator_ca(&cluster.cp).await.unwrap();
+    let refused = post_to_extender(port, &ca, None, "/bind", &body)
+        .await
+        .unwrap();
+    assert!(refused.contains("403"), "{refused}");
+    let stranger = rcgen::generate_simple_self_signed(vec!["attacker".to_string()]).unwrap();
+    let (cert, key) = (stranger.cert.pem(), stranger.signing_key.serialize_pem());
+    let answer = post_to_extender(port, &ca, Some((&cert, &key)), "/bind", &body).await;
+    assert!(
+        answer.as_ref().map_or(true, |line| line.is_empty()),
+        "{answer:?}"
+    );
+    let metrics = cluster.operator.metrics().await;
+    assert_eq!(
+        gpuledger_e2e::prometheus::sample(
+            &metrics,
+            "gpuledger_extender_anonymous_calls_refused_total",
+            &[]
+        ),
+        Some(1.0),
+        "{metrics}"
+    );
+    let unbound = pods.get("stray").await.unwrap();
+    assert_eq!(unbound.spec.unwrap().node_name, None);
+    let reservations: Api<GpuReservation> = Api::namespaced(client.clone(), NS);
+    assert!(reservations.get_opt("stray").await.unwrap().is_none());
+
+    let cert = operator_secret_entry(&cluster.cp, "client.crt")
+        .await
+        .unwrap();
+    let key = operator_secret_entry(&cluster.cp, "client.key")
+        .await
+        .unwrap();
+    let bound = post_to_extender(port, &ca, Some((&cert, &key)), "/bind", &body)
+        .await
+        .unwrap();
+    assert!(bound.contains("200"), "{bound}");
+    assert_eq!(
+        wait_bound(&client, NS, "stray", WAIT).await.unwrap(),
+        node,
+        "the scheduler's certificate is the one that binds"
+    );
+    allocated(&client, "stray").await;
 }
 
 fn scheduler_config(cluster: &SimCluster) -> serde_yaml::Value {

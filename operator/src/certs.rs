@@ -1,11 +1,17 @@
 //! The operator's own serving certificate (`--self-signed-tls <secret>`), for the extender and
-//! the admission webhook, which share one HTTPS port.
+//! the admission webhook, which share one HTTPS port, and the client certificate with which
+//! gpuledger-scheduler proves itself to the extender.
 //!
-//! The operator keeps a CA and a serving certificate in a Secret of its namespace (`tls.crt`,
-//! `tls.key`, `ca.crt`, and `ca.key` so that a renewal keeps the CA every client already
-//! trusts), renews the serving certificate a month before it expires, serves whatever the Secret
-//! holds without a restart, and keeps the webhook configurations' `caBundle` equal to `ca.crt`
-//! (`--webhook-configuration`). gpuledger-scheduler mounts the same Secret's `ca.crt`. Replicas
+//! The operator keeps a CA, a serving certificate and a client certificate in a Secret of its
+//! namespace (`tls.crt`, `tls.key`, `client.crt`, `client.key`, `ca.crt`, and `ca.key` so that a
+//! renewal keeps the CA every client already trusts), renews both certificates a month before
+//! they expire, serves whatever the Secret holds without a restart, and keeps the webhook
+//! configurations' `caBundle` equal to `ca.crt` (`--webhook-configuration`). gpuledger-scheduler
+//! mounts the same Secret's `ca.crt`, `client.crt` and `client.key`; kube-scheduler reads a
+//! client certificate given as files again when they change, so a renewal needs no restart.
+//! The extender answers `filter`, `prioritize` and `bind` only to a caller whose certificate this
+//! CA signed for client use ([`LiveCert`] is also the handshake's client verifier): `bind` posts
+//! Bindings, and anyone else who could reach the port could bind any pod to any node. Replicas
 //! race only at creation: the first create wins and the others use what it wrote.
 
 use std::sync::{Arc, RwLock};
@@ -22,13 +28,20 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::{Client, Resource};
-use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+};
 use serde::de::DeserializeOwned;
+use tokio_rustls::rustls::client::danger::HandshakeSignatureValid;
 use tokio_rustls::rustls::crypto::ring::default_provider;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
-use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
-use tokio_rustls::rustls::server::{ClientHello, ResolvesServerCert};
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, UnixTime};
+use tokio_rustls::rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
+use tokio_rustls::rustls::server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier};
 use tokio_rustls::rustls::sign::CertifiedKey;
+use tokio_rustls::rustls::{
+    DigitallySignedStruct, DistinguishedName, RootCertStore, SignatureScheme,
+};
 
 use crate::telemetry::Metrics;
 
@@ -73,18 +86,25 @@ pub enum CertError {
     Tls(#[from] tokio_rustls::rustls::Error),
 }
 
-/// One serving identity, as PEM.
+/// The common name of the client certificate gpuledger-scheduler presents to the extender.
+pub const SCHEDULER_CLIENT: &str = "gpuledger-scheduler";
+
+/// One serving identity and the scheduler's client identity, as PEM.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Identity {
     /// The serving certificate.
     pub cert: String,
     /// Its key.
     pub key: String,
+    /// The client certificate gpuledger-scheduler presents to the extender.
+    pub client_cert: String,
+    /// Its key.
+    pub client_key: String,
     /// The CA certificate clients trust.
     pub ca: String,
     /// The CA key (kept to renew under the same CA).
     pub ca_key: String,
-    /// When the serving certificate expires.
+    /// When the serving certificate expires (the client certificate expires the same day).
     pub not_after: Timestamp,
 }
 
@@ -154,12 +174,29 @@ pub fn issue(
     params.not_before = day!(now - SignedDuration::from_hours(24));
     let not_after = now + VALIDITY;
     params.not_after = day!(not_after);
+    // Each certificate for its one use: the serving key cannot pass for a caller, nor the
+    // scheduler's for the operator.
+    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
     let cert = params
         .signed_by(&key, &issuer)
         .map_err(generate("serving certificate"))?;
+    let client_key = KeyPair::generate().map_err(generate("client key"))?;
+    let mut client =
+        CertificateParams::new(Vec::<String>::new()).map_err(generate("client certificate"))?;
+    client
+        .distinguished_name
+        .push(DnType::CommonName, SCHEDULER_CLIENT);
+    client.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    client.not_before = params.not_before;
+    client.not_after = params.not_after;
+    let client = client
+        .signed_by(&client_key, &issuer)
+        .map_err(generate("client certificate"))?;
     Ok(Identity {
         cert: cert.pem(),
         key: key.serialize_pem(),
+        client_cert: client.pem(),
+        client_key: client_key.serialize_pem(),
         ca: ca_pem,
         ca_key: ca_key_pem,
         not_after,
@@ -175,6 +212,8 @@ fn secret_of(name: &str, namespace: &str, id: &Identity) -> Secret {
     let data = [
         ("tls.crt", &id.cert),
         ("tls.key", &id.key),
+        ("client.crt", &id.client_cert),
+        ("client.key", &id.client_key),
         ("ca.crt", &id.ca),
         ("ca.key", &id.ca_key),
     ]
@@ -194,15 +233,24 @@ fn secret_of(name: &str, namespace: &str, id: &Identity) -> Secret {
     }
 }
 
+/// The text of `key` in a Secret's data.
+fn field(secret: &Secret, key: &str) -> Option<String> {
+    secret
+        .data
+        .as_ref()?
+        .get(key)
+        .and_then(|b| String::from_utf8(b.0.clone()).ok())
+}
+
+/// The CA (certificate, key) a Secret holds, complete identity or not: a Secret written before
+/// the client certificate existed is renewed under the CA its clients already trust.
+fn ca_of(secret: &Secret) -> Option<(String, String)> {
+    Some((field(secret, "ca.crt")?, field(secret, "ca.key")?))
+}
+
 /// The identity a Secret holds, when it holds a complete one.
 fn identity_of(secret: &Secret) -> Option<Identity> {
-    let field = |k: &str| {
-        secret
-            .data
-            .as_ref()?
-            .get(k)
-            .and_then(|b| String::from_utf8(b.0.clone()).ok())
-    };
+    let field = |k: &str| field(secret, k);
     let not_after = secret
         .metadata
         .annotations
@@ -213,6 +261,8 @@ fn identity_of(secret: &Secret) -> Option<Identity> {
     Some(Identity {
         cert: field("tls.crt")?,
         key: field("tls.key")?,
+        client_cert: field("client.crt")?,
+        client_key: field("client.key")?,
         ca: field("ca.crt")?,
         ca_key: field("ca.key")?,
         not_after,
@@ -249,7 +299,8 @@ impl SelfSigned {
         if let Some(id) = held.as_ref().filter(|id| !due(id.not_after, now)) {
             return Ok(id.clone());
         }
-        let ca = held.as_ref().map(|id| (id.ca.as_str(), id.ca_key.as_str()));
+        let ca = current.as_ref().and_then(ca_of);
+        let ca = ca.as_ref().map(|(cert, key)| (cert.as_str(), key.as_str()));
         let fresh = issue(&self.names, ca, now)?;
         let mut secret = secret_of(&self.secret, &self.namespace, &fresh);
         let written = match &current {
@@ -343,10 +394,35 @@ where
     Ok(())
 }
 
-/// The certificate the TLS listener serves, replaceable while it runs.
+/// The certificate the TLS listener serves and the CA its callers' certificates must chain to,
+/// both replaceable while it runs.
 #[derive(Debug)]
 pub struct LiveCert {
     current: RwLock<Arc<CertifiedKey>>,
+    callers: RwLock<Arc<dyn ClientCertVerifier>>,
+}
+
+/// A handshake verifier for client certificates signed by `ca_pem` for client use. A caller
+/// without a certificate still completes the handshake (the API server calls the webhook
+/// without one); the extender's routes then refuse it (`extender::tls::require_client`).
+pub fn callers_of(ca_pem: &str) -> Result<Arc<dyn ClientCertVerifier>, CertError> {
+    let bad = |problem: String| CertError::BadSecret {
+        secret: "client CA".into(),
+        problem,
+    };
+    let mut roots = RootCertStore::empty();
+    for ca in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
+        roots
+            .add(ca.map_err(|e| bad(format!("ca.crt: {e}")))?)
+            .map_err(|e| bad(format!("ca.crt: {e}")))?;
+    }
+    if roots.is_empty() {
+        return Err(bad("ca.crt holds no certificate".into()));
+    }
+    WebPkiClientVerifier::builder_with_provider(Arc::new(roots), Arc::new(default_provider()))
+        .allow_unauthenticated()
+        .build()
+        .map_err(|e| bad(format!("ca.crt: {e}")))
 }
 
 fn certified(id: &Identity) -> Result<Arc<CertifiedKey>, CertError> {
@@ -364,18 +440,76 @@ fn certified(id: &Identity) -> Result<Arc<CertifiedKey>, CertError> {
 }
 
 impl LiveCert {
-    /// Serves `id` to begin with.
+    /// Serves `id` to begin with, and takes callers whose certificates `id.ca` signed.
     pub fn new(id: &Identity) -> Result<Self, CertError> {
         Ok(LiveCert {
             current: RwLock::new(certified(id)?),
+            callers: RwLock::new(callers_of(&id.ca)?),
         })
     }
 
-    /// Serves `id` from the next handshake on.
+    /// Serves `id`, and takes callers of its CA, from the next handshake on.
     pub fn replace(&self, id: &Identity) -> Result<(), CertError> {
         let next = certified(id)?;
+        let callers = callers_of(&id.ca)?;
         *self.current.write().unwrap_or_else(|e| e.into_inner()) = next;
+        *self.callers.write().unwrap_or_else(|e| e.into_inner()) = callers;
         Ok(())
+    }
+
+    fn callers(&self) -> Arc<dyn ClientCertVerifier> {
+        self.callers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
+/// Every question is answered by the verifier of the CA served now.
+impl ClientCertVerifier for LiveCert {
+    fn offer_client_auth(&self) -> bool {
+        true
+    }
+
+    fn client_auth_mandatory(&self) -> bool {
+        false
+    }
+
+    fn root_hint_subjects(&self) -> &[DistinguishedName] {
+        // The hints are optional; kube-scheduler sends its one certificate either way.
+        &[]
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<ClientCertVerified, tokio_rustls::rustls::Error> {
+        self.callers()
+            .verify_client_cert(end_entity, intermediates, now)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, tokio_rustls::rustls::Error> {
+        self.callers().verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, tokio_rustls::rustls::Error> {
+        self.callers().verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.callers().supported_verify_schemes()
     }
 }
 
@@ -521,5 +655,55 @@ mod tests {
         let mut secret = secret_of("tls", "ns", &id);
         secret.data.as_mut().unwrap().remove("ca.key");
         assert!(identity_of(&secret).is_none());
+        assert!(ca_of(&secret).is_none());
+    }
+
+    /// Whether `cert` passes as a caller's certificate with `ca`.
+    fn accepted_caller(cert: &str, ca: &str) -> bool {
+        let leaf = CertificateDer::from_pem_slice(cert.as_bytes()).unwrap();
+        callers_of(ca)
+            .unwrap()
+            .verify_client_cert(&leaf, &[], UnixTime::now())
+            .is_ok()
+    }
+
+    #[test]
+    fn the_schedulers_certificate_is_a_caller_of_the_ca_and_nothing_else_is() {
+        let now = Timestamp::now();
+        let id = issue(&names(), None, now).unwrap();
+        assert!(accepted_caller(&id.client_cert, &id.ca));
+        assert!(
+            !accepted_caller(&id.cert, &id.ca),
+            "the serving certificate is for serving only"
+        );
+        let stranger = issue(&names(), None, now).unwrap();
+        assert!(!accepted_caller(&stranger.client_cert, &id.ca));
+        let renewed = issue(&names(), Some((&id.ca, &id.ca_key)), now).unwrap();
+        assert!(
+            accepted_caller(&renewed.client_cert, &id.ca),
+            "a renewal's client certificate chains to the CA the operator already checks"
+        );
+        assert!(
+            accepted_caller(&id.client_cert, &renewed.ca),
+            "and the one the scheduler still holds keeps passing until it reads the new one"
+        );
+    }
+
+    #[test]
+    fn a_secret_written_before_client_certificates_is_renewed_under_its_ca() {
+        let id = issue(&names(), None, Timestamp::now()).unwrap();
+        let mut secret = secret_of("tls", "ns", &id);
+        assert_eq!(identity_of(&secret).as_ref(), Some(&id));
+        let data = secret.data.as_mut().unwrap();
+        data.remove("client.crt");
+        data.remove("client.key");
+        assert!(identity_of(&secret).is_none(), "so ensure() issues again");
+        assert_eq!(ca_of(&secret), Some((id.ca.clone(), id.ca_key.clone())));
+    }
+
+    #[test]
+    fn an_empty_ca_is_refused_by_name() {
+        let err = callers_of("").err().unwrap();
+        assert!(err.to_string().contains("no certificate"), "{err}");
     }
 }

@@ -33,6 +33,8 @@ pub fn test_config(
         extender_addr: std::net::SocketAddr::from(([127, 0, 0, 1], extender_port)),
         tls_cert: None,
         tls_key: None,
+        extender_client_ca: None,
+        extender_anonymous_callers: false,
         metrics_addr: std::net::SocketAddr::from(([127, 0, 0, 1], metrics_port)),
         namespace: namespace.to_string(),
         default_alignment: Alignment::None,

@@ -52,20 +52,30 @@ pub fn operator_tls_args() -> Vec<String> {
 
 /// The operator's CA (`ca.crt` of its Secret), as it created it.
 pub async fn operator_ca(cp: &ControlPlane) -> Result<String, SimNodeError> {
+    operator_secret_entry(cp, "ca.crt").await
+}
+
+/// Entry `key` of the operator's certificate Secret (`ca.crt`, or gpuledger-scheduler's
+/// `client.crt` and `client.key`), once the operator has written it.
+pub async fn operator_secret_entry(cp: &ControlPlane, key: &str) -> Result<String, SimNodeError> {
     let secrets: Api<Secret> = Api::namespaced(cp.client(), DEFAULT_NAMESPACE);
-    let ca = wait_for("the operator's certificate Secret", STARTUP_TIMEOUT, || {
-        let secrets = secrets.clone();
-        async move {
-            let s = secrets.get_opt(TLS_SECRET).await?;
-            Ok::<_, kube::Error>(
-                s.and_then(|s| s.data)
-                    .and_then(|d| d.get("ca.crt").cloned())
-                    .and_then(|b| String::from_utf8(b.0).ok()),
-            )
-        }
-    })
+    let entry = wait_for(
+        format!("{key} in the operator's certificate Secret"),
+        STARTUP_TIMEOUT,
+        || {
+            let secrets = secrets.clone();
+            async move {
+                let s = secrets.get_opt(TLS_SECRET).await?;
+                Ok::<_, kube::Error>(
+                    s.and_then(|s| s.data)
+                        .and_then(|d| d.get(key).cloned())
+                        .and_then(|b| String::from_utf8(b.0).ok()),
+                )
+            }
+        },
+    )
     .await?;
-    Ok(ca)
+    Ok(entry)
 }
 
 /// The objects `helm template` renders for the chart (release `gpuledger` in
@@ -161,10 +171,22 @@ impl GpuledgerScheduler {
             .map_err(|e| SimNodeError::Build(format!("gpuledger-scheduler-config: {e}")))?;
         let extender = &mut config["extenders"][0];
         extender["urlPrefix"] = Value::from(format!("https://127.0.0.1:{extender_port}"));
-        let ca_file = dir.join("operator-ca.crt");
-        std::fs::write(&ca_file, operator_ca(cp).await?)
-            .map_err(|e| SimNodeError::io("write", &ca_file, e))?;
-        extender["tlsConfig"]["caFile"] = Value::from(ca_file.display().to_string());
+        // The Secret's entries where the chart mounts them, each under the field that names it.
+        for (key, field) in [
+            ("ca.crt", "caFile"),
+            ("client.crt", "certFile"),
+            ("client.key", "keyFile"),
+        ] {
+            let file = dir.join(format!("operator-{key}"));
+            std::fs::write(&file, operator_secret_entry(cp, key).await?)
+                .map_err(|e| SimNodeError::io("write", &file, e))?;
+            if extender["tlsConfig"][field].is_null() {
+                return Err(SimNodeError::Build(format!(
+                    "the chart's gpuledger-scheduler-config has no extenders[0].tlsConfig.{field}"
+                )));
+            }
+            extender["tlsConfig"][field] = Value::from(file.display().to_string());
+        }
         extender["tlsConfig"]["serverName"] = Value::from(service_name());
         let kubeconfig = cp
             .service_account_kubeconfig(DEFAULT_NAMESPACE, GPULEDGER_SCHEDULER, None)

@@ -1,5 +1,14 @@
 //! HTTPS for the extender (in-cluster, kube-scheduler's `enableHTTPS: true`): a listener that
-//! completes the TLS handshake before handing the connection to the HTTP server.
+//! completes the TLS handshake before handing the connection to the HTTP server, and the check
+//! that only a caller with a client certificate of the trusted CA reaches `filter`,
+//! `prioritize` and `bind`.
+//!
+//! The handshake asks every caller for a certificate but does not insist: the API server calls
+//! the admission webhook on the same port without one. A certificate that is offered must verify
+//! (or the handshake fails); whether one was offered travels with each request as [`Caller`],
+//! and [`require_client`] turns the extender's routes away from a caller without one. Without
+//! it, anything that could reach the port could `bind` any pod to any node, skipping every check
+//! kube-scheduler makes.
 
 use std::io;
 use std::net::SocketAddr;
@@ -7,12 +16,21 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::extract::connect_info::{ConnectInfo, Connected};
+use axum::extract::{Request, State};
+use axum::http::StatusCode;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::serve::IncomingStream;
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::rustls::ServerConfig;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use tokio_rustls::rustls::server::danger::ClientCertVerifier;
 use tokio_rustls::server::TlsStream;
+
+use crate::telemetry::Metrics;
 
 /// How long a client may take to complete its handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -41,10 +59,33 @@ pub enum TlsError {
     /// rustls refused the pair.
     #[error("certificate and key do not form a usable TLS identity: {0}")]
     Config(#[from] tokio_rustls::rustls::Error),
+    /// The CA of the extender's callers could not be read.
+    #[error("read the extender's client CA {path}: {problem}")]
+    ClientCa {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        problem: String,
+    },
 }
 
-/// Builds the server identity from PEM files.
-pub fn acceptor(cert: &Path, key: &Path) -> Result<TlsAcceptor, TlsError> {
+/// A verifier of callers' certificates signed by the CA in PEM file `path`.
+pub fn callers_from_file(path: &Path) -> Result<Arc<dyn ClientCertVerifier>, TlsError> {
+    let bad = |problem: String| TlsError::ClientCa {
+        path: path.display().to_string(),
+        problem,
+    };
+    let pem = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+    crate::certs::callers_of(&pem).map_err(|e| bad(e.to_string()))
+}
+
+/// Builds the server identity from PEM files; `callers`, when given, verifies the certificates
+/// callers offer (see the module docs).
+pub fn acceptor(
+    cert: &Path,
+    key: &Path,
+    callers: Option<Arc<dyn ClientCertVerifier>>,
+) -> Result<TlsAcceptor, TlsError> {
     let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
         .and_then(|it| it.collect::<Result<_, _>>())
         .map_err(|source| TlsError::Cert {
@@ -56,24 +97,73 @@ pub fn acceptor(cert: &Path, key: &Path) -> Result<TlsAcceptor, TlsError> {
         source,
     })?;
     let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
-    let config = ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()?
-        .with_no_client_auth()
-        .with_single_cert(chain, key)?;
+    let builder =
+        ServerConfig::builder_with_provider(provider).with_safe_default_protocol_versions()?;
+    let config = match callers {
+        Some(callers) => builder.with_client_cert_verifier(callers),
+        None => builder.with_no_client_auth(),
+    }
+    .with_single_cert(chain, key)?;
     Ok(TlsAcceptor::from(Arc::new(config)))
 }
 
-/// Serves whatever `resolver` holds: a certificate that may be renewed while serving
-/// (`certs::LiveCert`).
-pub fn acceptor_resolving(
-    resolver: Arc<dyn tokio_rustls::rustls::server::ResolvesServerCert>,
-) -> Result<TlsAcceptor, TlsError> {
+/// Serves whatever `live` holds, and verifies callers against its CA: a certificate and CA that
+/// may be renewed while serving.
+pub fn acceptor_resolving(live: Arc<crate::certs::LiveCert>) -> Result<TlsAcceptor, TlsError> {
     let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
     let config = ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()?
-        .with_no_client_auth()
-        .with_cert_resolver(resolver);
+        .with_client_cert_verifier(live.clone())
+        .with_cert_resolver(live);
     Ok(TlsAcceptor::from(Arc::new(config)))
+}
+
+/// Who is at the other end of a connection, as each of its requests sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Caller {
+    /// The peer's address.
+    pub addr: SocketAddr,
+    /// Whether it presented a client certificate (which the handshake verified, or it would
+    /// have failed).
+    pub certified: bool,
+}
+
+impl Connected<IncomingStream<'_, TlsListener>> for Caller {
+    fn connect_info(stream: IncomingStream<'_, TlsListener>) -> Self {
+        let (_, session) = stream.io().get_ref();
+        Caller {
+            addr: *stream.remote_addr(),
+            certified: session
+                .peer_certificates()
+                .is_some_and(|chain| !chain.is_empty()),
+        }
+    }
+}
+
+/// Middleware for the extender's routes: a caller without a verified client certificate is
+/// answered 403 with why, and counted, before any handler runs. A request that did not come
+/// through [`TlsListener`] carries no [`Caller`] and is refused the same way.
+pub async fn require_client(
+    State(metrics): State<Arc<Metrics>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let caller = request
+        .extensions()
+        .get::<ConnectInfo<Caller>>()
+        .map(|c| c.0);
+    if caller.is_some_and(|c| c.certified) {
+        return next.run(request).await;
+    }
+    metrics.extender_anonymous_refused.inc();
+    let from = caller.map_or_else(|| "unknown".to_string(), |c| c.addr.to_string());
+    tracing::warn!(peer = %from, path = %request.uri().path(), "extender call without a client certificate refused");
+    (
+        StatusCode::FORBIDDEN,
+        "the extender answers only callers with a client certificate of its CA \
+         (gpuledger-scheduler mounts client.crt and client.key of the operator's TLS Secret)\n",
+    )
+        .into_response()
 }
 
 /// A TCP listener whose connections are TLS sessions.
@@ -142,7 +232,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (cert, _, _) = identity(dir.path());
         let missing = dir.path().join("nope.key");
-        let err = acceptor(&cert, &missing).err().unwrap();
+        let err = acceptor(&cert, &missing, None).err().unwrap();
         assert!(matches!(err, TlsError::Key { .. }));
         assert!(err.to_string().contains("nope.key"), "{err}");
     }
@@ -152,7 +242,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (cert, key, cert_pem) = identity(dir.path());
         let tcp = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let mut listener = TlsListener::new(tcp, acceptor(&cert, &key).unwrap());
+        let mut listener = TlsListener::new(tcp, acceptor(&cert, &key, None).unwrap());
         let addr = listener.local_addr().unwrap();
         let server = tokio::spawn(async move {
             let (mut io, _) = listener.accept().await;
@@ -183,5 +273,158 @@ mod tests {
         tls.read_exact(&mut reply).await.unwrap();
         assert_eq!(&reply, b"pong");
         assert_eq!(&server.await.unwrap(), b"ping");
+    }
+
+    /// A router like the operator's: `/bind` behind [`require_client`], `/validate-pods` (the
+    /// webhook, which the API server calls without a certificate) beside it, served over
+    /// `acceptor` with each request's [`Caller`].
+    async fn serve_guarded(acceptor: TlsAcceptor) -> (SocketAddr, Arc<Metrics>) {
+        let metrics = Arc::new(Metrics::new());
+        let app = axum::Router::new()
+            .route("/bind", axum::routing::post(|| async { "bound" }))
+            .route_layer(axum::middleware::from_fn_with_state(
+                metrics.clone(),
+                require_client,
+            ))
+            .merge(axum::Router::new().route(
+                "/validate-pods",
+                axum::routing::post(|| async { "admitted" }),
+            ));
+        let tcp = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = tcp.local_addr().unwrap();
+        tokio::spawn(async move {
+            axum::serve(
+                TlsListener::new(tcp, acceptor),
+                app.into_make_service_with_connect_info::<Caller>(),
+            )
+            .await
+            .unwrap();
+        });
+        (addr, metrics)
+    }
+
+    /// POSTs `path` over TLS, trusting `ca` and presenting `client` (certificate, key) when
+    /// given: the answer's status line, or why there was none.
+    async fn post(
+        addr: SocketAddr,
+        ca: &str,
+        client: Option<(&str, &str)>,
+        path: &str,
+    ) -> std::io::Result<String> {
+        let mut roots = RootCertStore::empty();
+        roots
+            .add(CertificateDer::from_pem_slice(ca.as_bytes()).unwrap())
+            .unwrap();
+        let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
+        let builder = ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots);
+        let config = match client {
+            Some((cert, key)) => builder
+                .with_client_auth_cert(
+                    vec![CertificateDer::from_pem_slice(cert.as_bytes()).unwrap()],
+                    PrivateKeyDer::from_pem_slice(key.as_bytes()).unwrap(),
+                )
+                .unwrap(),
+            None => builder.with_no_client_auth(),
+        };
+        let tcp = TcpStream::connect(addr).await?;
+        let name = ServerName::try_from("localhost").unwrap();
+        let mut tls = TlsConnector::from(Arc::new(config))
+            .connect(name, tcp)
+            .await?;
+        let request = format!(
+            "POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        );
+        tls.write_all(request.as_bytes()).await?;
+        let mut answer = String::new();
+        tls.read_to_string(&mut answer).await?;
+        Ok(answer.lines().next().unwrap_or_default().to_string())
+    }
+
+    fn identity_for_localhost() -> crate::certs::Identity {
+        let now = k8s_openapi::jiff::Timestamp::now();
+        crate::certs::issue(&["localhost".to_string()], None, now).unwrap()
+    }
+
+    #[tokio::test]
+    async fn bind_answers_only_a_caller_with_the_cas_client_certificate() {
+        let id = identity_for_localhost();
+        let live = Arc::new(crate::certs::LiveCert::new(&id).unwrap());
+        let (addr, metrics) = serve_guarded(acceptor_resolving(live).unwrap()).await;
+        let scheduler = Some((id.client_cert.as_str(), id.client_key.as_str()));
+
+        let ok = post(addr, &id.ca, scheduler, "/bind").await.unwrap();
+        assert!(ok.contains("200"), "{ok}");
+        let refused = post(addr, &id.ca, None, "/bind").await.unwrap();
+        assert!(refused.contains("403"), "{refused}");
+        assert_eq!(metrics.extender_anonymous_refused.get(), 1);
+        // The webhook beside it is answered without a certificate, as the API server calls it.
+        let admitted = post(addr, &id.ca, None, "/validate-pods").await.unwrap();
+        assert!(admitted.contains("200"), "{admitted}");
+
+        // Another CA's client certificate, and the serving certificate offered as a client's
+        // (signed by the right CA, but for serving only), do not get through the handshake.
+        let stranger = identity_for_localhost();
+        let theirs = Some((stranger.client_cert.as_str(), stranger.client_key.as_str()));
+        let answer = post(addr, &id.ca, theirs, "/bind").await;
+        assert!(
+            answer.as_ref().map_or(true, |line| line.is_empty()),
+            "{answer:?}"
+        );
+        let serving = Some((id.cert.as_str(), id.key.as_str()));
+        let answer = post(addr, &id.ca, serving, "/bind").await;
+        assert!(
+            answer.as_ref().map_or(true, |line| line.is_empty()),
+            "{answer:?}"
+        );
+        assert_eq!(metrics.extender_anonymous_refused.get(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_renewed_ca_takes_its_callers_from_the_next_handshake() {
+        let first = identity_for_localhost();
+        let live = Arc::new(crate::certs::LiveCert::new(&first).unwrap());
+        let (addr, _) = serve_guarded(acceptor_resolving(live.clone()).unwrap()).await;
+        let next = identity_for_localhost();
+        live.replace(&next).unwrap();
+        let old = Some((first.client_cert.as_str(), first.client_key.as_str()));
+        let answer = post(addr, &next.ca, old, "/bind").await;
+        assert!(
+            answer.as_ref().map_or(true, |line| line.is_empty()),
+            "{answer:?}"
+        );
+        let new = Some((next.client_cert.as_str(), next.client_key.as_str()));
+        let ok = post(addr, &next.ca, new, "/bind").await.unwrap();
+        assert!(ok.contains("200"), "{ok}");
+    }
+
+    #[tokio::test]
+    async fn certificates_from_files_check_callers_against_the_client_ca_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let id = identity_for_localhost();
+        let path = |name: &str, text: &str| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, text).unwrap();
+            p
+        };
+        let (cert, key) = (path("tls.crt", &id.cert), path("tls.key", &id.key));
+        let ca = path("ca.crt", &id.ca);
+        let callers = callers_from_file(&ca).unwrap();
+        let (addr, _) = serve_guarded(acceptor(&cert, &key, Some(callers)).unwrap()).await;
+        let scheduler = Some((id.client_cert.as_str(), id.client_key.as_str()));
+        let ok = post(addr, &id.ca, scheduler, "/bind").await.unwrap();
+        assert!(ok.contains("200"), "{ok}");
+        let refused = post(addr, &id.ca, None, "/bind").await.unwrap();
+        assert!(refused.contains("403"), "{refused}");
+
+        let err = callers_from_file(&dir.path().join("missing.crt"))
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("missing.crt"), "{err}");
+        let empty = path("empty.crt", "");
+        let err = callers_from_file(&empty).err().unwrap();
+        assert!(err.to_string().contains("no certificate"), "{err}");
     }
 }

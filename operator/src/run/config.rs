@@ -47,6 +47,16 @@ pub struct RunConfig {
     /// Service's names, gpuledger-operator.<namespace>.svc and its shorter forms).
     #[arg(long, env = "GPULEDGER_TLS_NAMES", value_delimiter = ',')]
     pub tls_names: Vec<String>,
+    /// PEM CA whose client certificates may call the extender's filter, prioritize and bind,
+    /// with --tls-cert. With --self-signed-tls it is the operator's own CA, which signs
+    /// gpuledger-scheduler's client certificate in the same Secret.
+    #[arg(long, env = "GPULEDGER_EXTENDER_CLIENT_CA", requires = "tls_cert")]
+    pub extender_client_ca: Option<PathBuf>,
+    /// Answer filter, prioritize and bind over TLS without a client certificate. Anything that
+    /// reaches the port can then bind any pod to any node: only where the port is reachable from
+    /// the scheduler alone (a NetworkPolicy, say).
+    #[arg(long, env = "GPULEDGER_EXTENDER_ANONYMOUS_CALLERS")]
+    pub extender_anonymous_callers: bool,
     /// Mutating and validating webhook configurations (one name) whose caBundle the operator
     /// keeps equal to its CA, with --self-signed-tls; empty: none.
     #[arg(long, env = "GPULEDGER_WEBHOOK_CONFIGURATION", default_value = "")]
@@ -127,9 +137,29 @@ pub enum ConfigError {
         /// The flags that are missing.
         missing: String,
     },
+    /// --tls-cert without saying who may call the extender.
+    #[error(
+        "--tls-cert serves the extender without knowing its callers: give --extender-client-ca \
+         (the CA of kube-scheduler's client certificate), or --extender-anonymous-callers where \
+         only the scheduler can reach the port"
+    )]
+    TlsWithoutCallers,
 }
 
 impl RunConfig {
+    /// Whether the extender's routes insist on a caller's client certificate: over TLS, unless
+    /// --extender-anonymous-callers. Plain HTTP (a local run, tests) has no certificates to ask
+    /// for. Refuses --tls-cert that names neither the callers' CA nor anonymous callers.
+    pub fn callers_certified(&self) -> Result<bool, ConfigError> {
+        if self.extender_anonymous_callers {
+            return Ok(false);
+        }
+        if self.tls_cert.is_some() && self.extender_client_ca.is_none() {
+            return Err(ConfigError::TlsWithoutCallers);
+        }
+        Ok(self.tls_cert.is_some() || self.self_signed_tls.is_some())
+    }
+
     /// The Service endpoint this replica keeps while it leads, `None` without
     /// --extender-service.
     pub fn extender_endpoint(&self) -> Result<Option<ExtenderEndpoint>, ConfigError> {
@@ -222,5 +252,38 @@ mod tests {
         assert!(Cli::try_parse_from(["x", "--tls-cert", "c.pem"]).is_err());
         let cli = Cli::try_parse_from(["x", "--default-alignment", "Strict"]).unwrap();
         assert_eq!(cli.run.default_alignment, Alignment::Strict);
+    }
+
+    #[test]
+    fn tls_asks_callers_for_a_certificate_unless_told_otherwise() {
+        let callers = |args: &[&str]| {
+            let mut all = vec!["x"];
+            all.extend_from_slice(args);
+            Cli::try_parse_from(all).unwrap().run.callers_certified()
+        };
+        assert_eq!(callers(&[]), Ok(false), "plain HTTP has no certificates");
+        assert_eq!(callers(&["--self-signed-tls=s"]), Ok(true));
+        assert_eq!(
+            callers(&["--tls-cert=c", "--tls-key=k", "--extender-client-ca=ca"]),
+            Ok(true)
+        );
+        let err = callers(&["--tls-cert=c", "--tls-key=k"]).unwrap_err();
+        assert!(err.to_string().contains("--extender-client-ca"), "{err}");
+        assert_eq!(
+            callers(&[
+                "--tls-cert=c",
+                "--tls-key=k",
+                "--extender-anonymous-callers"
+            ]),
+            Ok(false)
+        );
+        assert_eq!(
+            callers(&["--self-signed-tls=s", "--extender-anonymous-callers"]),
+            Ok(false)
+        );
+        assert!(
+            Cli::try_parse_from(["x", "--extender-client-ca=ca"]).is_err(),
+            "a client CA means nothing without --tls-cert"
+        );
     }
 }

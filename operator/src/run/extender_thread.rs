@@ -17,7 +17,7 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio_rustls::TlsAcceptor;
 
-use crate::extender::tls::TlsListener;
+use crate::extender::tls::{Caller, TlsListener};
 
 /// The running extender thread; dropping it stops the server (the thread sees its end of the
 /// channel closed).
@@ -66,7 +66,15 @@ pub fn spawn(
 
 async fn serve(listener: TcpListener, tls: Option<TlsAcceptor>, app: Router) {
     let result = match tls {
-        Some(acceptor) => axum::serve(TlsListener::new(listener, acceptor), app).await,
+        // Each request learns whether its caller presented a client certificate
+        // (`extender::tls::require_client` reads it).
+        Some(acceptor) => {
+            axum::serve(
+                TlsListener::new(listener, acceptor),
+                app.into_make_service_with_connect_info::<Caller>(),
+            )
+            .await
+        }
         None => {
             // Answers go out as soon as they are written: with Nagle, a response written in
             // parts can wait for the scheduler's delayed ACK.

@@ -93,8 +93,15 @@ async fn ensure_namespace(client: &Client, ns: &str) {
 /// Runs the operator until `shutdown` completes or an essential task ends.
 pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Result<(), RunError> {
     let extender_endpoint = config.extender_endpoint()?;
+    let callers_certified = config.callers_certified()?;
     let mut tls = match (&config.tls_cert, &config.tls_key) {
-        (Some(cert), Some(key)) => Some(extender::tls::acceptor(cert, key)?),
+        (Some(cert), Some(key)) => {
+            let callers = match &config.extender_client_ca {
+                Some(ca) => Some(extender::tls::callers_from_file(ca)?),
+                None => None,
+            };
+            Some(extender::tls::acceptor(cert, key, callers)?)
+        }
         _ => None,
     };
     let (client, writes) = kubeclient::client_counting_writes(config.kubeconfig.as_deref()).await?;
@@ -322,7 +329,14 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
             metrics.clone(),
         ));
     }
-    let ext_app = extender::server::router(ctx.clone()).merge(webhook::server::router(ctx.clone()));
+    let mut extender_routes = extender::server::router(ctx.clone());
+    if callers_certified {
+        extender_routes = extender_routes.route_layer(axum::middleware::from_fn_with_state(
+            metrics.clone(),
+            extender::tls::require_client,
+        ));
+    }
+    let ext_app = extender_routes.merge(webhook::server::router(ctx.clone()));
     // Kept until `run` stops it or is dropped: the extender stops with the operator.
     let (extender, extender_stopped) =
         extender_thread::spawn(ext_listener, tls, ext_app).map_err(RunError::ExtenderThread)?;

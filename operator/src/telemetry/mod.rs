@@ -163,6 +163,8 @@ pub struct Metrics {
     pub certificate_expiry: Gauge,
     /// Failed checks, renewals and CA publications of the serving certificate.
     pub certificate_failures: Counter,
+    /// Extender calls refused because the caller presented no client certificate.
+    pub extender_anonymous_refused: Counter,
 }
 
 impl Default for Metrics {
@@ -331,6 +333,12 @@ impl Metrics {
             "Failed checks, renewals and CA publications of the serving certificate",
             certificate_failures.clone(),
         );
+        let extender_anonymous_refused = Counter::default();
+        registry.register(
+            "extender_anonymous_calls_refused",
+            "Extender calls (filter, prioritize, bind) refused because the caller presented no client certificate of the operator's CA",
+            extender_anonymous_refused.clone(),
+        );
         Self {
             registry,
             decisions,
@@ -359,6 +367,7 @@ impl Metrics {
             endpoint_failures,
             certificate_expiry,
             certificate_failures,
+            extender_anonymous_refused,
         }
     }
 
