@@ -477,6 +477,18 @@ async fn only_the_schedulers_certificate_binds(cluster: &SimCluster, port: &str)
         Some(1.0),
         "{metrics}"
     );
+    // The stranger's handshake is counted, so an alert can see someone knocking.
+    wait_for("the refused handshake counted", WAIT, || async {
+        let metrics = cluster.operator.metrics().await;
+        let failures = gpuledger_e2e::prometheus::sample(
+            &metrics,
+            "gpuledger_extender_tls_handshake_failures_total",
+            &[],
+        );
+        Ok::<_, std::io::Error>(failures.filter(|n| *n >= 1.0))
+    })
+    .await
+    .unwrap();
     let unbound = pods.get("stray").await.unwrap();
     assert_eq!(unbound.spec.unwrap().node_name, None);
     let reservations: Api<GpuReservation> = Api::namespaced(client.clone(), NS);

@@ -22,7 +22,9 @@ use axum::http::StatusCode;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::serve::IncomingStream;
+use prometheus_client::metrics::counter::Counter;
 use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::rustls::ServerConfig;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
@@ -34,6 +36,9 @@ use crate::telemetry::Metrics;
 
 /// How long a client may take to complete its handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How many handshakes may be under way at once; more connections wait in the kernel's backlog
+/// until one ends (at the latest after [`HANDSHAKE_TIMEOUT`]).
+const MAX_PENDING_HANDSHAKES: usize = 256;
 
 /// Why the TLS configuration could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -166,16 +171,46 @@ pub async fn require_client(
         .into_response()
 }
 
+/// One handshake's outcome: the session, or why there is none.
+type Handshake = (
+    Result<io::Result<TlsStream<TcpStream>>, tokio::time::error::Elapsed>,
+    SocketAddr,
+);
+
 /// A TCP listener whose connections are TLS sessions.
+///
+/// Handshakes run side by side, each in a task of its own: one caller that connects and then
+/// says nothing (or says it slowly) would otherwise hold every other connection, kube-scheduler's
+/// included, behind it until [`HANDSHAKE_TIMEOUT`].
 pub struct TlsListener {
     tcp: TcpListener,
     acceptor: TlsAcceptor,
+    pending: JoinSet<Handshake>,
+    failures: Counter,
 }
 
 impl TlsListener {
-    /// Wraps a bound listener.
-    pub fn new(tcp: TcpListener, acceptor: TlsAcceptor) -> Self {
-        Self { tcp, acceptor }
+    /// Wraps a bound listener; every failed or timed-out handshake counts in `failures`.
+    pub fn new(tcp: TcpListener, acceptor: TlsAcceptor, failures: Counter) -> Self {
+        Self {
+            tcp,
+            acceptor,
+            pending: JoinSet::new(),
+            failures,
+        }
+    }
+
+    fn start_handshake(&mut self, tcp: TcpStream, addr: SocketAddr) {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(peer = %addr, error = %e, "could not disable Nagle");
+        }
+        let acceptor = self.acceptor.clone();
+        self.pending.spawn(async move {
+            (
+                tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await,
+                addr,
+            )
+        });
     }
 }
 
@@ -183,24 +218,32 @@ impl axum::serve::Listener for TlsListener {
     type Io = TlsStream<TcpStream>;
     type Addr = SocketAddr;
 
+    // Cancel-safe: a new connection is in `pending` as soon as it is accepted, and a finished
+    // handshake leaves `pending` only when it is returned.
     async fn accept(&mut self) -> (Self::Io, Self::Addr) {
         loop {
-            let (tcp, addr) = match self.tcp.accept().await {
-                Ok(conn) => conn,
-                Err(e) => {
-                    // Out of file descriptors and the like: back off instead of spinning.
-                    tracing::warn!(error = %e, "extender accept failed");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            };
-            if let Err(e) = tcp.set_nodelay(true) {
-                tracing::debug!(peer = %addr, error = %e, "could not disable Nagle");
-            }
-            match tokio::time::timeout(HANDSHAKE_TIMEOUT, self.acceptor.accept(tcp)).await {
-                Ok(Ok(tls)) => return (tls, addr),
-                Ok(Err(e)) => tracing::debug!(peer = %addr, error = %e, "TLS handshake failed"),
-                Err(_) => tracing::debug!(peer = %addr, "TLS handshake timed out"),
+            let room = self.pending.len() < MAX_PENDING_HANDSHAKES;
+            tokio::select! {
+                conn = self.tcp.accept(), if room => match conn {
+                    Ok((tcp, addr)) => self.start_handshake(tcp, addr),
+                    Err(e) => {
+                        // Out of file descriptors and the like: back off instead of spinning.
+                        tracing::warn!(error = %e, "extender accept failed");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                },
+                Some(done) = self.pending.join_next() => match done {
+                    Ok((Ok(Ok(tls)), addr)) => return (tls, addr),
+                    Ok((Ok(Err(e)), addr)) => {
+                        self.failures.inc();
+                        tracing::debug!(peer = %addr, error = %e, "TLS handshake failed");
+                    }
+                    Ok((Err(_), addr)) => {
+                        self.failures.inc();
+                        tracing::debug!(peer = %addr, "TLS handshake timed out");
+                    }
+                    Err(e) => tracing::warn!(error = %e, "TLS handshake task ended abnormally"),
+                },
             }
         }
     }
@@ -242,7 +285,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (cert, key, cert_pem) = identity(dir.path());
         let tcp = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let mut listener = TlsListener::new(tcp, acceptor(&cert, &key, None).unwrap());
+        let mut listener = TlsListener::new(
+            tcp,
+            acceptor(&cert, &key, None).unwrap(),
+            Counter::default(),
+        );
         let addr = listener.local_addr().unwrap();
         let server = tokio::spawn(async move {
             let (mut io, _) = listener.accept().await;
@@ -292,9 +339,10 @@ mod tests {
             ));
         let tcp = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = tcp.local_addr().unwrap();
+        let failures = metrics.extender_handshake_failures.clone();
         tokio::spawn(async move {
             axum::serve(
-                TlsListener::new(tcp, acceptor),
+                TlsListener::new(tcp, acceptor, failures),
                 app.into_make_service_with_connect_info::<Caller>(),
             )
             .await
@@ -380,6 +428,40 @@ mod tests {
             "{answer:?}"
         );
         assert_eq!(metrics.extender_anonymous_refused.get(), 1);
+        // Both refused handshakes are counted (by the accept loop, so waited for).
+        let counted = tokio::time::timeout(Duration::from_secs(10), async {
+            while metrics.extender_handshake_failures.get() < 2 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+        assert!(
+            counted.is_ok(),
+            "{}",
+            metrics.extender_handshake_failures.get()
+        );
+        assert_eq!(metrics.extender_handshake_failures.get(), 2);
+    }
+
+    #[tokio::test]
+    async fn a_caller_that_never_finishes_its_handshake_holds_no_one_up() {
+        let id = identity_for_localhost();
+        let live = Arc::new(crate::certs::LiveCert::new(&id).unwrap());
+        let (addr, _) = serve_guarded(acceptor_resolving(live).unwrap()).await;
+        // Connects first, then says nothing.
+        let silent = TcpStream::connect(addr).await.unwrap();
+        let scheduler = Some((id.client_cert.as_str(), id.client_key.as_str()));
+        let ok = post(addr, &id.ca, scheduler, "/bind").await.unwrap();
+        assert!(ok.contains("200"), "{ok}");
+        // Answered while the silent connection still waits for its handshake. With one
+        // handshake at a time the answer would have come only after the server gave up on the
+        // silent one, and closed it.
+        let mut buf = [0u8; 1];
+        let still_open = silent.try_read(&mut buf);
+        assert!(
+            matches!(&still_open, Err(e) if e.kind() == io::ErrorKind::WouldBlock),
+            "{still_open:?}"
+        );
     }
 
     #[tokio::test]

@@ -13,6 +13,7 @@
 
 use axum::Router;
 use axum::serve::ListenerExt;
+use prometheus_client::metrics::counter::Counter;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio_rustls::TlsAcceptor;
@@ -31,6 +32,7 @@ pub struct ExtenderThread {
 pub fn spawn(
     listener: TcpListener,
     tls: Option<TlsAcceptor>,
+    handshake_failures: Counter,
     app: Router,
 ) -> std::io::Result<(ExtenderThread, oneshot::Receiver<()>)> {
     // The listener was registered with the main runtime's reactor: hand it over as a plain
@@ -53,7 +55,7 @@ pub fn spawn(
                     }
                 };
                 tokio::select! {
-                    () = serve(listener, tls, app) => {}
+                    () = serve(listener, tls, handshake_failures, app) => {}
                     _ = stop_requested => {}
                 }
             });
@@ -64,13 +66,18 @@ pub fn spawn(
     Ok((ExtenderThread { _stop: stop }, stopped))
 }
 
-async fn serve(listener: TcpListener, tls: Option<TlsAcceptor>, app: Router) {
+async fn serve(
+    listener: TcpListener,
+    tls: Option<TlsAcceptor>,
+    handshake_failures: Counter,
+    app: Router,
+) {
     let result = match tls {
         // Each request learns whether its caller presented a client certificate
         // (`extender::tls::require_client` reads it).
         Some(acceptor) => {
             axum::serve(
-                TlsListener::new(listener, acceptor),
+                TlsListener::new(listener, acceptor, handshake_failures),
                 app.into_make_service_with_connect_info::<Caller>(),
             )
             .await
@@ -114,7 +121,7 @@ mod tests {
             "/",
             get(|| async { std::thread::current().name().unwrap_or("").to_string() }),
         );
-        let (thread, stopped) = spawn(listener, None, app).unwrap();
+        let (thread, stopped) = spawn(listener, None, Counter::default(), app).unwrap();
         let answer = get_root(port).await.unwrap();
         assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
         assert!(

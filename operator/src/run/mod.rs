@@ -338,8 +338,13 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
     }
     let ext_app = extender_routes.merge(webhook::server::router(ctx.clone()));
     // Kept until `run` stops it or is dropped: the extender stops with the operator.
-    let (extender, extender_stopped) =
-        extender_thread::spawn(ext_listener, tls, ext_app).map_err(RunError::ExtenderThread)?;
+    let (extender, extender_stopped) = extender_thread::spawn(
+        ext_listener,
+        tls,
+        metrics.extender_handshake_failures.clone(),
+        ext_app,
+    )
+    .map_err(RunError::ExtenderThread)?;
     let extender_stopped = extender_stopped.shared();
     tasks.spawn({
         let stopped = extender_stopped.clone();

@@ -165,6 +165,8 @@ pub struct Metrics {
     pub certificate_failures: Counter,
     /// Extender calls refused because the caller presented no client certificate.
     pub extender_anonymous_refused: Counter,
+    /// TLS handshakes on the extender's port that failed or timed out.
+    pub extender_handshake_failures: Counter,
 }
 
 impl Default for Metrics {
@@ -339,6 +341,12 @@ impl Metrics {
             "Extender calls (filter, prioritize, bind) refused because the caller presented no client certificate of the operator's CA",
             extender_anonymous_refused.clone(),
         );
+        let extender_handshake_failures = Counter::default();
+        registry.register(
+            "extender_tls_handshake_failures",
+            "TLS handshakes on the extender's and webhook's port that failed or timed out: a certificate the operator's CA did not sign or that expired, a caller that does not trust the operator, one that never finished",
+            extender_handshake_failures.clone(),
+        );
         Self {
             registry,
             decisions,
@@ -368,6 +376,7 @@ impl Metrics {
             certificate_expiry,
             certificate_failures,
             extender_anonymous_refused,
+            extender_handshake_failures,
         }
     }
 
