@@ -471,8 +471,8 @@ async fn only_the_schedulers_certificate_binds(cluster: &SimCluster, port: &str)
     assert_eq!(
         gpuledger_e2e::prometheus::sample(
             &metrics,
-            "gpuledger_extender_anonymous_calls_refused_total",
-            &[]
+            "gpuledger_extender_callers_refused_total",
+            &["reason=\"no_certificate\""]
         ),
         Some(1.0),
         "{metrics}"

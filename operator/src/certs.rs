@@ -180,27 +180,49 @@ pub fn issue(
     let cert = params
         .signed_by(&key, &issuer)
         .map_err(generate("serving certificate"))?;
-    let client_key = KeyPair::generate().map_err(generate("client key"))?;
-    let mut client =
-        CertificateParams::new(Vec::<String>::new()).map_err(generate("client certificate"))?;
-    client
-        .distinguished_name
-        .push(DnType::CommonName, SCHEDULER_CLIENT);
-    client.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-    client.not_before = params.not_before;
-    client.not_after = params.not_after;
-    let client = client
-        .signed_by(&client_key, &issuer)
-        .map_err(generate("client certificate"))?;
+    let (client_cert, client_key) = client_certificate(&issuer, SCHEDULER_CLIENT, &params)?;
     Ok(Identity {
         cert: cert.pem(),
         key: key.serialize_pem(),
-        client_cert: client.pem(),
-        client_key: client_key.serialize_pem(),
+        client_cert,
+        client_key,
         ca: ca_pem,
         ca_key: ca_key_pem,
         not_after,
     })
+}
+
+/// A client certificate (PEM certificate, PEM key) for common name `name`, for client use only,
+/// valid when `serving` is.
+fn client_certificate(
+    issuer: &Issuer<'_, KeyPair>,
+    name: &str,
+    serving: &CertificateParams,
+) -> Result<(String, String), CertError> {
+    let key = KeyPair::generate().map_err(generate("client key"))?;
+    let mut params =
+        CertificateParams::new(Vec::<String>::new()).map_err(generate("client certificate"))?;
+    params.distinguished_name.push(DnType::CommonName, name);
+    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    params.not_before = serving.not_before;
+    params.not_after = serving.not_after;
+    let cert = params
+        .signed_by(&key, issuer)
+        .map_err(generate("client certificate"))?;
+    Ok((cert.pem(), key.serialize_pem()))
+}
+
+/// A client certificate for `name` under `id`'s CA: what a CA that signs for others than the
+/// scheduler hands out.
+#[cfg(test)]
+pub(crate) fn client_certificate_named(id: &Identity, name: &str) -> (String, String) {
+    let key = KeyPair::from_pem(&id.ca_key).unwrap_or_else(|e| panic!("CA key: {e}"));
+    let issuer = Issuer::new(ca_params().unwrap_or_else(|e| panic!("{e}")), key);
+    let mut validity = CertificateParams::default();
+    let now = Timestamp::now();
+    validity.not_before = day!(now - SignedDuration::from_hours(24));
+    validity.not_after = day!(now + VALIDITY);
+    client_certificate(&issuer, name, &validity).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// Whether an identity expiring at `not_after` must be renewed at `now`.

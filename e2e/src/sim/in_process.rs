@@ -35,6 +35,7 @@ pub fn test_config(
         tls_key: None,
         extender_client_ca: None,
         extender_anonymous_callers: false,
+        extender_client_names: vec![gpuledger_operator::certs::SCHEDULER_CLIENT.into()],
         metrics_addr: std::net::SocketAddr::from(([127, 0, 0, 1], metrics_port)),
         namespace: namespace.to_string(),
         default_alignment: Alignment::None,

@@ -5,10 +5,11 @@
 //!
 //! The handshake asks every caller for a certificate but does not insist: the API server calls
 //! the admission webhook on the same port without one. A certificate that is offered must verify
-//! (or the handshake fails); whether one was offered travels with each request as [`Caller`],
-//! and [`require_client`] turns the extender's routes away from a caller without one. Without
-//! it, anything that could reach the port could `bind` any pod to any node, skipping every check
-//! kube-scheduler makes.
+//! (or the handshake fails); its common name travels with each request as [`Caller`], and
+//! [`require_client`] turns the extender's routes away from a caller without one, or with one
+//! not named among the callers (`--extender-client-names`: a CA given with
+//! `--extender-client-ca` may sign certificates for others too). Without it, anything that could
+//! reach the port could `bind` any pod to any node, skipping every check kube-scheduler makes.
 
 use std::io;
 use std::net::SocketAddr;
@@ -32,7 +33,7 @@ use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio_rustls::rustls::server::danger::ClientCertVerifier;
 use tokio_rustls::server::TlsStream;
 
-use crate::telemetry::Metrics;
+use crate::telemetry::{Metrics, ReasonLabels};
 
 /// How long a client may take to complete its handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -124,13 +125,13 @@ pub fn acceptor_resolving(live: Arc<crate::certs::LiveCert>) -> Result<TlsAccept
 }
 
 /// Who is at the other end of a connection, as each of its requests sees it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Caller {
     /// The peer's address.
     pub addr: SocketAddr,
-    /// Whether it presented a client certificate (which the handshake verified, or it would
-    /// have failed).
-    pub certified: bool,
+    /// The common name of the client certificate it presented (which the handshake verified,
+    /// or it would have failed; empty when the certificate has none), `None` without one.
+    pub name: Option<String>,
 }
 
 impl Connected<IncomingStream<'_, TlsListener>> for Caller {
@@ -138,37 +139,77 @@ impl Connected<IncomingStream<'_, TlsListener>> for Caller {
         let (_, session) = stream.io().get_ref();
         Caller {
             addr: *stream.remote_addr(),
-            certified: session
+            name: session
                 .peer_certificates()
-                .is_some_and(|chain| !chain.is_empty()),
+                .and_then(|chain| chain.first())
+                .map(|leaf| common_name(leaf)),
         }
     }
 }
 
-/// Middleware for the extender's routes: a caller without a verified client certificate is
-/// answered 403 with why, and counted, before any handler runs. A request that did not come
-/// through [`TlsListener`] carries no [`Caller`] and is refused the same way.
+/// The first common name in a certificate's subject; empty when it has none or does not parse
+/// (it has already verified, so the latter does not happen).
+fn common_name(der: &[u8]) -> String {
+    x509_parser::parse_x509_certificate(der)
+        .ok()
+        .and_then(|(_, cert)| {
+            cert.subject()
+                .iter_common_name()
+                .next()
+                .and_then(|cn| cn.as_str().ok())
+                .map(str::to_string)
+        })
+        .unwrap_or_default()
+}
+
+/// Who may call the extender's routes, and where refusals are counted.
+pub struct CallerPolicy {
+    /// The common names of the client certificates that may call (`--extender-client-names`).
+    pub names: Vec<String>,
+    /// Counts each refusal by reason.
+    pub metrics: Arc<Metrics>,
+}
+
+/// Middleware for the extender's routes: a caller without a verified client certificate, or
+/// with one whose common name is not among `policy.names`, is answered 403 with why, and
+/// counted, before any handler runs. A request that did not come through [`TlsListener`]
+/// carries no [`Caller`] and is refused as one without a certificate.
 pub async fn require_client(
-    State(metrics): State<Arc<Metrics>>,
+    State(policy): State<Arc<CallerPolicy>>,
     request: Request,
     next: Next,
 ) -> Response {
     let caller = request
         .extensions()
         .get::<ConnectInfo<Caller>>()
-        .map(|c| c.0);
-    if caller.is_some_and(|c| c.certified) {
-        return next.run(request).await;
-    }
-    metrics.extender_anonymous_refused.inc();
+        .map(|c| c.0.clone());
+    let (reason, why) = match caller.as_ref().and_then(|c| c.name.as_deref()) {
+        Some(name) if policy.names.iter().any(|n| n == name) => return next.run(request).await,
+        Some(name) => (
+            "unlisted_name",
+            format!(
+                "the client certificate's common name {name:?} is not one of the extender's \
+                 callers ({})",
+                policy.names.join(", ")
+            ),
+        ),
+        None => (
+            "no_certificate",
+            "the extender answers only callers with a client certificate of its CA \
+             (gpuledger-scheduler mounts client.crt and client.key of the operator's TLS Secret)"
+                .to_string(),
+        ),
+    };
+    policy
+        .metrics
+        .extender_callers_refused
+        .get_or_create(&ReasonLabels {
+            reason: reason.into(),
+        })
+        .inc();
     let from = caller.map_or_else(|| "unknown".to_string(), |c| c.addr.to_string());
-    tracing::warn!(peer = %from, path = %request.uri().path(), "extender call without a client certificate refused");
-    (
-        StatusCode::FORBIDDEN,
-        "the extender answers only callers with a client certificate of its CA \
-         (gpuledger-scheduler mounts client.crt and client.key of the operator's TLS Secret)\n",
-    )
-        .into_response()
+    tracing::warn!(peer = %from, path = %request.uri().path(), reason, "extender call refused");
+    (StatusCode::FORBIDDEN, format!("{why}\n")).into_response()
 }
 
 /// One handshake's outcome: the session, or why there is none.
@@ -327,12 +368,13 @@ mod tests {
     /// `acceptor` with each request's [`Caller`].
     async fn serve_guarded(acceptor: TlsAcceptor) -> (SocketAddr, Arc<Metrics>) {
         let metrics = Arc::new(Metrics::new());
+        let policy = Arc::new(CallerPolicy {
+            names: vec![crate::certs::SCHEDULER_CLIENT.to_string()],
+            metrics: metrics.clone(),
+        });
         let app = axum::Router::new()
             .route("/bind", axum::routing::post(|| async { "bound" }))
-            .route_layer(axum::middleware::from_fn_with_state(
-                metrics.clone(),
-                require_client,
-            ))
+            .route_layer(axum::middleware::from_fn_with_state(policy, require_client))
             .merge(axum::Router::new().route(
                 "/validate-pods",
                 axum::routing::post(|| async { "admitted" }),
@@ -391,6 +433,37 @@ mod tests {
         Ok(answer.lines().next().unwrap_or_default().to_string())
     }
 
+    fn refused(metrics: &Metrics, reason: &str) -> u64 {
+        metrics
+            .extender_callers_refused
+            .get_or_create(&ReasonLabels {
+                reason: reason.into(),
+            })
+            .get()
+    }
+
+    #[tokio::test]
+    async fn a_certificate_of_the_ca_for_someone_else_is_refused_by_name() {
+        let id = identity_for_localhost();
+        let live = Arc::new(crate::certs::LiveCert::new(&id).unwrap());
+        let (addr, metrics) = serve_guarded(acceptor_resolving(live).unwrap()).await;
+        let (cert, key) = crate::certs::client_certificate_named(&id, "system:node:gpu-node-1");
+        let refused_line = post(addr, &id.ca, Some((&cert, &key)), "/bind")
+            .await
+            .unwrap();
+        assert!(refused_line.contains("403"), "{refused_line}");
+        assert_eq!(refused(&metrics, "unlisted_name"), 1);
+        assert_eq!(refused(&metrics, "no_certificate"), 0);
+    }
+
+    #[test]
+    fn the_common_name_is_read_from_the_certificate() {
+        let id = identity_for_localhost();
+        let der = CertificateDer::from_pem_slice(id.client_cert.as_bytes()).unwrap();
+        assert_eq!(common_name(&der), crate::certs::SCHEDULER_CLIENT);
+        assert_eq!(common_name(b"not a certificate"), "");
+    }
+
     fn identity_for_localhost() -> crate::certs::Identity {
         let now = k8s_openapi::jiff::Timestamp::now();
         crate::certs::issue(&["localhost".to_string()], None, now).unwrap()
@@ -405,9 +478,9 @@ mod tests {
 
         let ok = post(addr, &id.ca, scheduler, "/bind").await.unwrap();
         assert!(ok.contains("200"), "{ok}");
-        let refused = post(addr, &id.ca, None, "/bind").await.unwrap();
-        assert!(refused.contains("403"), "{refused}");
-        assert_eq!(metrics.extender_anonymous_refused.get(), 1);
+        let anonymous = post(addr, &id.ca, None, "/bind").await.unwrap();
+        assert!(anonymous.contains("403"), "{anonymous}");
+        assert_eq!(refused(&metrics, "no_certificate"), 1);
         // The webhook beside it is answered without a certificate, as the API server calls it.
         let admitted = post(addr, &id.ca, None, "/validate-pods").await.unwrap();
         assert!(admitted.contains("200"), "{admitted}");
@@ -427,7 +500,7 @@ mod tests {
             answer.as_ref().map_or(true, |line| line.is_empty()),
             "{answer:?}"
         );
-        assert_eq!(metrics.extender_anonymous_refused.get(), 1);
+        assert_eq!(refused(&metrics, "no_certificate"), 1);
         // Both refused handshakes are counted (by the accept loop, so waited for).
         let counted = tokio::time::timeout(Duration::from_secs(10), async {
             while metrics.extender_handshake_failures.get() < 2 {

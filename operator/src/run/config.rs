@@ -52,6 +52,15 @@ pub struct RunConfig {
     /// gpuledger-scheduler's client certificate in the same Secret.
     #[arg(long, env = "GPULEDGER_EXTENDER_CLIENT_CA", requires = "tls_cert")]
     pub extender_client_ca: Option<PathBuf>,
+    /// Common names of the client certificates that may call filter, prioritize and bind,
+    /// comma-separated: a CA may sign certificates for others than the scheduler.
+    #[arg(
+        long,
+        env = "GPULEDGER_EXTENDER_CLIENT_NAMES",
+        value_delimiter = ',',
+        default_value = crate::certs::SCHEDULER_CLIENT
+    )]
+    pub extender_client_names: Vec<String>,
     /// Answer filter, prioritize and bind over TLS without a client certificate. Anything that
     /// reaches the port can then bind any pod to any node: only where the port is reachable from
     /// the scheduler alone (a NetworkPolicy, say).
@@ -217,6 +226,9 @@ mod tests {
         assert!(!cli.run.leader_elect);
         assert_eq!(cli.run.refit_ttl, Duration::from_secs(600));
         assert_eq!(cli.run.repair_after, Duration::from_secs(5));
+        assert_eq!(cli.run.extender_client_names, ["gpuledger-scheduler"]);
+        let two = Cli::try_parse_from(["x", "--extender-client-names=a,b"]).unwrap();
+        assert_eq!(two.run.extender_client_names, ["a", "b"]);
     }
 
     #[test]

@@ -331,8 +331,12 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
     }
     let mut extender_routes = extender::server::router(ctx.clone());
     if callers_certified {
+        let policy = Arc::new(extender::tls::CallerPolicy {
+            names: config.extender_client_names.clone(),
+            metrics: metrics.clone(),
+        });
         extender_routes = extender_routes.route_layer(axum::middleware::from_fn_with_state(
-            metrics.clone(),
+            policy,
             extender::tls::require_client,
         ));
     }

@@ -62,6 +62,13 @@ pub struct OutcomeLabels {
     pub outcome: String,
 }
 
+/// Labels naming why something was refused.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    /// Reason.
+    pub reason: String,
+}
+
 /// Labels naming one step of a refit.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StageLabels {
@@ -163,8 +170,9 @@ pub struct Metrics {
     pub certificate_expiry: Gauge,
     /// Failed checks, renewals and CA publications of the serving certificate.
     pub certificate_failures: Counter,
-    /// Extender calls refused because the caller presented no client certificate.
-    pub extender_anonymous_refused: Counter,
+    /// Extender calls refused by who the caller is (`reason`: `no_certificate`,
+    /// `unlisted_name`).
+    pub extender_callers_refused: Family<ReasonLabels, Counter>,
     /// TLS handshakes on the extender's port that failed or timed out.
     pub extender_handshake_failures: Counter,
 }
@@ -335,11 +343,11 @@ impl Metrics {
             "Failed checks, renewals and CA publications of the serving certificate",
             certificate_failures.clone(),
         );
-        let extender_anonymous_refused = Counter::default();
+        let extender_callers_refused = Family::<ReasonLabels, Counter>::default();
         registry.register(
-            "extender_anonymous_calls_refused",
-            "Extender calls (filter, prioritize, bind) refused because the caller presented no client certificate of the operator's CA",
-            extender_anonymous_refused.clone(),
+            "extender_callers_refused",
+            "Extender calls (filter, prioritize, bind) refused by who the caller is: no client certificate, or one whose common name is not an allowed caller's",
+            extender_callers_refused.clone(),
         );
         let extender_handshake_failures = Counter::default();
         registry.register(
@@ -375,7 +383,7 @@ impl Metrics {
             endpoint_failures,
             certificate_expiry,
             certificate_failures,
-            extender_anonymous_refused,
+            extender_callers_refused,
             extender_handshake_failures,
         }
     }
