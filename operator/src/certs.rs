@@ -37,7 +37,9 @@ use tokio_rustls::rustls::crypto::ring::default_provider;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, UnixTime};
 use tokio_rustls::rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
-use tokio_rustls::rustls::server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier};
+use tokio_rustls::rustls::server::{
+    ClientHello, ResolvesServerCert, VerifierBuilderError, WebPkiClientVerifier,
+};
 use tokio_rustls::rustls::sign::CertifiedKey;
 use tokio_rustls::rustls::{
     DigitallySignedStruct, DistinguishedName, RootCertStore, SignatureScheme,
@@ -84,6 +86,26 @@ pub enum CertError {
     /// rustls refused the certificate and key.
     #[error("the certificate and key do not form a TLS identity: {0}")]
     Tls(#[from] tokio_rustls::rustls::Error),
+    /// The CA cannot verify the extender's callers.
+    #[error("ca.crt: {0}")]
+    CallerCa(#[from] CallerCaError),
+}
+
+/// Why a CA cannot verify the extender's callers.
+#[derive(Debug, thiserror::Error)]
+pub enum CallerCaError {
+    /// The text is not PEM.
+    #[error("not PEM: {0}")]
+    Pem(#[from] tokio_rustls::rustls::pki_types::pem::Error),
+    /// It holds no certificate.
+    #[error("holds no certificate")]
+    Empty,
+    /// A certificate in it is not one a CA can be.
+    #[error("not a usable CA certificate: {0}")]
+    Root(tokio_rustls::rustls::Error),
+    /// rustls refused to build a verifier from it.
+    #[error("{0}")]
+    Verifier(#[from] VerifierBuilderError),
 }
 
 /// The common name of the client certificate gpuledger-scheduler presents to the extender.
@@ -427,24 +449,19 @@ pub struct LiveCert {
 /// A handshake verifier for client certificates signed by `ca_pem` for client use. A caller
 /// without a certificate still completes the handshake (the API server calls the webhook
 /// without one); the extender's routes then refuse it (`extender::tls::require_client`).
-pub fn callers_of(ca_pem: &str) -> Result<Arc<dyn ClientCertVerifier>, CertError> {
-    let bad = |problem: String| CertError::BadSecret {
-        secret: "client CA".into(),
-        problem,
-    };
+pub fn callers_of(ca_pem: &str) -> Result<Arc<dyn ClientCertVerifier>, CallerCaError> {
     let mut roots = RootCertStore::empty();
     for ca in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
-        roots
-            .add(ca.map_err(|e| bad(format!("ca.crt: {e}")))?)
-            .map_err(|e| bad(format!("ca.crt: {e}")))?;
+        roots.add(ca?).map_err(CallerCaError::Root)?;
     }
     if roots.is_empty() {
-        return Err(bad("ca.crt holds no certificate".into()));
+        return Err(CallerCaError::Empty);
     }
-    WebPkiClientVerifier::builder_with_provider(Arc::new(roots), Arc::new(default_provider()))
-        .allow_unauthenticated()
-        .build()
-        .map_err(|e| bad(format!("ca.crt: {e}")))
+    Ok(
+        WebPkiClientVerifier::builder_with_provider(Arc::new(roots), Arc::new(default_provider()))
+            .allow_unauthenticated()
+            .build()?,
+    )
 }
 
 fn certified(id: &Identity) -> Result<Arc<CertifiedKey>, CertError> {

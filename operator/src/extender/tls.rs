@@ -66,23 +66,35 @@ pub enum TlsError {
     #[error("certificate and key do not form a usable TLS identity: {0}")]
     Config(#[from] tokio_rustls::rustls::Error),
     /// The CA of the extender's callers could not be read.
-    #[error("read the extender's client CA {path}: {problem}")]
+    #[error("read the extender's client CA {path}: {source}")]
+    ClientCaRead {
+        /// The file.
+        path: String,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// The CA of the extender's callers cannot verify them.
+    #[error("the extender's client CA {path}: {source}")]
     ClientCa {
         /// The file.
         path: String,
-        /// What is wrong.
-        problem: String,
+        /// What is wrong with it.
+        #[source]
+        source: crate::certs::CallerCaError,
     },
 }
 
 /// A verifier of callers' certificates signed by the CA in PEM file `path`.
 pub fn callers_from_file(path: &Path) -> Result<Arc<dyn ClientCertVerifier>, TlsError> {
-    let bad = |problem: String| TlsError::ClientCa {
+    let pem = std::fs::read_to_string(path).map_err(|source| TlsError::ClientCaRead {
         path: path.display().to_string(),
-        problem,
-    };
-    let pem = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
-    crate::certs::callers_of(&pem).map_err(|e| bad(e.to_string()))
+        source,
+    })?;
+    crate::certs::callers_of(&pem).map_err(|source| TlsError::ClientCa {
+        path: path.display().to_string(),
+        source,
+    })
 }
 
 /// Builds the server identity from PEM files; `callers`, when given, verifies the certificates
@@ -182,8 +194,8 @@ pub async fn require_client(
     let caller = request
         .extensions()
         .get::<ConnectInfo<Caller>>()
-        .map(|c| c.0.clone());
-    let (reason, why) = match caller.as_ref().and_then(|c| c.name.as_deref()) {
+        .map(|c| &c.0);
+    let (reason, why) = match caller.and_then(|c| c.name.as_deref()) {
         Some(name) if policy.names.iter().any(|n| n == name) => return next.run(request).await,
         Some(name) => (
             "unlisted_name",
