@@ -12,21 +12,15 @@
 
 use std::time::Duration;
 
-use base64::Engine;
-use base64::engine::general_purpose::STANDARD;
 use gpuledger_crds::names::DEFAULT_NAMESPACE;
 use gpuledger_crds::{GpuReservation, ReservationPhase};
 use gpuledger_e2e::cluster::{ensure_namespace, expected_git_version, wait_for};
 use gpuledger_e2e::sim::binaries::build_gpuledger_binaries;
 use gpuledger_e2e::sim::pods::{GpuPod, wait_bound, wait_pod_phase, wait_reservation};
 use gpuledger_e2e::sim::scheduler::{
-    WEBHOOK_CONFIGURATION, apply_docs, kind_name, operator_ca, operator_secret_entry,
-    rendered_chart,
+    install_webhooks, kind_name, operator_ca, operator_secret_entry, rendered_chart,
 };
 use gpuledger_e2e::sim::{GPULEDGER_SCHEDULER, Quiet, SimCluster, SimClusterOptions};
-use k8s_openapi::api::admissionregistration::v1::{
-    MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
-};
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -163,59 +157,15 @@ async fn the_charts_scheduler_and_webhooks_place_default_and_refuse_gpu_pods_ove
         .to_string();
     only_the_schedulers_certificate_binds(&cluster, &port).await;
 
-    let mut hooks: Vec<serde_yaml::Value> = rendered_chart()
-        .unwrap()
-        .into_iter()
-        .filter(|v| kind_name(v).0.ends_with("WebhookConfiguration"))
-        .collect();
+    let hooks = install_webhooks(&cluster.cp, port.parse().unwrap())
+        .await
+        .unwrap();
     assert_eq!(hooks.len(), 2, "a mutating and a validating configuration");
-    for hook in &mut hooks {
-        for w in hook["webhooks"].as_sequence_mut().unwrap() {
-            let path = w["clientConfig"]["service"]["path"]
-                .as_str()
-                .unwrap()
-                .to_string();
+    for hook in &hooks {
+        for w in hook["webhooks"].as_sequence().unwrap() {
             assert_eq!(w["failurePolicy"], "Fail");
-            w["clientConfig"] =
-                serde_yaml::from_str(&format!("{{url: 'https://127.0.0.1:{port}{path}'}}"))
-                    .unwrap();
         }
     }
-    let hooks: Vec<&serde_yaml::Value> = hooks.iter().collect();
-    apply_docs(
-        &cluster.cp,
-        &hooks,
-        &cluster.cp.run_dir().join("webhooks.yaml"),
-    )
-    .await
-    .unwrap();
-    let ca = operator_ca(&cluster.cp).await.unwrap();
-    let bundle = STANDARD.encode(ca.as_bytes());
-    let mutating: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
-    let validating: Api<ValidatingWebhookConfiguration> = Api::all(client.clone());
-    wait_for(
-        "the operator's CA in both webhook configurations",
-        WAIT,
-        || async {
-            let m = mutating.get(WEBHOOK_CONFIGURATION).await?;
-            let v = validating.get(WEBHOOK_CONFIGURATION).await?;
-            let mut bundles = m
-                .webhooks
-                .iter()
-                .flatten()
-                .map(|w| w.client_config.ca_bundle.clone())
-                .chain(
-                    v.webhooks
-                        .iter()
-                        .flatten()
-                        .map(|w| w.client_config.ca_bundle.clone()),
-                );
-            let set = bundles.all(|b| b.is_some_and(|b| STANDARD.encode(&b.0) == bundle));
-            Ok::<_, kube::Error>(set.then_some(()))
-        },
-    )
-    .await
-    .unwrap();
     serving_certificate_expiry_is_exported(&cluster).await;
     let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
 

@@ -44,7 +44,7 @@ use kube::{Client, ResourceExt};
 use serde_json::json;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
 
-const NS: &str = "default";
+pub(crate) const NS: &str = "default";
 
 /// kube-scheduler's own client limit in the bench's clusters. At its default (50 requests/s,
 /// bursts of 100) a plain burst of 1000 pods is held by the limit on its Bindings, not by the
@@ -52,7 +52,7 @@ const NS: &str = "default";
 /// GPU pods are bound by the extender, whose client has no such limit, so the comparison
 /// would flatter gpuledger. Raised far above what two cores serve, both runs meet the same
 /// API server.
-const SCHEDULER_CLIENT_RATE: ClientRate = ClientRate {
+pub(crate) const SCHEDULER_CLIENT_RATE: ClientRate = ClientRate {
     qps: 2000.0,
     burst: 2000,
 };
@@ -293,7 +293,10 @@ fn metric_sum(text: &str, name: &str, label: &str) -> f64 {
 /// The ledger after a burst: the audit's findings and the pods the repair sweep had to book
 /// because bind left them without a reservation. Returns the note's words and, when either is
 /// not zero, the failure.
-async fn ledger_verdict(client: &Client, op: &ChildOperator) -> (String, Option<String>) {
+pub(crate) async fn ledger_verdict(
+    client: &Client,
+    op: &ChildOperator,
+) -> (String, Option<String>) {
     let repairs = metric_sum(&op.metrics().await, "gpuledger_ledger_repairs_total", "") as u64;
     let (audit, findings) = match audit_cluster(client, AuditOptions::default()).await {
         Ok(findings) => {
@@ -326,7 +329,7 @@ pub(crate) fn keep_operator_log(op: &ChildOperator, run: &str) {
 }
 
 /// The readings taken before a burst, to tell what it cost per pod.
-struct CostMeter {
+pub(crate) struct CostMeter {
     requests: BTreeMap<String, f64>,
     runtime: Option<GoRuntime>,
     cpu: CpuReading,
@@ -335,43 +338,47 @@ struct CostMeter {
 
 /// What a burst cost per pod: each process's CPU, the cores kept busy, the API server's
 /// requests and what they cost its Go runtime.
-struct BurstCost {
+pub(crate) struct BurstCost {
     cpu: Vec<(String, f64)>,
     busy: f64,
     /// Requests per pod in all.
-    requests: f64,
+    pub(crate) requests: f64,
     /// The six busiest request kinds, for a row's note.
-    busiest: String,
+    pub(crate) busiest: String,
     /// Every request kind, for the log.
-    every_kind: String,
+    pub(crate) every_kind: String,
     /// [`runtime_note`]'s words, empty when the Go metrics were unreadable.
-    runtime: String,
+    pub(crate) runtime: String,
 }
 
 impl CostMeter {
-    async fn start(b: &Bench) -> Self {
-        let client = b.cp.client();
+    /// Reads the API server's counters and the CPU time of `processes` (name, pid) before a
+    /// burst.
+    pub(crate) async fn start(client: &Client, processes: &[(String, u32)]) -> Self {
         CostMeter {
-            requests: api_requests::by_kind(&client).await,
-            runtime: go_runtime::read(&client).await,
-            cpu: CpuReading::of(&burst_processes(b)),
+            requests: api_requests::by_kind(client).await,
+            runtime: go_runtime::read(client).await,
+            cpu: CpuReading::of(processes),
             since: Instant::now(),
         }
     }
 
-    async fn finish(self, b: &Bench, pods: usize) -> BurstCost {
-        let client = b.cp.client();
-        let cpu = self
-            .cpu
-            .per_unit_ms(&CpuReading::of(&burst_processes(b)), pods);
+    /// What the burst of `pods` since [`Self::start`] cost each pod (`processes` as given then).
+    pub(crate) async fn finish(
+        self,
+        client: &Client,
+        processes: &[(String, u32)],
+        pods: usize,
+    ) -> BurstCost {
+        let cpu = self.cpu.per_unit_ms(&CpuReading::of(processes), pods);
         let busy = cpu::cores_busy(&cpu, pods, self.since.elapsed());
         let runtime = runtime_note(go_runtime::per_unit(
             self.runtime,
-            go_runtime::read(&client).await,
+            go_runtime::read(client).await,
             pods,
             "pod",
         ));
-        let after = api_requests::by_kind(&client).await;
+        let after = api_requests::by_kind(client).await;
         let (requests, busiest) = api_requests::per_unit(&self.requests, &after, pods);
         BurstCost {
             busy,
@@ -386,7 +393,7 @@ impl CostMeter {
 
 impl BurstCost {
     /// `14.12 ms (kube-apiserver 8.41, ...), 2.0 cores busy`.
-    fn cpu_note(&self) -> String {
+    pub(crate) fn cpu_note(&self) -> String {
         format!("{}, {:.1} cores busy", cpu::describe(&self.cpu), self.busy)
     }
 }
@@ -394,13 +401,13 @@ impl BurstCost {
 /// One phase's scheduling: when each pod was created and bound, and the bind calls it took.
 pub(crate) struct Phase {
     created: Times,
-    bound: Times,
-    wall: Duration,
+    pub(crate) bound: Times,
+    pub(crate) wall: Duration,
     binds: usize,
 }
 
 impl Phase {
-    fn throughput(&self) -> f64 {
+    pub(crate) fn throughput(&self) -> f64 {
         self.bound.len() as f64 / self.wall.as_secs_f64().max(f64::EPSILON)
     }
 
@@ -435,9 +442,9 @@ async fn run() -> Result<Vec<Row>, String> {
     // GPU requests. kube-scheduler asks the extender only about pods that name its managed
     // resources, so these are kube-scheduler alone.
     eprintln!("[bench] baseline: {pods} pods without GPUs at once, kube-scheduler alone");
-    let meter = CostMeter::start(&b).await;
+    let meter = CostMeter::start(&client, &burst_processes(&b)).await;
     let plain = schedule_pods(&client, "plain", pods, plain_pod).await?;
-    let plain_cost = meter.finish(&b, pods).await;
+    let plain_cost = meter.finish(&client, &burst_processes(&b), pods).await;
     if plain.bound.len() < pods {
         return Err(format!("plain pods bound: {}/{pods}", plain.bound.len()));
     }
@@ -452,9 +459,9 @@ async fn run() -> Result<Vec<Row>, String> {
     eprintln!(
         "[bench] ledger floor: {pods} pods without GPUs at once, each with a reservation created and its status written"
     );
-    let meter = CostMeter::start(&b).await;
+    let meter = CostMeter::start(&client, &burst_processes(&b)).await;
     let floor = schedule_with_floor(&client, "floor", pods, &b.fleet.names, Body::Full).await?;
-    let floor_cost = meter.finish(&b, pods).await;
+    let floor_cost = meter.finish(&client, &burst_processes(&b), pods).await;
     floor_watch.abort();
     if floor.bound.len() < pods {
         return Err(format!(
@@ -474,13 +481,13 @@ async fn run() -> Result<Vec<Row>, String> {
     let steady_names = b.proxy.take_filter_sizes();
     b.proxy.take_ms("/bind");
     eprintln!("[bench] creating {pods} GPU pods at once");
-    let meter = CostMeter::start(&b).await;
+    let meter = CostMeter::start(&client, &burst_processes(&b)).await;
     let profile = std::env::var_os(PROFILE_ENV).map(|out| profile_apiserver(&b, out.into()));
     let burst = schedule(&client, "tp", pods).await?;
     if let Some(profile) = profile {
         let _ = tokio::task::spawn_blocking(move || profile.join()).await;
     }
-    let gpu_cost = meter.finish(&b, pods).await;
+    let gpu_cost = meter.finish(&client, &burst_processes(&b), pods).await;
     for (burst, cost) in [
         ("plain burst", &plain_cost),
         ("ledger floor", &floor_cost),
@@ -851,7 +858,7 @@ async fn schedule(client: &Client, prefix: &str, n: usize) -> Result<Phase, Stri
 }
 
 /// The benchmark's pod without any resource request: kube-scheduler places it on its own.
-fn plain_pod(name: &str) -> Pod {
+pub(crate) fn plain_pod(name: &str) -> Pod {
     let mut pod = gpu_pod(name, 1, 0, 0);
     if let Some(spec) = pod.spec.as_mut() {
         for c in &mut spec.containers {
@@ -862,7 +869,7 @@ fn plain_pod(name: &str) -> Pod {
 }
 
 /// Creates `n` pods `<prefix>-<i>` made by `make` at once and waits until all are bound.
-async fn schedule_pods(
+pub(crate) async fn schedule_pods(
     client: &Client,
     prefix: &str,
     n: usize,
@@ -898,9 +905,9 @@ async fn floor_parts(b: &Bench, pods: usize, plain: f64) -> Result<(), String> {
     let watch = ledger_floor::watch(client.clone(), NS);
     for (pass, body) in Body::ALL.iter().chain(&Body::ALL).enumerate() {
         let prefix = format!("part{}-{}", pass / Body::ALL.len(), body.name());
-        let meter = CostMeter::start(b).await;
+        let meter = CostMeter::start(&client, &burst_processes(b)).await;
         let phase = schedule_with_floor(&client, &prefix, pods, &b.fleet.names, *body).await?;
-        let cost = meter.finish(b, pods).await;
+        let cost = meter.finish(&client, &burst_processes(b), pods).await;
         eprintln!(
             "[bench] floor part {}: {:.0} pods/s, {:.2} of the baseline; CPU per pod {}; {:.1} requests per pod ({})",
             body.name(),

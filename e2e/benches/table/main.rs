@@ -22,6 +22,10 @@
 //!   everything), steady RSS per 10 000 reservations and the all-nodes filter at each size, and
 //!   the filter through kube-scheduler at 5000 nodes;
 //!
+//! - as installed (`installed.rs`): the baseline comparison again on a cluster set up as
+//!   `config/` and the chart set it up (pod webhooks, admission policies, the chart's
+//!   gpuledger-scheduler, the extender over mutual TLS, the operator as its ServiceAccount);
+//!
 //! - overload: the same cluster with kube-apiserver stopped for 100 ms of every 200 ms (a
 //!   machine on which the API server is the bottleneck), 400 pods at a steady 20/s and then
 //!   1000 at once: the throughput of each, their ratio (target ≥ 0.5), bind attempts per pod.
@@ -31,13 +35,14 @@
 //! non-zero after printing the table.
 //!
 //! `GPULEDGER_BENCH_QUICK=1` shrinks every workload tenfold (to try the harness quickly);
-//! `GPULEDGER_BENCH_ONLY=fit,extender,overload,refit,scale` (any subset) runs only those
+//! `GPULEDGER_BENCH_ONLY=fit,extender,installed,overload,refit,scale` (any subset) runs only those
 //! rows.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod extender;
 mod fit;
+mod installed;
 mod refit;
 mod scale;
 
@@ -75,6 +80,12 @@ fn main() {
     if wanted("extender") {
         eprintln!("[bench] 1000-node cluster: extender filter and scheduling throughput ...");
         rows.extend(rt.block_on(extender::filter_and_throughput()));
+    }
+    if wanted("installed") {
+        eprintln!(
+            "[bench] 1000-node cluster as installed (webhooks, admission policies, the chart's scheduler, TLS) ..."
+        );
+        rows.extend(rt.block_on(installed::as_installed()));
     }
     if wanted("overload") {
         eprintln!("[bench] 1000-node cluster, API server slowed: steady pods, then a burst ...");

@@ -32,7 +32,7 @@ pub use in_process::InProcessOperator;
 pub use lifecycle::{Admission, AdmissionOutcome, Admissions};
 pub use node::{DEVICE_PLUGIN_SA, SimNode, SimNodeOptions};
 pub use node_kubelet::{NodeKubelet, SIM_KUBELET};
-pub use operator::{OperatorProcess, install_gpuledger};
+pub use operator::{OPERATOR_SA, OperatorProcess, install_gpuledger};
 pub use scheduler::{GPULEDGER_SCHEDULER, GpuledgerScheduler};
 
 use crate::cluster::ClusterError;

@@ -13,6 +13,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use gpuledger_crds::names::DEFAULT_NAMESPACE;
+use k8s_openapi::api::admissionregistration::v1::{
+    MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
+};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::Api;
@@ -257,6 +260,67 @@ impl GpuledgerScheduler {
     pub fn check_running(&mut self) -> Result<(), SimNodeError> {
         Ok(self.process.check_running()?)
     }
+}
+
+/// Applies the chart's pod webhook configurations as rendered, except that each webhook calls
+/// the operator at `https://127.0.0.1:<port>` (no Service DNS here) and that no caBundle is
+/// set, then waits until the operator (run with [`operator_tls_args`]) has written its CA into
+/// every webhook of both. Returns the configurations as applied.
+pub async fn install_webhooks(cp: &ControlPlane, port: u16) -> Result<Vec<Value>, SimNodeError> {
+    let mut hooks: Vec<Value> = rendered_chart()?
+        .into_iter()
+        .filter(|v| kind_name(v).0.ends_with("WebhookConfiguration"))
+        .collect();
+    for hook in &mut hooks {
+        let (kind, name) = kind_name(hook);
+        let webhooks = hook["webhooks"].as_sequence_mut().ok_or_else(|| {
+            SimNodeError::Build(format!("the chart's {kind} {name} has no webhooks"))
+        })?;
+        for w in webhooks {
+            let path = w["clientConfig"]["service"]["path"]
+                .as_str()
+                .ok_or_else(|| {
+                    SimNodeError::Build(format!(
+                        "a webhook of the chart's {kind} {name} has no clientConfig.service.path"
+                    ))
+                })?
+                .to_string();
+            let mut client_config = serde_yaml::Mapping::new();
+            client_config.insert(
+                "url".into(),
+                Value::from(format!("https://127.0.0.1:{port}{path}")),
+            );
+            w["clientConfig"] = Value::Mapping(client_config);
+        }
+    }
+    let docs: Vec<&Value> = hooks.iter().collect();
+    apply_docs(cp, &docs, &cp.run_dir().join("webhooks.yaml")).await?;
+    let ca = operator_ca(cp).await?;
+    let mutating: Api<MutatingWebhookConfiguration> = Api::all(cp.client());
+    let validating: Api<ValidatingWebhookConfiguration> = Api::all(cp.client());
+    wait_for(
+        "the operator's CA in both webhook configurations",
+        STARTUP_TIMEOUT,
+        || async {
+            let m = mutating.get(WEBHOOK_CONFIGURATION).await?;
+            let v = validating.get(WEBHOOK_CONFIGURATION).await?;
+            let mut bundles = m
+                .webhooks
+                .iter()
+                .flatten()
+                .map(|w| w.client_config.ca_bundle.clone())
+                .chain(
+                    v.webhooks
+                        .iter()
+                        .flatten()
+                        .map(|w| w.client_config.ca_bundle.clone()),
+                );
+            let set = bundles.all(|b| b.is_some_and(|b| b.0 == ca.as_bytes()));
+            Ok::<_, kube::Error>(set.then_some(()))
+        },
+    )
+    .await?;
+    Ok(hooks)
 }
 
 /// Writes `docs` to `path` and applies them (server-side, as `cluster::apply_path` does).
