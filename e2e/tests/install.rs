@@ -95,6 +95,31 @@ fn the_chart_renders_a_scheduler_of_the_clusters_version_with_its_own_profile() 
     );
 }
 
+/// The scheduler configuration `config/scheduler` installs is the chart's, field for field, so the
+/// install test below (the chart's, run by the real kube-scheduler) vouches for both.
+#[test]
+fn config_scheduler_is_the_charts_configuration() {
+    let chart = rendered_chart().unwrap();
+    let cm = chart
+        .iter()
+        .find(|v| kind_name(v) == ("ConfigMap".into(), "gpuledger-scheduler-config".into()))
+        .unwrap();
+    let rendered: serde_yaml::Value =
+        serde_yaml::from_str(cm["data"]["config.yaml"].as_str().unwrap()).unwrap();
+    let path = gpuledger_e2e::sim::binaries::repo_root().join("config/scheduler/config.yaml");
+    let kustomized: serde_yaml::Value =
+        serde_yaml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    assert_eq!(
+        rendered,
+        kustomized,
+        "{} and the chart differ",
+        path.display()
+    );
+    // kube-scheduler's own defaults, written out so that they can be raised.
+    assert_eq!(rendered["clientConnection"]["qps"], 50);
+    assert_eq!(rendered["clientConnection"]["burst"], 100);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_charts_scheduler_and_webhooks_place_default_and_refuse_gpu_pods_over_verified_tls() {
     build_gpuledger_binaries().unwrap();

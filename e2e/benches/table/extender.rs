@@ -615,7 +615,7 @@ async fn run() -> Result<Vec<Row>, String> {
             "GPU burst pods/s over the ledger floor's, same run",
             "ratio",
             &[burst.throughput() / floor.throughput().max(f64::EPSILON)],
-            "what the allocation Lease, the plugin's reads, the operator's phase write, the extender's calls and the admission checks leave of the floor",
+            "what the allocation Lease, the plugin's reads, the operator's phase write and the extender's calls leave of the floor (no webhooks or admission policies here: see the rows as installed)",
         ),
         {
             let ratio = burst.throughput() / plain.throughput().max(f64::EPSILON);
