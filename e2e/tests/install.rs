@@ -452,13 +452,13 @@ async fn only_the_schedulers_certificate_binds(cluster: &SimCluster, port: &str)
         Some(1.0),
         "{metrics}"
     );
-    // The stranger's handshake is counted, so an alert can see someone knocking.
+    // The stranger's handshake is counted, as a certificate the CA did not sign for a caller.
     wait_for("the refused handshake counted", WAIT, || async {
         let metrics = cluster.operator.metrics().await;
         let failures = gpuledger_e2e::prometheus::sample(
             &metrics,
             "gpuledger_extender_tls_handshake_failures_total",
-            &[],
+            &["reason=\"bad_certificate\""],
         );
         Ok::<_, std::io::Error>(failures.filter(|n| *n >= 1.0))
     })

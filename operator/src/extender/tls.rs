@@ -24,6 +24,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::serve::IncomingStream;
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
@@ -239,18 +240,76 @@ pub struct TlsListener {
     tcp: TcpListener,
     acceptor: TlsAcceptor,
     pending: JoinSet<Handshake>,
-    failures: Counter,
+    failures: Family<ReasonLabels, Counter>,
+}
+
+/// Why a handshake on the extender's port failed: the `reason` of
+/// `gpuledger_extender_tls_handshake_failures_total`. The first two point at a configuration to
+/// mend, the others at whoever opened the connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HandshakeFailure {
+    /// The caller's certificate is not one the operator's CA signed for a client, or it
+    /// expired: a caller with another CA's certificate, or the serving one.
+    BadCertificate,
+    /// The caller ended the handshake with an alert, as a caller that does not trust the
+    /// operator's certificate does (a stale `caBundle` or `caFile`).
+    CallerRefused,
+    /// Any other TLS error: not TLS at all, no protocol or cipher in common.
+    Protocol,
+    /// The connection ended before the handshake did: a port check, a caller that gave up.
+    Closed,
+    /// Not finished within [`HANDSHAKE_TIMEOUT`].
+    TimedOut,
+}
+
+impl HandshakeFailure {
+    /// The failure `e` of a handshake that ended (a timeout is [`Self::TimedOut`]).
+    pub fn of(e: &io::Error) -> Self {
+        let tls = e
+            .get_ref()
+            .and_then(|inner| inner.downcast_ref::<tokio_rustls::rustls::Error>());
+        match tls {
+            Some(tokio_rustls::rustls::Error::InvalidCertificate(_)) => Self::BadCertificate,
+            Some(tokio_rustls::rustls::Error::AlertReceived(_)) => Self::CallerRefused,
+            Some(_) => Self::Protocol,
+            None => Self::Closed,
+        }
+    }
+
+    /// The metric's label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::BadCertificate => "bad_certificate",
+            Self::CallerRefused => "caller_refused",
+            Self::Protocol => "protocol",
+            Self::Closed => "closed",
+            Self::TimedOut => "timed_out",
+        }
+    }
 }
 
 impl TlsListener {
-    /// Wraps a bound listener; every failed or timed-out handshake counts in `failures`.
-    pub fn new(tcp: TcpListener, acceptor: TlsAcceptor, failures: Counter) -> Self {
+    /// Wraps a bound listener; every failed or timed-out handshake counts in `failures`, by
+    /// [`HandshakeFailure`].
+    pub fn new(
+        tcp: TcpListener,
+        acceptor: TlsAcceptor,
+        failures: Family<ReasonLabels, Counter>,
+    ) -> Self {
         Self {
             tcp,
             acceptor,
             pending: JoinSet::new(),
             failures,
         }
+    }
+
+    fn count(&self, why: HandshakeFailure) {
+        self.failures
+            .get_or_create(&ReasonLabels {
+                reason: why.as_str().to_string(),
+            })
+            .inc();
     }
 
     fn start_handshake(&mut self, tcp: TcpStream, addr: SocketAddr) {
@@ -288,11 +347,12 @@ impl axum::serve::Listener for TlsListener {
                 Some(done) = self.pending.join_next() => match done {
                     Ok((Ok(Ok(tls)), addr)) => return (tls, addr),
                     Ok((Ok(Err(e)), addr)) => {
-                        self.failures.inc();
-                        tracing::debug!(peer = %addr, error = %e, "TLS handshake failed");
+                        let why = HandshakeFailure::of(&e);
+                        self.count(why);
+                        tracing::debug!(peer = %addr, error = %e, reason = why.as_str(), "TLS handshake failed");
                     }
                     Ok((Err(_), addr)) => {
-                        self.failures.inc();
+                        self.count(HandshakeFailure::TimedOut);
                         tracing::debug!(peer = %addr, "TLS handshake timed out");
                     }
                     Err(e) => tracing::warn!(error = %e, "TLS handshake task ended abnormally"),
@@ -338,11 +398,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (cert, key, cert_pem) = identity(dir.path());
         let tcp = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let mut listener = TlsListener::new(
-            tcp,
-            acceptor(&cert, &key, None).unwrap(),
-            Counter::default(),
-        );
+        let mut listener =
+            TlsListener::new(tcp, acceptor(&cert, &key, None).unwrap(), Family::default());
         let addr = listener.local_addr().unwrap();
         let server = tokio::spawn(async move {
             let (mut io, _) = listener.accept().await;
@@ -445,6 +502,27 @@ mod tests {
         Ok(answer.lines().next().unwrap_or_default().to_string())
     }
 
+    fn failed_handshakes(metrics: &Metrics, reason: &str) -> u64 {
+        metrics
+            .extender_handshake_failures
+            .get_or_create(&ReasonLabels {
+                reason: reason.into(),
+            })
+            .get()
+    }
+
+    /// Waits (the accept loop counts after the caller has seen its failure) until `reason` has
+    /// counted `n` handshakes, or 10 s; returns the count.
+    async fn wait_failed_handshakes(metrics: &Metrics, reason: &str, n: u64) -> u64 {
+        let _ = tokio::time::timeout(Duration::from_secs(10), async {
+            while failed_handshakes(metrics, reason) < n {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+        failed_handshakes(metrics, reason)
+    }
+
     fn refused(metrics: &Metrics, reason: &str) -> u64 {
         metrics
             .extender_callers_refused
@@ -513,19 +591,49 @@ mod tests {
             "{answer:?}"
         );
         assert_eq!(refused(&metrics, "no_certificate"), 1);
-        // Both refused handshakes are counted (by the accept loop, so waited for).
-        let counted = tokio::time::timeout(Duration::from_secs(10), async {
-            while metrics.extender_handshake_failures.get() < 2 {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        })
-        .await;
-        assert!(
-            counted.is_ok(),
-            "{}",
-            metrics.extender_handshake_failures.get()
+        // Both refused handshakes are counted, as the caller's certificate.
+        assert_eq!(
+            wait_failed_handshakes(&metrics, "bad_certificate", 2).await,
+            2
         );
-        assert_eq!(metrics.extender_handshake_failures.get(), 2);
+    }
+
+    #[tokio::test]
+    async fn failed_handshakes_are_counted_by_what_to_mend() {
+        let id = identity_for_localhost();
+        let live = Arc::new(crate::certs::LiveCert::new(&id).unwrap());
+        let (addr, metrics) = serve_guarded(acceptor_resolving(live).unwrap()).await;
+        let scheduler = Some((id.client_cert.as_str(), id.client_key.as_str()));
+        let stranger = identity_for_localhost();
+        // A caller that does not trust the operator (a stale caBundle) ends the handshake
+        // itself, one that connects and leaves never starts it, one that speaks plain HTTP
+        // is no TLS: each counted apart, so that an alert can tell a configuration to mend from
+        // someone knocking.
+        let answer = post(addr, &stranger.ca, scheduler, "/bind").await;
+        assert!(answer.is_err(), "{answer:?}");
+        assert_eq!(
+            wait_failed_handshakes(&metrics, "caller_refused", 1).await,
+            1
+        );
+        drop(TcpStream::connect(addr).await.unwrap());
+        assert_eq!(wait_failed_handshakes(&metrics, "closed", 1).await, 1);
+        let plaintext = async {
+            let mut tcp = TcpStream::connect(addr).await?;
+            tcp.write_all(b"POST /bind HTTP/1.1\r\nHost: localhost\r\n\r\n")
+                .await?;
+            let mut answer = Vec::new();
+            tcp.read_to_end(&mut answer).await?;
+            std::io::Result::Ok(answer)
+        };
+        let answer = plaintext.await;
+        assert!(
+            answer.as_ref().map_or(true, |a| !a.starts_with(b"HTTP")),
+            "{answer:?}"
+        );
+        assert_eq!(wait_failed_handshakes(&metrics, "protocol", 1).await, 1);
+        // None of them was taken for another reason.
+        assert_eq!(failed_handshakes(&metrics, "bad_certificate"), 0);
+        assert_eq!(failed_handshakes(&metrics, "timed_out"), 0);
     }
 
     #[tokio::test]

@@ -14,11 +14,13 @@
 use axum::Router;
 use axum::serve::ListenerExt;
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio_rustls::TlsAcceptor;
 
 use crate::extender::tls::{Caller, TlsListener};
+use crate::telemetry::ReasonLabels;
 
 /// The running extender thread; dropping it stops the server (the thread sees its end of the
 /// channel closed).
@@ -32,7 +34,7 @@ pub struct ExtenderThread {
 pub fn spawn(
     listener: TcpListener,
     tls: Option<TlsAcceptor>,
-    handshake_failures: Counter,
+    handshake_failures: Family<ReasonLabels, Counter>,
     app: Router,
 ) -> std::io::Result<(ExtenderThread, oneshot::Receiver<()>)> {
     // The listener was registered with the main runtime's reactor: hand it over as a plain
@@ -69,7 +71,7 @@ pub fn spawn(
 async fn serve(
     listener: TcpListener,
     tls: Option<TlsAcceptor>,
-    handshake_failures: Counter,
+    handshake_failures: Family<ReasonLabels, Counter>,
     app: Router,
 ) {
     let result = match tls {
@@ -121,7 +123,7 @@ mod tests {
             "/",
             get(|| async { std::thread::current().name().unwrap_or("").to_string() }),
         );
-        let (thread, stopped) = spawn(listener, None, Counter::default(), app).unwrap();
+        let (thread, stopped) = spawn(listener, None, Family::default(), app).unwrap();
         let answer = get_root(port).await.unwrap();
         assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
         assert!(

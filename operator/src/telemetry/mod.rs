@@ -173,8 +173,9 @@ pub struct Metrics {
     /// Extender calls refused by who the caller is (`reason`: `no_certificate`,
     /// `unlisted_name`).
     pub extender_callers_refused: Family<ReasonLabels, Counter>,
-    /// TLS handshakes on the extender's port that failed or timed out.
-    pub extender_handshake_failures: Counter,
+    /// TLS handshakes on the extender's port that failed or timed out, by reason
+    /// ([`crate::extender::tls::HandshakeFailure`]).
+    pub extender_handshake_failures: Family<ReasonLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -349,10 +350,10 @@ impl Metrics {
             "Extender calls (filter, prioritize, bind) refused by who the caller is: no client certificate, or one whose common name is not an allowed caller's",
             extender_callers_refused.clone(),
         );
-        let extender_handshake_failures = Counter::default();
+        let extender_handshake_failures = Family::<ReasonLabels, Counter>::default();
         registry.register(
             "extender_tls_handshake_failures",
-            "TLS handshakes on the extender's and webhook's port that failed or timed out: a certificate the operator's CA did not sign or that expired, a caller that does not trust the operator, one that never finished",
+            "TLS handshakes on the extender's and webhook's port that failed, by reason: bad_certificate (a client certificate the operator's CA did not sign for a client, or expired), caller_refused (the caller ended the handshake, as one that does not trust the operator's certificate does), protocol (any other TLS error), closed (the connection ended first), timed_out (not finished within 10 s)",
             extender_handshake_failures.clone(),
         );
         Self {
