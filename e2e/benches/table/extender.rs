@@ -283,7 +283,7 @@ fn burst_processes(b: &Bench) -> Vec<(String, u32)> {
 }
 
 /// A sum over the series of the operator's metric `name` whose labels include `label`.
-fn metric_sum(text: &str, name: &str, label: &str) -> f64 {
+pub(crate) fn metric_sum(text: &str, name: &str, label: &str) -> f64 {
     text.lines()
         .filter(|l| l.split(['{', ' ']).next() == Some(name) && l.contains(label))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
@@ -638,8 +638,8 @@ async fn run() -> Result<Vec<Row>, String> {
 }
 
 /// How the overload run slows kube-apiserver: stopped this long of every [`THROTTLE_PERIOD`].
-const THROTTLE_PAUSED: Duration = Duration::from_millis(100);
-const THROTTLE_PERIOD: Duration = Duration::from_millis(200);
+pub(crate) const THROTTLE_PAUSED: Duration = Duration::from_millis(100);
+pub(crate) const THROTTLE_PERIOD: Duration = Duration::from_millis(200);
 
 /// The rows of the overload run.
 pub async fn overload() -> Vec<Row> {

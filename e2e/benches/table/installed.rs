@@ -19,12 +19,17 @@
 //! gpuledger-scheduler): pods/s of each, their ratio, and the requests and CPU per pod. The
 //! allocation step is played by [`spawn_allocator`] as in the other rows (a device plugin per
 //! node would be 1000 more processes).
+//!
+//! Then the same GPU burst once more with kube-apiserver stopped 100 ms of every 200 ms, as the
+//! overload rows do: every pod must still be created (the webhooks fail closed, so a webhook
+//! call that failed would refuse the pod), bound at about one bind call each, and the ledger
+//! audit clean.
 
 use std::time::Duration;
 
 use gpuledger_crds::names::DEFAULT_NAMESPACE;
 use gpuledger_e2e::bench::{
-    ChildOperator, Fleet, GpuShape, OperatorOptions, Row, gpu_pod, spawn_allocator,
+    ChildOperator, Fleet, GpuShape, OperatorOptions, Row, Throttle, gpu_pod, spawn_allocator,
 };
 use gpuledger_e2e::cluster::{ControlPlane, ControlPlaneOptions, SchedulerSetup, wait_for};
 use gpuledger_e2e::sim::scheduler::{install_webhooks, operator_tls_args};
@@ -36,8 +41,8 @@ use kube::Client;
 use kube::api::{Api, DeleteParams, PostParams};
 
 use crate::extender::{
-    BurstCost, CostMeter, NS, SCHEDULER_CLIENT_RATE, keep_operator_log, ledger_verdict, plain_pod,
-    schedule_pods, settled,
+    BurstCost, CostMeter, NS, SCHEDULER_CLIENT_RATE, THROTTLE_PAUSED, THROTTLE_PERIOD,
+    keep_operator_log, ledger_verdict, metric_sum, plain_pod, schedule_pods, settled,
 };
 
 /// The rows; a failed run is one row saying why, failing `make bench`.
@@ -204,13 +209,15 @@ async fn run() -> Result<Vec<Row>, String> {
         );
     }
     let (ledger, failure) = ledger_verdict(&client, &cluster.op).await;
-    keep_operator_log(&cluster.op, "installed");
     if gpu.bound.len() < pods {
+        keep_operator_log(&cluster.op, "installed");
         return Err(format!(
             "GPU pods bound: {}/{pods}; {ledger}",
             gpu.bound.len()
         ));
     }
+    let slowed_rows = slowed_burst(&cluster, pods, gpu.throughput()).await?;
+    keep_operator_log(&cluster.op, "installed");
 
     let ratio = gpu.throughput() / plain.throughput().max(f64::EPSILON);
     let met = if ratio >= 0.5 { "met" } else { "NOT met" };
@@ -255,7 +262,63 @@ async fn run() -> Result<Vec<Row>, String> {
                 gpu_cost.requests, plain_cost.requests
             ),
         ),
-    ])
+    ]
+    .into_iter()
+    .chain(slowed_rows)
+    .collect())
+}
+
+/// The GPU burst again with kube-apiserver stopped [`THROTTLE_PAUSED`] of every
+/// [`THROTTLE_PERIOD`]: its pods/s (against `unslowed`, the burst before) and the bind calls
+/// per pod; a pod not created or not bound, or an unclean ledger, fails the row.
+async fn slowed_burst(cluster: &Installed, pods: usize, unslowed: f64) -> Result<Vec<Row>, String> {
+    let client = cluster.cp.client();
+    let apiserver = cluster
+        .cp
+        .process_stats()
+        .into_iter()
+        .find(|p| p.name == "kube-apiserver")
+        .ok_or("no kube-apiserver process")?
+        .pid;
+    let slowed = format!(
+        "kube-apiserver stopped {} ms of every {} ms",
+        THROTTLE_PAUSED.as_millis(),
+        THROTTLE_PERIOD.as_millis()
+    );
+    let binds =
+        |text: &str| metric_sum(text, "gpuledger_extender_decisions_total", "verb=\"bind\"");
+    let binds_before = binds(&cluster.op.metrics().await);
+    eprintln!("[bench] as installed, {slowed}: {pods} GPU pods at once");
+    let throttle = Throttle::start(apiserver, THROTTLE_PAUSED, THROTTLE_PERIOD)
+        .map_err(|e| format!("throttle: {e}"))?;
+    // The prefix is no prefix of the others: the watch counts pods by prefix.
+    let burst = schedule_pods(&client, "slowed", pods, |name| gpu_pod(name, 1, 8192, 20)).await;
+    drop(throttle);
+    let burst = burst?;
+    let bind_calls = binds(&cluster.op.metrics().await) - binds_before;
+    let (ledger, failure) = ledger_verdict(&client, &cluster.op).await;
+    let mut row = Row::measured(
+        "as installed, overload: GPU pods",
+        format!(
+            "{} of {pods} GPU pods naming no scheduler created at once -> Bound, through the webhooks and gpuledger-scheduler, {slowed}",
+            burst.bound.len()
+        ),
+        "pods/s",
+        &[burst.throughput()],
+        format!(
+            "one run, {:.1} s; {:.2} of the burst above (the API server runs half the time); {:.2} bind calls per pod; every pod created through the webhooks; {ledger}",
+            burst.wall.as_secs_f64(),
+            burst.throughput() / unslowed.max(f64::EPSILON),
+            bind_calls / burst.bound.len().max(1) as f64
+        ),
+    );
+    if burst.bound.len() < pods {
+        row = row.failing(format!("only {} of {pods} pods bound", burst.bound.len()));
+    }
+    if let Some(why) = failure {
+        row = row.failing(why);
+    }
+    Ok(vec![row])
 }
 
 /// `9.9 API requests per pod (...); CPU per pod ...`.
