@@ -638,8 +638,8 @@ async fn run() -> Result<Vec<Row>, String> {
 }
 
 /// How the overload run slows kube-apiserver: stopped this long of every [`THROTTLE_PERIOD`].
-pub(crate) const THROTTLE_PAUSED: Duration = Duration::from_millis(100);
-pub(crate) const THROTTLE_PERIOD: Duration = Duration::from_millis(200);
+const THROTTLE_PAUSED: Duration = Duration::from_millis(100);
+const THROTTLE_PERIOD: Duration = Duration::from_millis(200);
 
 /// The rows of the overload run.
 pub async fn overload() -> Vec<Row> {
@@ -656,25 +656,32 @@ pub async fn overload() -> Vec<Row> {
     }
 }
 
+/// Stops `cp`'s kube-apiserver [`THROTTLE_PAUSED`] of every [`THROTTLE_PERIOD`] until the
+/// returned throttle is dropped; with the words the rows use for it.
+pub(crate) fn slow_apiserver(cp: &ControlPlane) -> Result<(Throttle, String), String> {
+    let apiserver = cp
+        .process_stats()
+        .into_iter()
+        .find(|p| p.name == "kube-apiserver")
+        .ok_or("no kube-apiserver process")?
+        .pid;
+    let throttle = Throttle::start(apiserver, THROTTLE_PAUSED, THROTTLE_PERIOD)
+        .map_err(|e| format!("throttle: {e}"))?;
+    let slowed = format!(
+        "kube-apiserver stopped {} ms of every {} ms",
+        THROTTLE_PAUSED.as_millis(),
+        THROTTLE_PERIOD.as_millis()
+    );
+    Ok((throttle, slowed))
+}
+
 async fn run_overload() -> Result<Vec<Row>, String> {
     let b = start_bench().await?;
     let client = b.cp.client();
     let nodes = b.fleet.names.len();
     let pods = crate::scaled(1000);
     let steady = crate::scaled(STEADY_PODS);
-    let apiserver =
-        b.cp.process_stats()
-            .into_iter()
-            .find(|p| p.name == "kube-apiserver")
-            .ok_or("no kube-apiserver process")?
-            .pid;
-    let slowed = format!(
-        "kube-apiserver stopped {} ms of every {} ms",
-        THROTTLE_PAUSED.as_millis(),
-        THROTTLE_PERIOD.as_millis()
-    );
-    let throttle = Throttle::start(apiserver, THROTTLE_PAUSED, THROTTLE_PERIOD)
-        .map_err(|e| format!("throttle: {e}"))?;
+    let (throttle, slowed) = slow_apiserver(&b.cp)?;
     eprintln!("[bench] overload: {slowed}; {steady} GPU pods at {STEADY_RATE} pods/s");
     // Prefixes must not be prefixes of each other: the watch counts pods by prefix.
     let sustained = paced(&client, "ovsteady", steady, STEADY_RATE).await?;
@@ -853,7 +860,7 @@ pub(crate) async fn paced(
 }
 
 /// Creates `n` GPU pods `<prefix>-<i>` at once and waits until all are bound.
-async fn schedule(client: &Client, prefix: &str, n: usize) -> Result<Phase, String> {
+pub(crate) async fn schedule(client: &Client, prefix: &str, n: usize) -> Result<Phase, String> {
     schedule_pods(client, prefix, n, |name| gpu_pod(name, 1, 8192, 20)).await
 }
 

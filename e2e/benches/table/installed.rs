@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use gpuledger_crds::names::DEFAULT_NAMESPACE;
 use gpuledger_e2e::bench::{
-    ChildOperator, Fleet, GpuShape, OperatorOptions, Row, Throttle, gpu_pod, spawn_allocator,
+    ChildOperator, Fleet, GpuShape, OperatorOptions, Row, gpu_pod, spawn_allocator,
 };
 use gpuledger_e2e::cluster::{ControlPlane, ControlPlaneOptions, SchedulerSetup, wait_for};
 use gpuledger_e2e::sim::scheduler::{install_webhooks, operator_tls_args};
@@ -41,8 +41,8 @@ use kube::Client;
 use kube::api::{Api, DeleteParams, PostParams};
 
 use crate::extender::{
-    BurstCost, CostMeter, NS, SCHEDULER_CLIENT_RATE, THROTTLE_PAUSED, THROTTLE_PERIOD,
-    keep_operator_log, ledger_verdict, metric_sum, plain_pod, schedule_pods, settled,
+    BurstCost, CostMeter, NS, SCHEDULER_CLIENT_RATE, keep_operator_log, ledger_verdict, metric_sum,
+    plain_pod, schedule, schedule_pods, settled, slow_apiserver,
 };
 
 /// The rows; a failed run is one row saying why, failing `make bench`.
@@ -198,7 +198,7 @@ async fn run() -> Result<Vec<Row>, String> {
         "[bench] as installed: {pods} GPU pods at once, through the webhooks to gpuledger-scheduler"
     );
     let meter = CostMeter::start(&client, &cluster.processes()).await;
-    let gpu = schedule_pods(&client, "gpu", pods, |name| gpu_pod(name, 1, 8192, 20)).await?;
+    let gpu = schedule(&client, "gpu", pods).await?;
     let gpu_cost = meter.finish(&client, &cluster.processes(), pods).await;
     for (burst, cost) in [("plain", &plain_cost), ("GPU", &gpu_cost)] {
         eprintln!(
@@ -268,31 +268,17 @@ async fn run() -> Result<Vec<Row>, String> {
     .collect())
 }
 
-/// The GPU burst again with kube-apiserver stopped [`THROTTLE_PAUSED`] of every
-/// [`THROTTLE_PERIOD`]: its pods/s (against `unslowed`, the burst before) and the bind calls
+/// The GPU burst again with kube-apiserver slowed as in the overload rows: its pods/s (against `unslowed`, the burst before) and the bind calls
 /// per pod; a pod not created or not bound, or an unclean ledger, fails the row.
 async fn slowed_burst(cluster: &Installed, pods: usize, unslowed: f64) -> Result<Vec<Row>, String> {
     let client = cluster.cp.client();
-    let apiserver = cluster
-        .cp
-        .process_stats()
-        .into_iter()
-        .find(|p| p.name == "kube-apiserver")
-        .ok_or("no kube-apiserver process")?
-        .pid;
-    let slowed = format!(
-        "kube-apiserver stopped {} ms of every {} ms",
-        THROTTLE_PAUSED.as_millis(),
-        THROTTLE_PERIOD.as_millis()
-    );
     let binds =
         |text: &str| metric_sum(text, "gpuledger_extender_decisions_total", "verb=\"bind\"");
     let binds_before = binds(&cluster.op.metrics().await);
+    let (throttle, slowed) = slow_apiserver(&cluster.cp)?;
     eprintln!("[bench] as installed, {slowed}: {pods} GPU pods at once");
-    let throttle = Throttle::start(apiserver, THROTTLE_PAUSED, THROTTLE_PERIOD)
-        .map_err(|e| format!("throttle: {e}"))?;
     // The prefix is no prefix of the others: the watch counts pods by prefix.
-    let burst = schedule_pods(&client, "slowed", pods, |name| gpu_pod(name, 1, 8192, 20)).await;
+    let burst = schedule(&client, "slowed", pods).await;
     drop(throttle);
     let burst = burst?;
     let bind_calls = binds(&cluster.op.metrics().await) - binds_before;
