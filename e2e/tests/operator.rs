@@ -23,7 +23,7 @@ use gpuledger_operator::schedule::node_view;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
-use kube::api::{Api, ListParams, PostParams};
+use kube::api::{Api, ListParams, PostParams, WatchParams};
 use kube::{Client, ResourceExt};
 use operator_support::*;
 
@@ -563,6 +563,103 @@ async fn a_killed_operator_rebuilds_its_index_and_never_double_books() {
         })
         .count();
     assert_eq!(bound_after, 2);
+    op.stop().await;
+}
+
+/// The operator's watches read their initial state as a consistent streaming list
+/// (`watches::streamed`). kube-apiserver 1.30, 1.31 and 1.33 have the WatchList feature off by
+/// default and refuse that request; the operator must then list in pages and hold the same
+/// ledger: ready, placing pods on what is free, rebuilding its index after a restart without
+/// double-booking.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_api_server_without_streaming_lists_gets_the_same_ledger() {
+    let port = free_port();
+    let cp = cluster_with_gates(port, vec!["WatchList=false".into()]).await;
+    let client = cp.client();
+    // This API server does refuse a streaming list, so every watch below took the fallback.
+    let streaming = WatchParams {
+        send_initial_events: true,
+        ..WatchParams::default()
+    };
+    match Api::<GpuReservation>::all(client.clone())
+        .watch(&streaming, "")
+        .await
+    {
+        Err(kube::Error::Api(s)) => assert_eq!(s.code, 422, "{s:?}"),
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("the API server streamed a list with WatchList off"),
+    }
+    let _node = gpu_node(&client, "small", &gpus("small", 2, "NVIDIA L4", 10000), 10).await;
+    let _allocator = spawn_fake_allocator(client.clone());
+    let op = Operator::start(&cp, port, false, "first");
+    op.wait_ready(WAIT).await.expect("operator becomes ready");
+    // Two GPUs × two 5000 MiB shares: four pods fit in all.
+    for i in 0..2 {
+        create_pod(&client, NS, &gpu_pod(&format!("before-{i}"), 1, 5000, 10)).await;
+    }
+    for i in 0..2 {
+        wait_reservation(&client, NS, &format!("before-{i}"), "Allocated", |r| {
+            phase(r) == "Allocated"
+        })
+        .await;
+    }
+    op.stop().await;
+
+    // A new process lists the ledger in pages and sees both.
+    let op = loop {
+        let op = Operator::start(&cp, port, false, "second");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        if !op.is_finished() {
+            break op;
+        }
+        op.stop().await;
+    };
+    op.wait_ready(WAIT).await.expect("operator becomes ready");
+    for i in 0..3 {
+        create_pod(&client, NS, &gpu_pod(&format!("after-{i}"), 1, 5000, 10)).await;
+    }
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let bound_after = || {
+        let pods = pods.clone();
+        async move {
+            let n = pods
+                .list(&ListParams::default())
+                .await?
+                .items
+                .iter()
+                .filter(|p| {
+                    p.name_any().starts_with("after-")
+                        && p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some()
+                })
+                .count();
+            Ok::<_, kube::Error>(n)
+        }
+    };
+    wait_for("two more pods bound", WAIT, || async {
+        Ok::<_, kube::Error>((bound_after().await? >= 2).then_some(()))
+    })
+    .await
+    .unwrap();
+    wait_for("the third pod is refused", WAIT, || {
+        let client = client.clone();
+        async move {
+            let mut refused = 0;
+            for i in 0..3 {
+                let evs = pod_events(&client, NS, &format!("after-{i}")).await;
+                if evs.iter().any(|(r, _)| r == "FilteringFailed") {
+                    refused += 1;
+                }
+            }
+            Ok::<_, kube::Error>((refused >= 1).then_some(()))
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(bound_after().await.unwrap(), 2, "the ledger was full");
+    let (load, problems) = over_commits(&client).await;
+    assert!(problems.is_empty(), "{problems:?}");
+    let total: u32 = load.values().map(|l| l.sharers).sum();
+    assert_eq!(total, 4, "{load:?}");
     op.stop().await;
 }
 

@@ -9,6 +9,9 @@ use kube::runtime::watcher;
 
 use crate::telemetry::Health;
 
+mod streamed;
+pub use streamed::streamed_watcher;
+
 /// Drops `metadata.managedFields`. The operator never reads them, and on an object written by
 /// two field managers they are most of its memory: a JSON tree per manager naming every field.
 pub fn strip_managed_fields<K: Resource>(obj: &mut K) {

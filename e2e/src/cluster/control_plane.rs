@@ -55,6 +55,8 @@ pub struct ControlPlaneOptions {
     /// rollout of the operator's own Deployment); off by default, so that no test's pods come
     /// from a workload by surprise.
     pub workload_controllers: bool,
+    /// kube-apiserver feature gates to set, as `Name=true|false` (empty: its defaults).
+    pub apiserver_feature_gates: Vec<String>,
 }
 
 impl Default for ControlPlaneOptions {
@@ -67,6 +69,7 @@ impl Default for ControlPlaneOptions {
             binaries: None,
             scheduler_client_rate: None,
             apiserver_profiling: false,
+            apiserver_feature_gates: Vec::new(),
             workload_controllers: false,
         }
     }
@@ -173,6 +176,12 @@ impl ControlPlane {
             config::apiserver_args(&pki, &ports, &run_dir.join("apiserver-certs"));
         if opts.apiserver_profiling {
             config::enable_profiling(&mut apiserver_args);
+        }
+        if !opts.apiserver_feature_gates.is_empty() {
+            apiserver_args.push(format!(
+                "--feature-gates={}",
+                opts.apiserver_feature_gates.join(",")
+            ));
         }
         procs.spawn(
             "kube-apiserver",

@@ -36,13 +36,20 @@ pub fn free_port() -> u16 {
 /// Starts a control plane whose scheduler sends GPU pods to `127.0.0.1:<extender_port>`, and
 /// installs the CRDs.
 pub async fn cluster(extender_port: u16) -> ControlPlane {
+    cluster_with_gates(extender_port, Vec::new()).await
+}
+
+/// [`cluster`], its kube-apiserver with these feature gates (`Name=true|false`).
+pub async fn cluster_with_gates(extender_port: u16, gates: Vec<String>) -> ControlPlane {
     // Operator logs on stderr when RUST_LOG asks for them (shown for failing tests).
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_test_writer()
         .try_init();
-    let opts =
-        ControlPlaneOptions::default().extender_url(format!("http://127.0.0.1:{extender_port}"));
+    let opts = ControlPlaneOptions {
+        apiserver_feature_gates: gates,
+        ..ControlPlaneOptions::default().extender_url(format!("http://127.0.0.1:{extender_port}"))
+    };
     let cp = ControlPlane::start(opts)
         .await
         .expect("control plane starts");

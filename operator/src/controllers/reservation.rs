@@ -31,7 +31,7 @@ use crate::lease::allocation as lease;
 use crate::ledger::render::{devices_summary, numa_summary};
 use crate::ledger::writer::OperatorStatus;
 use crate::ledger::{LedgerIndex, ReservationKey, WriteError};
-use crate::watches::tracked;
+use crate::watches::{streamed_watcher, tracked};
 
 /// Why a reconcile failed (it is retried).
 #[derive(Debug, thiserror::Error)]
@@ -231,7 +231,7 @@ where
         let api = Api::<Pod>::all(ctx.client.clone());
         futures::stream::once(async move { index.wait_synced().await }).flat_map(move |()| {
             let facts = facts.clone();
-            watcher(api.clone(), watcher::Config::default())
+            streamed_watcher(api.clone(), watcher::Config::default())
                 .default_backoff()
                 // The cache learns of a change before the change triggers a reconcile.
                 .map_ok(move |event| {

@@ -21,6 +21,7 @@ use tokio::sync::Notify;
 use super::LedgerIndex;
 use super::index::{ECHO_TIMEOUT, shared};
 use crate::telemetry::Metrics;
+use crate::watches::streamed_watcher;
 
 /// How often the watchdog looks.
 const WATCHDOG_EVERY: Duration = Duration::from_secs(5);
@@ -36,7 +37,7 @@ pub fn restartable(
 ) -> impl Stream<Item = Result<Event<GpuReservation>, watcher::Error>> + Send {
     futures::stream::repeat(()).flat_map(move |()| {
         let restart = restart.clone();
-        watcher::watcher(api.clone(), watcher::Config::default())
+        streamed_watcher(api.clone(), watcher::Config::default())
             .default_backoff()
             .take_until(async move { restart.notified().await })
     })

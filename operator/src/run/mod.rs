@@ -36,7 +36,7 @@ use crate::ledger::usage::holds_capacity;
 use crate::ledger::{LedgerIndex, LedgerWriter, NodeLocks};
 use crate::schedule::Policy;
 use crate::telemetry::{Health, Metrics, QuotaLabels};
-use crate::watches::{drive, strip_managed_fields, tracked};
+use crate::watches::{drive, streamed_watcher, strip_managed_fields, tracked};
 use crate::{certs, controllers, extender, ledger, quota, webhook};
 use config::RunConfig;
 
@@ -158,7 +158,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
     };
     let (gpunodes, writer) = reflector::store::<GpuNode>();
     let node_clocks = index.clone();
-    let stream = watcher(
+    let stream = streamed_watcher(
         Api::<GpuNode>::all(client.clone()),
         watcher::Config::default(),
     )
