@@ -18,8 +18,11 @@
 //! The events are kube-runtime's (`Init`, `InitApply`, `InitDone`, then `Apply`/`Delete`) and
 //! so are the errors, so everything downstream (backoff, reflectors, the ledger index) is
 //! unchanged. An API server that refuses streaming lists (the WatchList feature is off by
-//! default in 1.30, 1.31 and 1.33) answers the request 422; the stream then falls back to
-//! kube-runtime's paged watcher for the rest of its life and says so once.
+//! default in 1.30, 1.31 and 1.33) answers the request 422, and one whose etcd cannot confirm
+//! its cache is current (older than 3.4.31 / 3.5.13) answers 500; the stream then falls back
+//! to kube-runtime's paged watcher for the rest of its life and says so once. The paged list
+//! is consistent too, only slower, so falling back on an error that was passing costs time,
+//! never correctness.
 
 use std::fmt::Debug;
 use std::time::Duration;
@@ -85,10 +88,12 @@ fn params(config: &watcher::Config, initial: bool) -> WatchParams {
     }
 }
 
-/// Whether the API server refused the streaming list itself (not a passing failure): 422 from
-/// a server with WatchList off, 400 or 501 from one that cannot serve it at all.
+/// Whether the API server answered the streaming list with an error a paged list would not
+/// meet: any status but the caller's own (401, 403: the paged list needs the same rights), a
+/// missing resource (404: a CRD not installed yet) and throttling (429). Connection failures
+/// are retried as they are.
 fn refuses_streaming(e: &kube::Error) -> bool {
-    matches!(e, kube::Error::Api(s) if matches!(s.code, 400 | 422 | 501))
+    matches!(e, kube::Error::Api(s) if !matches!(s.code, 401 | 403 | 404 | 429))
 }
 
 async fn next_or_idle<K>(
@@ -120,9 +125,15 @@ where
     match state {
         State::Empty => match api.watch(&params(config, true), "").await {
             Ok(stream) => (Some(Ok(Event::Init)), State::Initial(stream.boxed())),
-            Err(e) if refuses_streaming(&e) => {
-                tracing::info!(error = %e,
+            Err(kube::Error::Api(s)) if s.code == 422 => {
+                tracing::info!(error = %s,
                     "the API server does not stream lists (WatchList off); listing in pages");
+                let paged = watcher::watcher(api.clone(), config.clone()).boxed();
+                (None, State::Paged(paged))
+            }
+            Err(e) if refuses_streaming(&e) => {
+                tracing::warn!(error = %e,
+                    "the API server failed a streaming list; listing in pages from now on");
                 let paged = watcher::watcher(api.clone(), config.clone()).boxed();
                 (None, State::Paged(paged))
             }
@@ -291,8 +302,8 @@ mod tests {
                     "ERROR",
                     status(410, "Expired", "too old resource version"),
                 )]),
-                // Expired: the whole state again, through a server that fails once.
-                initial().reply(500, status(500, "InternalError", "etcd went away")),
+                // Expired: the whole state again, through a server that throttles once.
+                initial().reply(429, status(429, "TooManyRequests", "try again")),
                 initial().reply_events(vec![event("ADDED", cm("c", "13")), bookmark("13", true)]),
                 // Gone before the watch even starts: the whole state again.
                 resume("13").reply(410, status(410, "Gone", "too old resource version")),
@@ -311,7 +322,7 @@ mod tests {
                 "apply a",
                 "delete b",
                 "error 410",
-                "start failed 500",
+                "start failed 429",
                 "init",
                 "listed c",
                 "listed all",
@@ -321,21 +332,31 @@ mod tests {
 
     #[tokio::test]
     async fn a_server_that_refuses_streaming_lists_is_listed_in_pages() {
-        let list = json!({"apiVersion": "v1", "kind": "ConfigMapList",
-                          "metadata": {"resourceVersion": "20"}, "items": [cm("a", "19")]});
-        let seen = run(
-            vec![
-                initial().reply(
-                    422,
-                    status(422, "Invalid", "sendInitialEvents is forbidden for watch unless the WatchList feature gate is enabled"),
-                ),
-                // kube-runtime's own paged list, then its watch.
-                expect(Method::GET, PATH).query("limit", "500").reply(200, list),
-                resume("20").never_reply(),
-            ],
-            3,
-        )
-        .await;
-        assert_eq!(seen, ["init", "listed a", "listed all"]);
+        // WatchList off; an etcd too old to confirm the cache is current; anything else.
+        let refusals = [
+            (
+                422,
+                "sendInitialEvents is forbidden for watch unless the WatchList feature gate is enabled",
+            ),
+            (500, "etcd does not support RequestWatchProgress"),
+            (400, "bad request"),
+        ];
+        for (code, message) in refusals {
+            let list = json!({"apiVersion": "v1", "kind": "ConfigMapList",
+                              "metadata": {"resourceVersion": "20"}, "items": [cm("a", "19")]});
+            let seen = run(
+                vec![
+                    initial().reply(code, status(code, "Refused", message)),
+                    // kube-runtime's own paged list, then its watch.
+                    expect(Method::GET, PATH)
+                        .query("limit", "500")
+                        .reply(200, list),
+                    resume("20").never_reply(),
+                ],
+                3,
+            )
+            .await;
+            assert_eq!(seen, ["init", "listed a", "listed all"], "after {code}");
+        }
     }
 }
