@@ -419,14 +419,16 @@ async fn a_bind_whose_caller_hangs_up_still_ends_consistent() {
 async fn a_reservation_watch_that_goes_quiet_is_started_again() {
     let rig = Rig::start(1, SHAPE).await;
     let proxy = FaultProxy::start(rig.client()).await.unwrap();
-    // The operator's first watch on GpuReservations is answered ten minutes late: the connection
-    // is open, nothing arrives and nothing fails, the way a watch goes quiet on a struggling API
-    // server. kube-apiserver would close it only at its own timeout, minutes later.
+    // The operator's first watch on GpuReservations (its initial events streamed, then the
+    // changes on the same connection) goes quiet once the initial events are in: the ledger is
+    // empty, so they are one line, the bookmark that ends them. The connection stays open,
+    // nothing more arrives and nothing fails, the way a watch goes quiet on a struggling API
+    // server; kube-apiserver would close it only at its own timeout, minutes later.
     let quiet = proxy.add_rule(FaultRule {
         method: Some(http::Method::GET),
         // kube's watch URL, as it writes it: `…/gpureservations?&watch=true&…`.
         path_contains: "/gpureservations?&watch=true".into(),
-        action: FaultAction::Delay(Duration::from_secs(600)),
+        action: FaultAction::QuietAfterLines(1),
         times: Some(1),
     });
     let op = operator_behind(&rig, &proxy, "quiet-watch").await;

@@ -1,6 +1,7 @@
 //! The fault proxy against a real control plane: requests pass through (lists and streaming
-//! watches), a `Delay` rule holds a request back, and a `DropResponse` rule loses the answer of
-//! a create that nonetheless happened.
+//! watches), a `Delay` rule holds a request back, a `DropResponse` rule loses the answer of
+//! a create that nonetheless happened, and a `QuietAfterLines` rule lets a watch's first events
+//! through and then nothing.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -138,4 +139,35 @@ async fn proxy_passes_through_delays_and_drops_responses() {
         .expect("create after the spent rule");
     assert_eq!(proxy.hits(drop_rule), 1);
     assert_eq!(proxy.hits(delay), 1);
+
+    // QuietAfterLines: a watch from the start shows two of the namespace's ConfigMaps (there
+    // are at least four), then goes quiet without ending, though the API server sends the
+    // others and one created meanwhile.
+    let quiet = proxy.add_rule(FaultRule {
+        method: Some(http::Method::GET),
+        path_contains: "/configmaps?&watch=true".to_string(),
+        action: FaultAction::QuietAfterLines(2),
+        times: Some(1),
+    });
+    let mut events = via_proxy
+        .watch(&WatchParams::default().timeout(60), "0")
+        .await
+        .expect("watch through the proxy")
+        .boxed();
+    let mut added = Vec::new();
+    for _ in 0..2 {
+        let next = tokio::time::timeout(Duration::from_secs(30), events.next()).await;
+        match next {
+            Ok(Some(Ok(WatchEvent::Added(cm)))) => added.push(cm.name_any()),
+            other => panic!("expected an ADDED event, got {other:?}"),
+        }
+    }
+    assert_eq!(added.len(), 2);
+    direct
+        .create(&PostParams::default(), &config_map("unseen"))
+        .await
+        .unwrap();
+    let more = tokio::time::timeout(Duration::from_secs(3), events.next()).await;
+    assert!(more.is_err(), "the watch was to go quiet, got {more:?}");
+    assert_eq!(proxy.hits(quiet), 1);
 }

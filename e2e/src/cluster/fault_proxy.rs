@@ -9,7 +9,10 @@
 //! - [`FaultAction::DropResponse`]: the request is forwarded, the API server's complete answer
 //!   is awaited (so the write did happen), and then the client's connection is closed without a
 //!   byte of response. The client sees a transport error for a request that took effect: the
-//!   case that tells idempotent reconcilers from ones that double-book.
+//!   case that tells idempotent reconcilers from ones that double-book;
+//! - [`FaultAction::QuietAfterLines`]: the answer's first lines (a watch's first events) are
+//!   passed on, then nothing more, the connection left open: a watch gone quiet without ending
+//!   or failing, as on a struggling API server.
 //!
 //! Everything else is passed through untouched and streamed as it arrives, so watches work.
 //!
@@ -26,7 +29,9 @@ use std::time::Duration;
 
 use http::{HeaderMap, HeaderName, Method, Request, Response, StatusCode, header};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
+use http_body_util::StreamBody;
+use http_body_util::combinators::UnsyncBoxBody;
+use hyper::body::{Bytes, Frame, Incoming};
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
@@ -42,7 +47,14 @@ pub enum FaultAction {
     /// Forward the request, read the whole upstream response, then close the client's
     /// connection without answering. On a watch this waits for the watch to end.
     DropResponse,
+    /// Forward the request and the first this many lines of the answer's body (a watch's
+    /// events, one per line), then send nothing more and keep the connection open until the
+    /// client closes it.
+    QuietAfterLines(usize),
 }
+
+/// What the proxy answers with: the API server's body passed through, or a part of it.
+type ProxyBody = UnsyncBoxBody<Bytes, kube::Error>;
 
 /// Which requests to disturb, how, and how often.
 #[derive(Debug, Clone)]
@@ -218,7 +230,7 @@ async fn forward(
     req: Request<Incoming>,
     upstream: kube::Client,
     rules: Arc<Mutex<Rules>>,
-) -> Result<Response<Body>, NoAnswer> {
+) -> Result<Response<ProxyBody>, NoAnswer> {
     let (parts, body) = req.into_parts();
     let target = parts
         .uri
@@ -257,7 +269,7 @@ async fn forward(
                 format!("fault proxy: upstream: {e}\n").into_bytes(),
             ));
             *bad.status_mut() = StatusCode::BAD_GATEWAY;
-            return Ok(bad);
+            return Ok(bad.map(BodyExt::boxed_unsync));
         }
     };
     if action == Some(FaultAction::DropResponse) {
@@ -269,7 +281,44 @@ async fn forward(
     }
     let (mut parts, body) = response.into_parts();
     strip_hop_by_hop(&mut parts.headers);
+    let body = match action {
+        Some(FaultAction::QuietAfterLines(lines)) => quiet_after(body, lines),
+        _ => body.boxed_unsync(),
+    };
     Ok(Response::from_parts(parts, body))
+}
+
+/// `body`'s first `lines` lines, then nothing, never ending.
+fn quiet_after(body: Body, lines: usize) -> ProxyBody {
+    let frames = futures::stream::unfold((body, lines), |(mut body, left)| async move {
+        if left == 0 {
+            return futures::future::pending().await;
+        }
+        loop {
+            let data = match body.frame().await {
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(data) => data,
+                    Err(_) => continue,
+                },
+                Some(Err(e)) => return Some((Err(e), (body, 0))),
+                // The API server ended it: stay quiet all the same.
+                None => return futures::future::pending().await,
+            };
+            let mut cut = data.len();
+            let mut left = left;
+            for (i, byte) in data.iter().enumerate() {
+                if *byte == b'\n' {
+                    left -= 1;
+                    if left == 0 {
+                        cut = i + 1;
+                        break;
+                    }
+                }
+            }
+            return Some((Ok(Frame::data(data.slice(..cut))), (body, left)));
+        }
+    });
+    StreamBody::new(frames).boxed_unsync()
 }
 
 /// Removes [`HOP_BY_HOP`], `Keep-Alive`, and whatever the `Connection` header names.
