@@ -39,7 +39,10 @@ const INITIAL_EVENTS_END: &str = "k8s.io/initial-events-end";
 
 /// kube-apiserver closes a watch after `timeoutSeconds` (kube-runtime's default, 290 s, when
 /// the config names none); a stream silent for that long and this much more is taken for a
-/// connection that died without closing.
+/// connection that died without closing. The initial events get no shorter deadline: a
+/// consistent stream may rightly wait while the API server's cache catches up, and starting
+/// over on an overloaded API server would send it the whole list again. (A watch that goes
+/// quiet after them is the ledger watchdog's to notice: `ledger::feed::watchdog`.)
 const IDLE_MARGIN: Duration = Duration::from_secs(5);
 const DEFAULT_TIMEOUT_S: u32 = 290;
 
