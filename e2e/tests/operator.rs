@@ -478,92 +478,7 @@ async fn a_burst_of_100_pods_on_4_nodes_never_overcommits_a_gpu() {
 async fn a_killed_operator_rebuilds_its_index_and_never_double_books() {
     let port = free_port();
     let cp = cluster(port).await;
-    let client = cp.client();
-    let _node = gpu_node(&client, "small", &gpus("small", 2, "NVIDIA L4", 10000), 10).await;
-    let _allocator = spawn_fake_allocator(client.clone());
-    let op = Operator::start(&cp, port, false, "first");
-    op.wait_ready(WAIT).await.expect("operator becomes ready");
-
-    // Two GPUs × two 5000 MiB shares: four pods fit in all.
-    for i in 0..2 {
-        create_pod(&client, NS, &gpu_pod(&format!("before-{i}"), 1, 5000, 10)).await;
-    }
-    for i in 0..2 {
-        wait_reservation(&client, NS, &format!("before-{i}"), "Allocated", |r| {
-            phase(r) == "Allocated"
-        })
-        .await;
-    }
-    op.stop().await;
-
-    // A new process knows only what the ledger says.
-    let op = loop {
-        let op = Operator::start(&cp, port, false, "second");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        if !op.is_finished() {
-            break op;
-        }
-        // The old listener may linger for a moment; try again.
-        op.stop().await;
-    };
-    op.wait_ready(WAIT).await.expect("operator becomes ready");
-    for i in 0..4 {
-        create_pod(&client, NS, &gpu_pod(&format!("after-{i}"), 1, 5000, 10)).await;
-    }
-    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
-    wait_for("two more pods bound", WAIT, || {
-        let pods = pods.clone();
-        async move {
-            let n = pods
-                .list(&ListParams::default())
-                .await?
-                .items
-                .iter()
-                .filter(|p| {
-                    p.name_any().starts_with("after-")
-                        && p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some()
-                })
-                .count();
-            Ok::<_, kube::Error>((n >= 2).then_some(()))
-        }
-    })
-    .await
-    .unwrap();
-    // The other two stay Pending with the reason; by then the ledger is full.
-    {
-        wait_for("the remaining pods are refused", WAIT, || {
-            let client = client.clone();
-            async move {
-                let mut refused = 0;
-                for i in 0..4 {
-                    let evs = pod_events(&client, NS, &format!("after-{i}")).await;
-                    if evs.iter().any(|(r, _)| r == "FilteringFailed") {
-                        refused += 1;
-                    }
-                }
-                Ok::<_, kube::Error>((refused >= 2).then_some(()))
-            }
-        })
-        .await
-        .unwrap();
-    }
-    let (load, problems) = over_commits(&client).await;
-    assert!(problems.is_empty(), "{problems:?}");
-    let total: u32 = load.values().map(|l| l.sharers).sum();
-    assert_eq!(total, 4, "{load:?}");
-    let bound_after = pods
-        .list(&ListParams::default())
-        .await
-        .unwrap()
-        .items
-        .iter()
-        .filter(|p| {
-            p.name_any().starts_with("after-")
-                && p.spec.as_ref().and_then(|s| s.node_name.as_ref()).is_some()
-        })
-        .count();
-    assert_eq!(bound_after, 2);
-    op.stop().await;
+    a_restarted_operator_books_only_what_is_free(&cp, port, 4).await;
 }
 
 /// The operator's watches read their initial state as a consistent streaming list
@@ -589,11 +504,18 @@ async fn an_api_server_without_streaming_lists_gets_the_same_ledger() {
         Err(e) => panic!("{e}"),
         Ok(_) => panic!("the API server streamed a list with WatchList off"),
     }
+    a_restarted_operator_books_only_what_is_free(&cp, port, 3).await;
+}
+
+/// One node of two GPUs, each shared by two 5000 MiB pods: two pods placed, the operator
+/// stopped, and a new process started that knows only what the ledger says. Of `after` more
+/// pods two fit and the rest are refused with the reason; no GPU holds more than it has.
+async fn a_restarted_operator_books_only_what_is_free(cp: &ControlPlane, port: u16, after: usize) {
+    let client = cp.client();
     let _node = gpu_node(&client, "small", &gpus("small", 2, "NVIDIA L4", 10000), 10).await;
     let _allocator = spawn_fake_allocator(client.clone());
-    let op = Operator::start(&cp, port, false, "first");
+    let op = Operator::start(cp, port, false, "first");
     op.wait_ready(WAIT).await.expect("operator becomes ready");
-    // Two GPUs × two 5000 MiB shares: four pods fit in all.
     for i in 0..2 {
         create_pod(&client, NS, &gpu_pod(&format!("before-{i}"), 1, 5000, 10)).await;
     }
@@ -605,17 +527,17 @@ async fn an_api_server_without_streaming_lists_gets_the_same_ledger() {
     }
     op.stop().await;
 
-    // A new process lists the ledger in pages and sees both.
     let op = loop {
-        let op = Operator::start(&cp, port, false, "second");
+        let op = Operator::start(cp, port, false, "second");
         tokio::time::sleep(Duration::from_millis(200)).await;
         if !op.is_finished() {
             break op;
         }
+        // The old listener may linger for a moment; try again.
         op.stop().await;
     };
     op.wait_ready(WAIT).await.expect("operator becomes ready");
-    for i in 0..3 {
+    for i in 0..after {
         create_pod(&client, NS, &gpu_pod(&format!("after-{i}"), 1, 5000, 10)).await;
     }
     let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
@@ -640,17 +562,18 @@ async fn an_api_server_without_streaming_lists_gets_the_same_ledger() {
     })
     .await
     .unwrap();
-    wait_for("the third pod is refused", WAIT, || {
+    // The others stay Pending with the reason; by then the ledger is full.
+    wait_for("the remaining pods are refused", WAIT, || {
         let client = client.clone();
         async move {
             let mut refused = 0;
-            for i in 0..3 {
+            for i in 0..after {
                 let evs = pod_events(&client, NS, &format!("after-{i}")).await;
                 if evs.iter().any(|(r, _)| r == "FilteringFailed") {
                     refused += 1;
                 }
             }
-            Ok::<_, kube::Error>((refused >= 1).then_some(()))
+            Ok::<_, kube::Error>((refused >= after - 2).then_some(()))
         }
     })
     .await

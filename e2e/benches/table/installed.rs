@@ -49,14 +49,11 @@ use crate::extender::{
 pub async fn as_installed() -> Vec<Row> {
     match run().await {
         Ok(rows) => rows,
-        Err(e) => vec![
-            Row::missing(
-                "as installed: scheduling",
-                "1000 nodes, chart's scheduler, webhooks and admission policies",
-                format!("failed: {e}"),
-            )
-            .failing(format!("the run did not complete: {e}")),
-        ],
+        Err(e) => vec![Row::run_failed(
+            "as installed: scheduling",
+            "1000 nodes, chart's scheduler, webhooks and admission policies",
+            &e.to_string(),
+        )],
     }
 }
 

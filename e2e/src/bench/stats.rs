@@ -81,6 +81,12 @@ impl Row {
         self
     }
 
+    /// The one row of a group whose run failed with `error`: it says why and fails `make bench`.
+    pub fn run_failed(name: &str, workload: impl Into<String>, error: &str) -> Row {
+        Row::missing(name, workload, format!("failed: {error}"))
+            .failing(format!("the run did not complete: {error}"))
+    }
+
     /// A row whose measurement failed or was skipped, saying why.
     pub fn missing(name: &str, workload: impl Into<String>, why: impl Into<String>) -> Row {
         Row {
