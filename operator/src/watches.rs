@@ -9,7 +9,9 @@ use kube::runtime::watcher;
 
 use crate::telemetry::Health;
 
+mod inventory;
 mod streamed;
+pub use inventory::InventoryVersions;
 pub use streamed::streamed_watcher;
 
 /// Drops `metadata.managedFields`. The operator never reads them, and on an object written by

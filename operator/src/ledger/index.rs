@@ -128,8 +128,8 @@ struct Inner {
     tombstones: HashMap<ReservationKey, (Option<u64>, Instant)>,
     /// Keys the operator wrote itself, and when.
     local_writes: HashMap<ReservationKey, Instant>,
-    /// Objects of a relist in progress (between `Init` and `InitDone`).
-    relist: Option<HashMap<ReservationKey, Arc<GpuReservation>>>,
+    /// A relist in progress (between `Init` and `InitDone`).
+    relist: Option<Relist>,
     /// Own writes kept through a relist that did not list them, and when: the watch that follows
     /// the list must deliver them if they are newer than the list; if it does not within
     /// [`LOCAL_WRITE_GRACE`] they were deleted before it ([`LedgerIndex::expire_unconfirmed`]).
@@ -145,6 +145,29 @@ struct Inner {
     clock: u64,
     /// Keys put in or taken out of `live` since the unreserved sweep last asked.
     changed: ChangedKeys,
+}
+
+/// What a relist in progress found so far. Each listed object is compared with the index as
+/// it comes (under the short hold of the lock its event takes anyway) and kept only when the
+/// index does not hold its version or a newer one: at its end the relist then applies only what
+/// differs. Filter and bind wait on that lock. At 100 000 reservations on two cores, the end of
+/// a relist that changed nothing held it 30 to 34 ms; rebuilding the index whole held it 509 to
+/// 669 ms, and comparing every object at the end 145 ms.
+#[derive(Default)]
+struct Relist {
+    /// Every key the list named, with its object when the index did not hold that version or
+    /// a newer one as it came.
+    listed: HashMap<ReservationKey, Option<Arc<GpuReservation>>>,
+    /// The newest resourceVersion in the list: the list is a snapshot at least this new.
+    snapshot: Option<u64>,
+}
+
+/// Whether the index's `current` object already is `listed`'s version or a newer one (a
+/// resourceVersion names one content of an object).
+fn holds(current: Option<&Arc<GpuReservation>>, listed: &GpuReservation) -> bool {
+    current.is_some_and(|cur| {
+        !supersedes(listed, cur) || rv(cur).is_some_and(|v| rv(listed) == Some(v))
+    })
 }
 
 /// A namespace's quota use summed over its reservations. Wider than [`QuotaUse`]'s saturating
@@ -300,32 +323,6 @@ impl Inner {
         }
     }
 
-    /// Replaces `live` wholesale (after a relist) and rebuilds `by_node`.
-    fn replace_live(&mut self, live: HashMap<ReservationKey, Arc<GpuReservation>>) {
-        // Every node that had or has reservations may have changed, and every key.
-        self.changed.mark_everything();
-        let before: Vec<String> = self.by_node.keys().cloned().collect();
-        for node in &before {
-            self.touch(node);
-        }
-        for obj in live.values() {
-            self.touch(&obj.spec.node_name);
-        }
-        self.by_node.clear();
-        self.ns_use.clear();
-        for (key, obj) in &live {
-            let u = quota_use(obj);
-            if u != QuotaUse::default() {
-                self.ns_use.entry(key.namespace.clone()).or_default().add(u);
-            }
-            self.by_node
-                .entry(obj.spec.node_name.clone())
-                .or_default()
-                .insert(key.clone());
-        }
-        self.live = live;
-    }
-
     fn shadowed_by_tombstone(&self, key: &ReservationKey, obj: &GpuReservation) -> bool {
         match (self.tombstones.get(key), rv(obj)) {
             (Some((Some(dead), _)), Some(v)) => v <= *dead,
@@ -368,40 +365,72 @@ impl Inner {
         }
     }
 
-    fn finish_relist(&mut self) {
-        let Some(listed) = self.relist.take() else {
-            return;
-        };
+    /// Takes in one listed object: remembers its key, and the object itself only when the
+    /// index does not hold it already. Returns the object when it is not kept, to be freed
+    /// after the lock is let go.
+    fn relisted(&mut self, obj: Arc<GpuReservation>) -> Option<Arc<GpuReservation>> {
+        let key = ReservationKey::kept_of(&obj);
+        let held = holds(self.live.get(&key), &obj);
+        let relist = self.relist.as_mut()?;
+        relist.snapshot = relist.snapshot.max(rv(&obj));
+        if held {
+            relist.listed.insert(key, None);
+            return Some(obj);
+        }
+        relist.listed.insert(key, Some(obj));
+        None
+    }
+
+    /// Makes `live` what the relist found, keeping own writes it may not show yet.
+    ///
+    /// Only what differs from the index is written, through `put_live` and `take_live`, so
+    /// only the nodes and keys that actually changed move their clocks and marks. A relist
+    /// after an API server restart or a compacted watch usually finds the index as it was;
+    /// replacing everything made every node's filter view, usage and unreserved look start
+    /// again from nothing, 5000 nodes and 100 000 reservations of work for no change.
+    /// Returns what is left of the relist (its keys, and the objects own writes overtook),
+    /// to be freed after the lock is let go.
+    fn finish_relist(&mut self) -> Option<Relist> {
+        let mut relist = self.relist.take()?;
         // The list shows the state after every write made before it.
         self.echoes.clear();
         self.unconfirmed.clear();
-        // The list is a snapshot at least as new as its newest item: an own write no newer
-        // than that and absent from the list was deleted since.
-        let snapshot = listed.values().filter_map(|o| rv(o)).max();
-        let mut next = HashMap::with_capacity(listed.len());
-        for (key, obj) in listed {
-            match self.live.get(&key) {
-                Some(cur) if !supersedes(&obj, cur) => next.insert(key, cur.clone()),
-                _ => next.insert(key, obj),
-            };
-        }
-        // Own writes may be newer than the list's snapshot; keep them for a short grace period.
+        let mut gone = Vec::new();
         for (key, obj) in &self.live {
+            if relist.listed.contains_key(key) {
+                continue;
+            }
+            // An own write no newer than the list's snapshot and absent from it was deleted
+            // since; a newer one may not be in the list yet, and is kept for a grace period.
             let recent = self
                 .local_writes
                 .get(key)
                 .is_some_and(|at| at.elapsed() < LOCAL_WRITE_GRACE);
-            let maybe_newer = match (rv(obj), snapshot) {
+            let maybe_newer = match (rv(obj), relist.snapshot) {
                 (Some(v), Some(snap)) => v > snap,
                 _ => true,
             };
-            if recent && maybe_newer && !next.contains_key(key) {
-                next.insert(key.clone(), obj.clone());
+            if recent && maybe_newer {
                 self.unconfirmed.insert(key.clone(), Instant::now());
+            } else {
+                gone.push(key.clone());
             }
         }
-        self.replace_live(next);
+        for key in &gone {
+            self.take_live(key);
+        }
+        for (key, slot) in relist.listed.iter_mut() {
+            // An own write since the object came may have overtaken it; it is then left in
+            // the relist, freed with it.
+            let newer = slot
+                .as_ref()
+                .is_some_and(|obj| !holds(self.live.get(key), obj));
+            if let Some(obj) = slot.take_if(|_| newer) {
+                self.put_live(key.clone(), obj);
+            }
+        }
         self.gc();
+        Some(relist)
     }
 
     fn gc(&mut self) {
@@ -455,16 +484,16 @@ impl LedgerIndex {
                 inner.watch_saw(&key, deleted_rv);
                 inner.remove(key, deleted_rv);
             }
-            Event::Init => inner.relist = Some(HashMap::new()),
+            Event::Init => inner.relist = Some(Relist::default()),
             Event::InitApply(obj) => {
-                let key = ReservationKey::kept_of(&obj);
-                if let Some(buf) = inner.relist.as_mut() {
-                    buf.insert(key, obj);
-                }
+                let unkept = inner.relisted(obj);
+                drop(inner);
+                drop(unkept);
             }
             Event::InitDone => {
-                inner.finish_relist();
+                let leftovers = inner.finish_relist();
                 drop(inner);
+                drop(leftovers);
                 self.synced.send_replace(true);
             }
         }
@@ -609,16 +638,6 @@ impl LedgerIndex {
     /// change): what was derived from the old one is stale.
     pub fn inventory_changed(&self, node: &str) {
         self.write().touch(node);
-    }
-
-    /// Every GpuNode may have changed (the GpuNode watch listed them again).
-    pub fn every_inventory_changed(&self) {
-        let mut inner = self.write();
-        inner.clock += 1;
-        let now = inner.clock;
-        for v in inner.node_versions.values() {
-            v.set(now);
-        }
     }
 
     /// Every reservation on `node`.
@@ -784,12 +803,52 @@ mod tests {
         idx.record_delete(&key("b"), Some(4));
         assert!(idx.node_version("n2") > m2);
         assert_eq!(idx.node_version("n1"), m1);
-        // A relist may change anything: every node it or the old content names moves on.
+        // A relist that drops a (on n2) and adds c (on n3) moves both nodes.
         let m2 = idx.node_version("n2");
         idx.apply_event(Event::Init);
         idx.apply_event(Event::InitApply(obj("c", "9", "n3")));
         idx.apply_event(Event::InitDone);
         assert!(idx.node_version("n2") > m2 && idx.node_version("n3") > 0);
+    }
+
+    /// A relist after an API server restart usually finds what the index holds: nothing may
+    /// move then, or every node's filter view, usage and unreserved look starts over.
+    #[test]
+    fn a_relist_moves_only_the_nodes_and_keys_it_changes() {
+        let idx = LedgerIndex::new();
+        idx.apply_event(Event::Init);
+        for (name, rv, node) in [("a", "1", "n1"), ("b", "2", "n2"), ("c", "3", "n3")] {
+            idx.apply_event(Event::InitApply(obj(name, rv, node)));
+        }
+        idx.apply_event(Event::InitDone);
+        let _ = idx.take_changed();
+        let clocks = |idx: &LedgerIndex| ["n1", "n2", "n3", "n4"].map(|n| idx.node_version(n));
+        let before = clocks(&idx);
+        let relist = |items: &[(&str, &str, &str)]| {
+            idx.apply_event(Event::Init);
+            for (name, rv, node) in items {
+                idx.apply_event(Event::InitApply(obj(name, rv, node)));
+            }
+            idx.apply_event(Event::InitDone);
+        };
+
+        // The same content, as fresh objects of the same versions.
+        relist(&[("a", "1", "n1"), ("b", "2", "n2"), ("c", "3", "n3")]);
+        assert_eq!(clocks(&idx), before, "an unchanged relist moves no node");
+        assert_eq!(idx.take_changed(), Changes::Keys(HashSet::new()));
+
+        // b moved to n4 (a newer version), c is gone, a is as it was.
+        relist(&[("a", "1", "n1"), ("b", "5", "n4")]);
+        let after = clocks(&idx);
+        assert_eq!(after[0], before[0], "n1 kept what it had");
+        assert!(after[1] > before[1] && after[2] > before[2] && after[3] > before[3]);
+        assert_eq!(
+            idx.take_changed(),
+            Changes::Keys(HashSet::from([key("b"), key("c")]))
+        );
+        assert_eq!(names_on(&idx, "n4"), ["b"]);
+        assert!(names_on(&idx, "n2").is_empty() && names_on(&idx, "n3").is_empty());
+        assert_eq!(idx.all().len(), 2);
     }
 
     #[test]
@@ -808,11 +867,7 @@ mod tests {
         assert!(n2.version() > 0);
         assert_eq!(n1.version(), v, "another node's GpuNode leaves n1 alone");
         idx.inventory_changed("n1");
-        let w = n1.version();
-        assert!(w > v);
-        let before = n2.version();
-        idx.every_inventory_changed();
-        assert!(n1.version() > w && n2.version() > before);
+        assert!(n1.version() > v);
     }
 
     /// One container holding `memory_mib` and `cores` of GPU `uuid`.
@@ -1002,6 +1057,26 @@ mod tests {
         assert_eq!(version_of(&idx, "mine").as_deref(), Some("20"));
         assert_eq!(idx.on_node("n1").len(), 1);
         assert_eq!(idx.on_node("n2").len(), 1);
+    }
+
+    /// A listed object is compared with the index as it comes; an own write between then and
+    /// the list's end must still win over it.
+    #[test]
+    fn an_own_write_made_while_a_relist_runs_wins_over_the_older_listed_object() {
+        let idx = LedgerIndex::new();
+        idx.record_write(obj("a", "2", "n1"));
+        idx.apply_event(Event::Init);
+        idx.apply_event(Event::InitApply(obj("a", "5", "n1")));
+        idx.apply_event(Event::InitApply(obj("b", "6", "n2")));
+        // Written while the list runs: newer than what the list brought.
+        idx.record_write(obj("a", "7", "n3"));
+        idx.record_write(obj("b", "8", "n2"));
+        idx.apply_event(Event::InitDone);
+        assert_eq!(version_of(&idx, "a").as_deref(), Some("7"));
+        assert_eq!(version_of(&idx, "b").as_deref(), Some("8"));
+        assert_eq!(names_on(&idx, "n3"), ["a"]);
+        assert!(names_on(&idx, "n1").is_empty());
+        assert_eq!(idx.all().len(), 2);
     }
 
     #[test]

@@ -20,10 +20,10 @@ use futures::{FutureExt, StreamExt, TryStreamExt};
 use gpuledger_crds::{GpuConfig, GpuNode, GpuReservation, NumaPolicy};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, ResourceQuota};
+use kube::Client;
 use kube::api::{Api, ObjectMeta, PostParams};
 use kube::runtime::events::Recorder;
 use kube::runtime::{WatchStreamExt, reflector, watcher};
-use kube::{Client, ResourceExt};
 use tokio::net::TcpListener;
 
 use crate::context::{Caches, Context, Defaults, Ledger, PodApiSetting, Timing};
@@ -36,7 +36,7 @@ use crate::ledger::usage::holds_capacity;
 use crate::ledger::{LedgerIndex, LedgerWriter, NodeLocks};
 use crate::schedule::Policy;
 use crate::telemetry::{Health, Metrics, QuotaLabels};
-use crate::watches::{drive, streamed_watcher, strip_managed_fields, tracked};
+use crate::watches::{InventoryVersions, drive, streamed_watcher, strip_managed_fields, tracked};
 use crate::{certs, controllers, extender, ledger, quota, webhook};
 use config::RunConfig;
 
@@ -165,14 +165,15 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
     .default_backoff()
     .modify(strip_managed_fields)
     .reflect(writer)
-    // After the store took each change: filter's cached views of the node are then stale.
-    .inspect_ok(move |event| match event {
-        watcher::Event::Apply(node) | watcher::Event::Delete(node) => {
-            node_clocks.inventory_changed(&node.name_any());
+    // After the store took each change: filter's cached views of the nodes it changed are
+    // then stale (a relist replaces the whole store at its end, and names only those).
+    .inspect_ok({
+        let mut versions = InventoryVersions::default();
+        move |event| {
+            for node in versions.changed_by(event) {
+                node_clocks.inventory_changed(&node);
+            }
         }
-        // A relist replaces the whole store at its end.
-        watcher::Event::InitDone => node_clocks.every_inventory_changed(),
-        watcher::Event::Init | watcher::Event::InitApply(_) => {}
     });
     tasks.spawn(drive("gpunodes", stream, health.clone()));
     let (policies, writer) = reflector::store::<NumaPolicy>();
