@@ -261,14 +261,24 @@ impl PodFactsCache {
                     buf.insert(key_of(pod), PodFacts::of(pod, config));
                 }
             }
+            // Only what the list shows changed is written (and so marked for the unreserved
+            // sweep): a relist usually finds what the cache held, and marking every pod made the
+            // next look walk all of them.
             Event::InitDone => {
                 if let Some(listed) = inner.relist.take() {
-                    // Any pod may have changed (and the inserts below mark nothing more).
-                    inner.changed.mark_everything();
-                    inner.pods.clear();
-                    inner.terminating.clear();
+                    let gone: Vec<ReservationKey> = inner
+                        .pods
+                        .keys()
+                        .filter(|key| !listed.contains_key(*key))
+                        .cloned()
+                        .collect();
+                    for key in &gone {
+                        inner.remove(key);
+                    }
                     for (key, facts) in listed {
-                        inner.insert(key, facts);
+                        if inner.pods.get(&key) != Some(&facts) {
+                            inner.insert(key, facts);
+                        }
                     }
                 }
                 inner.synced = true;
@@ -704,7 +714,7 @@ pub(crate) mod tests {
         c.apply(&Event::Apply(pod("b", "u2", None, "Pending")));
         c.apply(&Event::Delete(pod("a", "u1", Some("n1"), "Succeeded")));
         assert_eq!(c.get(&k("a")), None);
-        // A relist replaces everything: b is gone from it, so it is gone from the cache.
+        // A relist shows everything: b is gone from it, so it is gone from the cache.
         c.apply(&Event::Init);
         c.apply(&Event::InitApply(pod("c", "u3", None, "Pending")));
         assert!(
@@ -714,5 +724,39 @@ pub(crate) mod tests {
         c.apply(&Event::InitDone);
         assert_eq!(c.get(&k("b")), None);
         assert_eq!(c.len(), 1);
+    }
+
+    /// A relist writes only what differs, so what is kept beside the facts (the GPU pods being
+    /// deleted, which filter counts per node) must follow it as the whole rebuild did.
+    #[test]
+    fn a_relist_keeps_the_terminating_gpu_pods_in_step() {
+        let c = PodFactsCache::default();
+        let mut deleting = wanting_a_gpu(pod("a", "u1", Some("n1"), "Running"));
+        deleting.metadata.deletion_timestamp = Some(Time(Timestamp::UNIX_EPOCH));
+        let relist = |pods: Vec<Pod>| {
+            c.apply(&Event::Init);
+            for p in pods {
+                c.apply(&Event::InitApply(p));
+            }
+            c.apply(&Event::InitDone);
+        };
+        relist(vec![deleting.clone()]);
+        assert_eq!(c.terminating_gpu_pods_on("n1"), 1);
+        relist(vec![deleting.clone()]);
+        assert_eq!(c.terminating_gpu_pods_on("n1"), 1, "unchanged, kept");
+        // The pod's containers stopped: finished, no longer counted.
+        let mut stopped = deleting.clone();
+        stopped.status.as_mut().unwrap().phase = Some("Succeeded".into());
+        relist(vec![stopped]);
+        assert_eq!(c.terminating_gpu_pods_on("n1"), 0);
+        relist(vec![deleting]);
+        assert_eq!(c.terminating_gpu_pods_on("n1"), 1);
+        relist(Vec::new());
+        assert_eq!(
+            c.terminating_gpu_pods_on("n1"),
+            0,
+            "gone from the list, gone"
+        );
+        assert_eq!(c.len(), 0);
     }
 }

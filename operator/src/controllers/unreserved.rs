@@ -321,6 +321,8 @@ fn is_the_pods(r: &GpuReservation, facts: &PodFacts, node: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use gpuledger_crds::ReservationPhase;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+    use k8s_openapi::jiff::Timestamp;
     use kube::runtime::watcher::Event;
 
     use super::*;
@@ -382,9 +384,14 @@ mod tests {
     #[tokio::test]
     async fn a_reservation_deleted_by_hand_is_found_without_a_look_at_every_pod() {
         let (ctx, pods) = reserved_pod();
-        // The first look is at every pod (the pod cache was listed), and finds nothing.
+        // The first look is at what the lists and the watch brought in (the pod and its
+        // reservation; a sweep's plan makes its first look one at every pod anyway), and
+        // finds nothing.
         let look = next_look(false, changes(&ctx, &pods), &[]);
-        assert!(matches!(look, Look::Every), "{look:?}");
+        assert!(
+            matches!(&look, Look::Among(k) if *k == HashSet::from([p()])),
+            "{look:?}"
+        );
         assert!(unreserved(&ctx, &pods, &look).is_empty());
         // Nothing changed since: the next look is at no pod at all.
         let look = next_look(false, changes(&ctx, &pods), &[]);
@@ -433,7 +440,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn every_pod_is_looked_at_when_due_or_after_a_relist_of_the_pods() {
+    async fn a_relist_marks_only_what_it_changed_and_every_pod_is_looked_at_when_due() {
         let none = || Changes::Keys(HashSet::new());
         assert!(matches!(next_look(true, none(), &[]), Look::Every));
         assert!(matches!(
@@ -461,14 +468,29 @@ mod tests {
             matches!(&look, Look::Among(keys) if *keys == HashSet::from([p()])),
             "{look:?}"
         );
-        // A relist of the pods may hide anything, the ledger unchanged.
-        pods.apply(&Event::Init);
-        pods.apply(&Event::InitApply(bound_pod()));
-        pods.apply(&Event::InitDone);
-        assert!(matches!(
-            next_look(false, changes(&ctx, &pods), &[]),
-            Look::Every
-        ));
+        // The same for the pods: a relist that finds the pod as it was marks nothing; one
+        // that finds it changed (here: being deleted), or no longer finds it, marks its key.
+        let relist_pods = |listed: Vec<Pod>| {
+            pods.apply(&Event::Init);
+            for pod in listed {
+                pods.apply(&Event::InitApply(pod));
+            }
+            pods.apply(&Event::InitDone);
+            next_look(false, changes(&ctx, &pods), &[])
+        };
+        let only_p =
+            |look: &Look| matches!(look, Look::Among(keys) if *keys == HashSet::from([p()]));
+        let look = relist_pods(vec![bound_pod()]);
+        assert!(
+            matches!(&look, Look::Among(keys) if keys.is_empty()),
+            "{look:?}"
+        );
+        let mut deleting = bound_pod();
+        deleting.metadata.deletion_timestamp = Some(Time(Timestamp::now()));
+        let look = relist_pods(vec![deleting]);
+        assert!(only_p(&look), "{look:?}");
+        let look = relist_pods(Vec::new());
+        assert!(only_p(&look), "{look:?}");
     }
 
     #[test]
