@@ -47,25 +47,31 @@ pub fn usage_of(node: &GpuNode, usage: &NodeUsage, reservations: u32) -> GpuNode
     }
 }
 
-/// What each node's usage was last found current for: its GpuNode object (the store hands out a
-/// new `Arc` for every change) and the ledger index's version of its reservations.
+/// What each node's usage was last found current for: its GpuNode's resourceVersion and the
+/// ledger index's version of its reservations.
 ///
 /// A pass looks again only at the nodes where either changed. Summing every node each pass
 /// (5000 GpuNodes, 100 000 reservations) walked every reservation on a worker thread, which
-/// filter calls queued behind, and copied every reservation into a map by node.
+/// filter calls queued behind, and copied every reservation into a map by node. The GpuNode is
+/// compared by resourceVersion rather than by the store's `Arc`: a relist of the GpuNodes
+/// hands out a new `Arc` for every node, changed or not.
 #[derive(Default)]
-struct Seen(HashMap<String, (Arc<GpuNode>, u64)>);
+struct Seen(HashMap<String, (String, u64)>);
 
 impl Seen {
-    /// Whether `node`'s usage was found current for this object and version.
-    fn unchanged(&self, name: &str, node: &Arc<GpuNode>, version: u64) -> bool {
+    /// Whether `node`'s usage was found current for this object and version. A GpuNode without
+    /// a resourceVersion is never taken as the same.
+    fn unchanged(&self, name: &str, node: &GpuNode, version: u64) -> bool {
+        let rv = node.metadata.resource_version.as_deref();
         self.0
             .get(name)
-            .is_some_and(|(seen, v)| *v == version && Arc::ptr_eq(seen, node))
+            .is_some_and(|(seen, v)| *v == version && rv == Some(seen.as_str()))
     }
 
-    fn record(&mut self, name: String, node: Arc<GpuNode>, version: u64) {
-        self.0.insert(name, (node, version));
+    fn record(&mut self, name: String, node: &GpuNode, version: u64) {
+        if let Some(rv) = node.resource_version() {
+            self.0.insert(name, (rv, version));
+        }
     }
 }
 
@@ -93,7 +99,7 @@ pub async fn run(ctx: Arc<Context>, interval: Duration) {
             // look again.
             let version = ctx.ledger.index.node_version(&name);
             if seen.unchanged(&name, &node, version) {
-                next.record(name, node, version);
+                next.record(name, &node, version);
                 continue;
             }
             let on_node = ctx.ledger.index.on_node(&name);
@@ -111,7 +117,7 @@ pub async fn run(ctx: Arc<Context>, interval: Duration) {
                 } == usage
             });
             if same {
-                next.record(name, node, version);
+                next.record(name, &node, version);
                 continue;
             }
             let usage = GpuNodeUsage {
@@ -171,14 +177,27 @@ mod tests {
 
     #[test]
     fn a_node_is_looked_at_again_when_its_object_or_reservations_change() {
-        let node = Arc::new(GpuNode::new("n", GpuNodeSpec::default()));
+        let at = |rv: Option<&str>| {
+            let mut node = GpuNode::new("n", GpuNodeSpec::default());
+            node.metadata.resource_version = rv.map(str::to_string);
+            node
+        };
+        let node = at(Some("7"));
         let mut seen = Seen::default();
         assert!(!seen.unchanged("n", &node, 1), "never looked at");
-        seen.record("n".into(), node.clone(), 1);
+        seen.record("n".into(), &node, 1);
         assert!(seen.unchanged("n", &node, 1));
         assert!(!seen.unchanged("n", &node, 2), "its reservations changed");
-        let rewritten = Arc::new(node.as_ref().clone());
-        assert!(!seen.unchanged("n", &rewritten, 1), "its GpuNode changed");
+        assert!(
+            !seen.unchanged("n", &at(Some("8")), 1),
+            "its GpuNode changed"
+        );
         assert!(!seen.unchanged("m", &node, 1), "another node");
+        // A relist's copy of the same version is the same GpuNode.
+        assert!(seen.unchanged("n", &Arc::new(node.clone()), 1));
+        // Without a version nothing says it is the same.
+        let mut unversioned = Seen::default();
+        unversioned.record("n".into(), &at(None), 1);
+        assert!(!unversioned.unchanged("n", &at(None), 1));
     }
 }
