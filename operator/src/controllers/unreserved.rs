@@ -84,8 +84,8 @@ impl Look {
     }
 }
 
-/// What the next sweep looks at: every pod at `whole`, or when anything may have changed (a
-/// relist, or more changes than are kept), else the `changes` and the keys `found` last time.
+/// What the next sweep looks at: every pod at `whole`, or when anything may have changed (more
+/// changes than are kept), else the `changes` and the keys `found` last time.
 fn next_look(whole: bool, changes: Changes, found: &[(ReservationKey, PodFacts)]) -> Look {
     match changes {
         Changes::Keys(mut keys) if !whole => {

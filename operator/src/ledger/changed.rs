@@ -12,8 +12,9 @@ use std::collections::HashSet;
 
 use super::ReservationKey;
 
-/// Past this many keys the set gives up and says "everything": a burst, a relist or a replica
-/// that does not sweep (a standby) must not grow it without bound. Two seconds of a
+/// Past this many keys the set gives up and says "everything": a burst, a first list, a relist
+/// that finds much changed or a replica that does not sweep (a standby) must not grow it
+/// without bound. Two seconds of a
 /// 1000-pods/s burst mark about 4000 keys.
 pub const CHANGED_CAPACITY: usize = 16_384;
 
@@ -22,7 +23,8 @@ pub const CHANGED_CAPACITY: usize = 16_384;
 pub enum Changes {
     /// Only these keys.
     Keys(HashSet<ReservationKey>),
-    /// Anything may have: a relist, or more keys than [`CHANGED_CAPACITY`].
+    /// Anything may have: more keys than [`CHANGED_CAPACITY`] changed. (A relist marks the
+    /// keys it changed, like any other change.)
     Everything,
 }
 
