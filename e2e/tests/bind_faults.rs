@@ -449,6 +449,15 @@ async fn a_reservation_watch_that_goes_quiet_is_started_again() {
         &[],
     );
     assert!(restarts >= 1.0, "the quiet watch was never restarted");
+    // The restarted watch listed the reservations again: the first list and at least one more
+    // were applied to the ledger index, each counted with how long it held the index.
+    let metrics = op.metrics().await;
+    let relists = metric(&metrics, "gpuledger_ledger_relists_total", &[]);
+    assert!(relists >= 2.0, "lists applied: {relists}");
+    assert_eq!(
+        metric(&metrics, "gpuledger_ledger_relist_hold_seconds_count", &[]),
+        relists
+    );
     ledger_right_without_repairs(&rig, &op).await;
 }
 

@@ -71,9 +71,11 @@ pub async fn watchdog(index: Arc<LedgerIndex>, restart: Arc<Notify>, metrics: Ar
 }
 
 /// Applies each event of `events` to `index`, then passes it on with the same objects, shared:
-/// the lifecycle controller takes its triggers from them.
+/// the lifecycle controller takes its triggers from them. Counts each list applied, what it
+/// changed and how long it held the index.
 pub fn feed_index<S>(
     index: Arc<LedgerIndex>,
+    metrics: Arc<Metrics>,
     events: S,
 ) -> impl Stream<Item = Result<Event<Arc<GpuReservation>>, watcher::Error>> + Send
 where
@@ -82,7 +84,16 @@ where
     events.map(move |item| {
         item.map(|event| {
             let event = shared(event);
-            index.apply_shared(event.clone());
+            if let Some(applied) = index.apply_shared(event.clone()) {
+                metrics.relists.inc();
+                metrics.relist_changes.inc_by(applied.changed);
+                metrics.relist_hold.observe(applied.held.as_secs_f64());
+                tracing::info!(
+                    changed = applied.changed,
+                    held_ms = applied.held.as_millis() as u64,
+                    "reservations listed"
+                );
+            }
             event
         })
     })
@@ -125,10 +136,18 @@ mod tests {
             Ok(Event::InitDone),
             Ok(Event::Apply(b)),
         ];
-        let out: Vec<_> = feed_index(index.clone(), futures::stream::iter(events))
-            .collect()
-            .await;
+        let metrics = Arc::new(Metrics::new());
+        let out: Vec<_> = feed_index(
+            index.clone(),
+            metrics.clone(),
+            futures::stream::iter(events),
+        )
+        .collect()
+        .await;
         assert_eq!(out.len(), 4);
+        // The list is counted with what it brought in; the watch event after it is not.
+        assert_eq!(metrics.relists.get(), 1);
+        assert_eq!(metrics.relist_changes.get(), 1);
         let Some(Ok(Event::Apply(b))) = out.last() else {
             panic!("{out:?}");
         };

@@ -170,6 +170,16 @@ fn holds(current: Option<&Arc<GpuReservation>>, listed: &GpuReservation) -> bool
     })
 }
 
+/// What applying the end of a list did: the reservations it added, replaced or took out, and
+/// how long it held the index's lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RelistApplied {
+    /// Reservations added, replaced or taken out.
+    pub changed: u64,
+    /// How long the lock was held.
+    pub held: Duration,
+}
+
 /// A namespace's quota use summed over its reservations. Wider than [`QuotaUse`]'s saturating
 /// `u64`s, so that taking away a reservation's use exactly undoes adding it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -390,7 +400,7 @@ impl Inner {
     /// again from nothing, 5000 nodes and 100 000 reservations of work for no change.
     /// Returns what is left of the relist (its keys, and the objects own writes overtook),
     /// to be freed after the lock is let go.
-    fn finish_relist(&mut self) -> Option<Relist> {
+    fn finish_relist(&mut self) -> Option<(Relist, u64)> {
         let mut relist = self.relist.take()?;
         // The list shows the state after every write made before it.
         self.echoes.clear();
@@ -419,6 +429,7 @@ impl Inner {
         for key in &gone {
             self.take_live(key);
         }
+        let mut changed = gone.len() as u64;
         for (key, slot) in relist.listed.iter_mut() {
             // An own write since the object came may have overtaken it; it is then left in
             // the relist, freed with it.
@@ -427,10 +438,11 @@ impl Inner {
                 .is_some_and(|obj| !holds(self.live.get(key), obj));
             if let Some(obj) = slot.take_if(|_| newer) {
                 self.put_live(key.clone(), obj);
+                changed += 1;
             }
         }
         self.gc();
-        Some(relist)
+        Some((relist, changed))
     }
 
     fn gc(&mut self) {
@@ -464,37 +476,48 @@ impl LedgerIndex {
         self.inner.read()
     }
 
-    /// Feeds one watch event.
-    pub fn apply_event(&self, event: Event<GpuReservation>) {
-        self.apply_shared(shared(event));
+    /// Feeds one watch event; at the end of a list, says what applying it did.
+    pub fn apply_event(&self, event: Event<GpuReservation>) -> Option<RelistApplied> {
+        self.apply_shared(shared(event))
     }
 
     /// Feeds one watch event whose object is shared (see [`shared`]): the feed passes the same
-    /// allocation on to the lifecycle controller's triggers.
-    pub fn apply_shared(&self, event: Event<Arc<GpuReservation>>) {
+    /// allocation on to the lifecycle controller's triggers. At the end of a list, says what
+    /// applying it did.
+    pub fn apply_shared(&self, event: Event<Arc<GpuReservation>>) -> Option<RelistApplied> {
         let mut inner = self.write();
         match event {
             Event::Apply(obj) => {
                 inner.watch_saw(&ReservationKey::of(&obj), rv(&obj));
                 inner.upsert(obj);
+                None
             }
             Event::Delete(obj) => {
                 let deleted_rv = rv(&obj);
                 let key = ReservationKey::kept_of(&obj);
                 inner.watch_saw(&key, deleted_rv);
                 inner.remove(key, deleted_rv);
+                None
             }
-            Event::Init => inner.relist = Some(Relist::default()),
+            Event::Init => {
+                inner.relist = Some(Relist::default());
+                None
+            }
             Event::InitApply(obj) => {
                 let unkept = inner.relisted(obj);
                 drop(inner);
                 drop(unkept);
+                None
             }
             Event::InitDone => {
-                let leftovers = inner.finish_relist();
+                let held_from = Instant::now();
+                let finished = inner.finish_relist();
                 drop(inner);
-                drop(leftovers);
+                let held = held_from.elapsed();
                 self.synced.send_replace(true);
+                // What the list did not need is freed after the lock is let go.
+                let (_leftovers, changed) = finished?;
+                Some(RelistApplied { changed, held })
             }
         }
     }
@@ -829,16 +852,18 @@ mod tests {
             for (name, rv, node) in items {
                 idx.apply_event(Event::InitApply(obj(name, rv, node)));
             }
-            idx.apply_event(Event::InitDone);
+            idx.apply_event(Event::InitDone)
+                .map(|applied| applied.changed)
         };
 
         // The same content, as fresh objects of the same versions.
-        relist(&[("a", "1", "n1"), ("b", "2", "n2"), ("c", "3", "n3")]);
+        let changed = relist(&[("a", "1", "n1"), ("b", "2", "n2"), ("c", "3", "n3")]);
+        assert_eq!(changed, Some(0));
         assert_eq!(clocks(&idx), before, "an unchanged relist moves no node");
         assert_eq!(idx.take_changed(), Changes::Keys(HashSet::new()));
 
         // b moved to n4 (a newer version), c is gone, a is as it was.
-        relist(&[("a", "1", "n1"), ("b", "5", "n4")]);
+        assert_eq!(relist(&[("a", "1", "n1"), ("b", "5", "n4")]), Some(2));
         let after = clocks(&idx);
         assert_eq!(after[0], before[0], "n1 kept what it had");
         assert!(after[1] > before[1] && after[2] > before[2] && after[3] > before[3]);
@@ -972,9 +997,13 @@ mod tests {
                 let name = format!("r{name}");
                 let r = using(ns, &name, rv, mem, phases[usize::from(phase)]);
                 match op {
-                    0 | 1 => idx.apply_event(Event::Apply(r)),
+                    0 | 1 => {
+                        idx.apply_event(Event::Apply(r));
+                    }
                     2 => idx.record_write(r),
-                    3 => idx.apply_event(Event::Delete(r)),
+                    3 => {
+                        idx.apply_event(Event::Delete(r));
+                    }
                     4 => idx.record_delete(&ReservationKey::new(ns, &name), Some(rv)),
                     _ => match relist.take() {
                         None => relist = Some(vec![r]),

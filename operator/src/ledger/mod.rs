@@ -16,7 +16,7 @@ pub mod writer;
 
 pub use changed::{ChangedKeys, Changes};
 pub use holds::{Held, Holds};
-pub use index::{LedgerIndex, NodeClock, ReservationKey};
+pub use index::{LedgerIndex, NodeClock, RelistApplied, ReservationKey};
 pub use node_lock::NodeLocks;
 pub use usage::{DeviceUsage, NodeUsage};
 pub use writer::{LedgerWriter, WriteError};

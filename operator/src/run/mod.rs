@@ -153,7 +153,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         tracked(
             "gpureservations",
             health.clone(),
-            feed_index(index.clone(), events),
+            feed_index(index.clone(), metrics.clone(), events),
         )
     };
     let (gpunodes, writer) = reflector::store::<GpuNode>();

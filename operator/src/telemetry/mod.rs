@@ -147,6 +147,15 @@ pub struct Metrics {
     /// Times the GpuReservation watch was started again because it had stopped delivering events
     /// without an error (an own write not seen within `ledger::index::ECHO_TIMEOUT`).
     pub watch_restarts: Counter,
+    /// Lists of the GpuReservation watch applied to the ledger index (the first and every
+    /// relist).
+    pub relists: Counter,
+    /// Reservations a list added, replaced or took out of the ledger index: what the watch
+    /// missed while it was away (the first list counts every reservation).
+    pub relist_changes: Counter,
+    /// How long applying the end of each list held the ledger index's lock (filter and bind
+    /// wait on it).
+    pub relist_hold: Histogram,
     /// Lifecycle steps the resync sweep carried out because they stayed due, unchanged, for a
     /// whole sweep (`controllers::resync`; 0 in a healthy operator).
     pub lifecycle_resyncs: Counter,
@@ -278,6 +287,24 @@ impl Metrics {
             "Times the GpuReservation watch was restarted after it went quiet without an error",
             watch_restarts.clone(),
         );
+        let relists = Counter::default();
+        registry.register(
+            "ledger_relists",
+            "Lists of the GpuReservation watch applied to the ledger index, the first included",
+            relists.clone(),
+        );
+        let relist_changes = Counter::default();
+        registry.register(
+            "ledger_relist_changes",
+            "Reservations a list of the GpuReservation watch added to, replaced in or took out of the ledger index",
+            relist_changes.clone(),
+        );
+        let relist_hold = Histogram::new(exponential_buckets(0.0005, 2.0, 14));
+        registry.register(
+            "ledger_relist_hold_seconds",
+            "How long applying the end of a list held the ledger index's lock",
+            relist_hold.clone(),
+        );
         let lifecycle_resyncs = Counter::default();
         registry.register(
             "lifecycle_resyncs",
@@ -375,6 +402,9 @@ impl Metrics {
             unreserved_looks,
             events_dropped,
             watch_restarts,
+            relists,
+            relist_changes,
+            relist_hold,
             lifecycle_resyncs,
             reconcile_failures,
             quota_limit,
