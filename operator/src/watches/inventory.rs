@@ -28,8 +28,9 @@ impl InventoryVersions {
     pub fn changed_by(&mut self, event: &Event<GpuNode>) -> Vec<String> {
         match event {
             Event::Apply(node) => {
-                self.seen.insert(node.name_any(), node.resource_version());
-                vec![node.name_any()]
+                let name = node.name_any();
+                self.seen.insert(name.clone(), node.resource_version());
+                vec![name]
             }
             Event::Delete(node) => {
                 self.seen.remove(&node.name_any());
