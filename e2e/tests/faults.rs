@@ -3,7 +3,7 @@
 //! Each scenario runs the real operator binary as a child process against a real control plane
 //! whose kube-scheduler calls its extender, injects a fault — SIGKILL of the operator during a
 //! storm of scheduling and refits (RefitRequests created as device plugins would), SIGKILL
-//! of the leader of two replicas, SIGSTOP of kube-apiserver, a kubelet restart between
+//! of the leader of two replicas, SIGSTOP of kube-apiserver, a restart of kube-apiserver, a kubelet restart between
 //! GetPreferredAllocation and Allocate (real device plugin, kubelet simulator) — and then checks the invariants of
 //! docs/ARCHITECTURE.md §4 with the ledger audit: no GPU over-committed (also checked right
 //! after every kill, without settling), no reservation without a live pod, no GPU pod without a
@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use fault_support::*;
 use gpuledger_crds::names::DEFAULT_NAMESPACE;
+use gpuledger_crds::names::reservation_name;
 use gpuledger_crds::{GpuReservation, ReservationPhase};
 use gpuledger_e2e::bench::operator::OperatorOptions;
 use gpuledger_e2e::bench::operator::{http_get, signal};
@@ -31,10 +32,11 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::{Api, PostParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use rand::Rng;
 use rustix::process::Signal;
+use serde_json::json;
 
 /// Four GPUs of 40 GiB per node, four sharers each: small enough that a few dozen pods fill
 /// the fleet and some must wait.
@@ -504,6 +506,151 @@ async fn api_server_paused_for_five_seconds_during_scheduling_and_refits() {
     })
     .await
     .unwrap();
+}
+
+/// kube-apiserver restarted (SIGTERM, SIGKILL 5 s later, started again on the same etcd) while pods are being
+/// bound and refits asked for, as a control-plane upgrade does. Every watch of the operator
+/// ends; the new server's watch cache begins at etcd's current revision, so a watch resuming
+/// from an older version is told it expired and the operator lists its reservations again
+/// (applying only what changed) while scheduling goes on. The ledger must come out exact, the
+/// same operator process must serve on, and the list after the restart must be counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_server_restarted_during_scheduling_and_refits() {
+    let mut rng = rng("api_server_restarted");
+    let mut rig = Rig::start(2, SHAPE).await;
+    let client = rig.client();
+    let op = rig.operator("restarted").await;
+    let lists_before = relists(&op).await;
+    assert_eq!(
+        lists_before, 1.0,
+        "a fresh operator has applied its first list only"
+    );
+
+    let pods = mixed_pods("restarted", 24, SHAPE, &mut rng);
+    let names: BTreeSet<String> = pods.iter().map(|p| p.name_any()).collect();
+    let (first, rest) = pods.split_at(8);
+    create_pods(&client, first.to_vec()).await;
+    let refitter = spawn_refit_storm(client.clone(), "restarted", 8, SHAPE);
+    tokio::time::sleep(Duration::from_millis(rng.random_range(200..1500))).await;
+    let away = rig
+        .cp
+        .restart_apiserver(Duration::from_secs(5))
+        .await
+        .unwrap();
+    eprintln!("restart: kube-apiserver away for {away:?}");
+    create_pods(&client, rest.to_vec()).await;
+    let asked = refitter.await.unwrap();
+
+    let outcome = settle(&client, &names, Duration::from_secs(5)).await;
+    eprintln!(
+        "restart: {} bound, {} pending with a reason",
+        outcome.bound.len(),
+        outcome.pending.len()
+    );
+    assert!(
+        !outcome.bound.is_empty(),
+        "nothing was scheduled after the restart"
+    );
+    let (moved, refused) = refits_terminal(&client).await;
+    eprintln!("restart: {asked} refits asked: {moved} succeeded, {refused} failed with a reason");
+    assert_eq!(moved + refused, asked);
+    audit_clean(&client).await;
+    no_repairs_needed(&client).await;
+    reservations_match_bindings(&rig).await;
+    published_usage_matches_ledger(&client).await;
+    assert!(is_alive(op.pid()), "operator died across the restart");
+    wait_for("operator ready after the restart", WAIT, || async {
+        Ok::<_, std::io::Error>((op.readyz().await == Some(200)).then_some(()))
+    })
+    .await
+    .unwrap();
+    // The reservation watch could not resume across the new watch cache: it listed again,
+    // and the index applied that list.
+    let lists = relists(&op).await;
+    eprintln!("restart: reservation lists applied {lists}");
+    assert!(lists > lists_before, "no list applied after the restart");
+
+    // What a watch misses while away must come in with the list after it. The operator is
+    // frozen across a second restart, so no watch of its can see the changes made meanwhile:
+    // one bound pod and its reservation removed (an admin's forced clean-up) and another
+    // reservation's memory lowered by hand. Its index must then equal the ledger, which the
+    // usage it publishes per GpuNode shows: a key the list no longer has, or a version newer
+    // than the one held, left unapplied would keep the old sums.
+    let mut bound = outcome.bound.keys();
+    let (gone, edited) = (bound.next().unwrap(), bound.next().unwrap());
+    let changes_before = relist_changes(&op).await;
+    signal(op.pid(), Signal::STOP).unwrap();
+    let away = rig
+        .cp
+        .restart_apiserver(Duration::from_secs(5))
+        .await
+        .unwrap();
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    let ledger: Api<GpuReservation> = Api::namespaced(client.clone(), NS);
+    pods.delete(gone, &DeleteParams::default().grace_period(0))
+        .await
+        .unwrap();
+    ledger
+        .delete(&reservation_name(gone), &DeleteParams::default())
+        .await
+        .unwrap();
+    let unfinalized = json!({ "metadata": { "finalizers": null } });
+    ledger
+        .patch(
+            &reservation_name(gone),
+            &PatchParams::default(),
+            &Patch::Merge(unfinalized),
+        )
+        .await
+        .unwrap();
+    let mut containers = ledger
+        .get(&reservation_name(edited))
+        .await
+        .unwrap()
+        .spec
+        .containers;
+    containers[0].devices[0].memory_mib = 1;
+    ledger
+        .patch(
+            &reservation_name(edited),
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "spec": { "containers": containers } })),
+        )
+        .await
+        .unwrap();
+    signal(op.pid(), Signal::CONT).unwrap();
+    eprintln!("restart: away {away:?} with the operator frozen; {gone} removed, {edited} edited");
+    wait_for(
+        "the operator's list after the second restart",
+        WAIT,
+        || async { Ok::<_, std::io::Error>((relists(&op).await > lists).then_some(())) },
+    )
+    .await
+    .unwrap();
+    published_usage_matches_ledger(&client).await;
+    // The edit reached the index through the list alone; the removal may also have come
+    // through the operator's own clean-up of the deleted pod, which finds the reservation gone.
+    let changes = relist_changes(&op).await - changes_before;
+    eprintln!("restart: the list after the second restart changed {changes} reservations");
+    assert!(
+        changes >= 1.0,
+        "the list after the second restart changed nothing"
+    );
+}
+
+/// How many reservation lists the operator's ledger index has applied.
+async fn relists(op: &ChildOperator) -> f64 {
+    sample(&op.metrics().await, "gpuledger_ledger_relists_total", &[]).unwrap_or(0.0)
+}
+
+/// How many reservations the operator's lists added, replaced or took out of its index.
+async fn relist_changes(op: &ChildOperator) -> f64 {
+    sample(
+        &op.metrics().await,
+        "gpuledger_ledger_relist_changes_total",
+        &[],
+    )
+    .unwrap_or(0.0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

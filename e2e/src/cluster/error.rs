@@ -51,6 +51,9 @@ pub enum ClusterError {
         #[source]
         source: std::io::Error,
     },
+    /// A component asked for by name is not one this harness started.
+    #[error("no component named {0} was started")]
+    NotRunning(String),
     /// A process exited while we waited for it (or for something depending on it).
     #[error("{name} exited ({status}); last lines of {}:\n{tail}", log.display())]
     Exited {

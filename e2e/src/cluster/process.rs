@@ -11,6 +11,7 @@ use std::io::Read;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
+use std::time::{Duration, Instant};
 
 use rustix::process::{Pid, Signal};
 
@@ -28,6 +29,9 @@ struct Member {
     name: String,
     child: Child,
     log: PathBuf,
+    /// What started it, for [`ProcessGroup::restart`].
+    program: PathBuf,
+    args: Vec<String>,
 }
 
 /// A process group of control-plane components that is killed when this value is dropped or our
@@ -80,33 +84,45 @@ impl ProcessGroup {
         args: &[String],
         log: &Path,
     ) -> Result<u32, ClusterError> {
-        let out = File::options()
-            .create(true)
-            .append(true)
-            .open(log)
-            .map_err(|e| ClusterError::io("open log", log, e))?;
-        let err = out
-            .try_clone()
-            .map_err(|e| ClusterError::io("open log", log, e))?;
-        let child = Command::new(program)
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(err)
-            .process_group(self.pgid as i32)
-            .spawn()
-            .map_err(|source| ClusterError::Spawn {
-                name: name.to_string(),
-                program: program.to_path_buf(),
-                source,
-            })?;
+        let child = start_child(self.pgid, name, program, args, log)?;
         let pid = child.id();
         tracing::debug!(name, pid, log = %log.display(), "started");
         self.members.push(Member {
             name: name.to_string(),
             child,
             log: log.to_path_buf(),
+            program: program.to_path_buf(),
+            args: args.to_vec(),
         });
+        Ok(pid)
+    }
+
+    /// Stops the component `name` with SIGTERM (SIGKILL when it has not exited after `grace`)
+    /// and starts it again with the same program, arguments and log, as a rolling restart of
+    /// that component would. Returns the new pid.
+    pub async fn restart(&mut self, name: &str, grace: Duration) -> Result<u32, ClusterError> {
+        let pgid = self.pgid;
+        let member = self
+            .members
+            .iter_mut()
+            .find(|m| m.name == name)
+            .ok_or_else(|| ClusterError::NotRunning(name.to_string()))?;
+        if let Some(pid) = Pid::from_raw(member.child.id() as i32) {
+            let _ = rustix::process::kill_process(pid, Signal::TERM);
+        }
+        let deadline = Instant::now() + grace;
+        while member.child.try_wait().ok().flatten().is_none() {
+            if Instant::now() >= deadline {
+                let _ = member.child.kill();
+                let _ = member.child.wait();
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let child = start_child(pgid, name, &member.program, &member.args, &member.log)?;
+        let pid = child.id();
+        tracing::debug!(name, pid, "restarted");
+        member.child = child;
         Ok(pid)
     }
 
@@ -182,6 +198,36 @@ impl Drop for ProcessGroup {
     }
 }
 
+/// Starts `program` in process group `pgid`, stdout and stderr appended to `log`.
+fn start_child(
+    pgid: u32,
+    name: &str,
+    program: &Path,
+    args: &[String],
+    log: &Path,
+) -> Result<Child, ClusterError> {
+    let out = File::options()
+        .create(true)
+        .append(true)
+        .open(log)
+        .map_err(|e| ClusterError::io("open log", log, e))?;
+    let err = out
+        .try_clone()
+        .map_err(|e| ClusterError::io("open log", log, e))?;
+    Command::new(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err)
+        .process_group(pgid as i32)
+        .spawn()
+        .map_err(|source| ClusterError::Spawn {
+            name: name.to_string(),
+            program: program.to_path_buf(),
+            source,
+        })
+}
+
 /// The last `lines` lines of a file (lossy UTF-8); a note when it cannot be read.
 pub fn tail(path: &Path, lines: usize) -> String {
     let mut bytes = Vec::new();
@@ -239,6 +285,55 @@ pub fn is_alive(pid: u32) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn restart_starts_the_same_command_again_killing_one_that_ignores_sigterm() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut group = ProcessGroup::new().unwrap();
+        let log = dir.path().join("stubborn.log");
+        let script = "trap '' TERM; echo started; while :; do sleep 1; done";
+        let first = group
+            .spawn(
+                "stubborn",
+                Path::new("/bin/sh"),
+                &["-c".into(), script.into()],
+                &log,
+            )
+            .unwrap();
+        // Once it has said so, it ignores SIGTERM.
+        wait_written(&log, 1).await;
+        let second = group
+            .restart("stubborn", Duration::from_millis(300))
+            .await
+            .unwrap();
+        assert_ne!(first, second);
+        assert!(!is_alive(first), "SIGKILL after the grace");
+        assert!(is_alive(second));
+        group.check_running().unwrap();
+        // The same log, appended to by the new process.
+        wait_written(&log, 2).await;
+        let err = group.restart("nobody", Duration::ZERO).await.unwrap_err();
+        assert!(
+            matches!(err, ClusterError::NotRunning(ref n) if n == "nobody"),
+            "{err}"
+        );
+        group.stop();
+        assert!(!is_alive(second));
+    }
+
+    /// Waits until `log` holds `times` lines saying "started".
+    async fn wait_written(log: &Path, times: usize) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::fs::read_to_string(log)
+            .unwrap_or_default()
+            .matches("started")
+            .count()
+            < times
+        {
+            assert!(Instant::now() < deadline, "{times} starts never written");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
 
     #[test]
     fn tail_keeps_last_lines() {

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use gpuledger_crds::names::{DEFAULT_NAMESPACE, reservation_name};
 use gpuledger_crds::{
-    GpuReservation, RefitPhase, RefitRequest, RefitRequestSpec, ReservationPhase,
+    GpuNode, GpuReservation, RefitPhase, RefitRequest, RefitRequestSpec, ReservationPhase,
 };
 use gpuledger_e2e::bench::fleet::devices;
 use gpuledger_e2e::bench::fleet::run_parallel;
@@ -27,6 +27,7 @@ use gpuledger_e2e::cluster::{
 };
 use gpuledger_operator::audit::cli::audit_cluster;
 use gpuledger_operator::audit::{Finding, Options};
+use gpuledger_operator::ledger::usage::{holds_capacity, sum_usage};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
@@ -475,6 +476,55 @@ pub async fn reservations_match_bindings(rig: &Rig) {
             ),
         }
     }
+}
+
+/// Waits until every GpuNode's usage, which the operator publishes from its in-memory ledger
+/// index, equals what the reservations in the API server hold on that node: the index the
+/// operator decides with agrees with the ledger (after a relist, say). Panics with the nodes
+/// that still differ.
+pub async fn published_usage_matches_ledger(client: &Client) {
+    let started = Instant::now();
+    let mut differ = Vec::new();
+    while started.elapsed() < WAIT {
+        let nodes = Api::<GpuNode>::all(client.clone())
+            .list(&ListParams::default())
+            .await
+            .expect("GpuNodes listed")
+            .items;
+        let ledger = Api::<GpuReservation>::all(client.clone())
+            .list(&ListParams::default())
+            .await
+            .expect("reservations listed")
+            .items;
+        differ.clear();
+        for node in &nodes {
+            let name = node.name_any();
+            let mine: Vec<&GpuReservation> = ledger
+                .iter()
+                .filter(|r| r.spec.node_name == name && holds_capacity(r))
+                .collect();
+            let want = sum_usage(mine.iter().copied());
+            let want = (
+                mine.len() as u32,
+                want.values().map(|u| u.sharers).sum::<u32>(),
+                want.values().map(|u| u.memory_mib).sum::<u64>(),
+                want.values().map(|u| u.cores).sum::<u64>(),
+            );
+            let published = node.status.as_ref().and_then(|s| s.usage.as_ref());
+            let got = published.map(|u| (u.reservations, u.sharers, u.memory_mib, u.cores));
+            if got != Some(want) {
+                differ.push(format!("{name}: published {got:?}, ledger {want:?}"));
+            }
+        }
+        if differ.is_empty() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    panic!(
+        "published usage differs from the ledger after {WAIT:?}:\n  {}",
+        differ.join("\n  ")
+    );
 }
 
 /// Fails when the operator had to repair the ledger: a bound GPU pod that bind left without a
