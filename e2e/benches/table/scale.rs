@@ -16,6 +16,9 @@
 //!
 //! At the largest size, GPU pods at a steady 10 per second through kube-scheduler (its
 //! extender call timed at a proxy, as in the 1000-node rows), and the operator's RSS after them.
+//! Then kube-apiserver restarted three times under that operator, as a control-plane upgrade
+//! does: how soon after the API server is back the operator has listed its reservations again,
+//! how long applying that list held the ledger index, and filter calls right after.
 //! Each figure with its growth: the cost per node (filter) or per reservation (start, memory)
 //! at the largest size over the smallest's.
 //!
@@ -34,6 +37,7 @@ use gpuledger_e2e::bench::{
     ChildOperator, Fleet, GpuShape, OperatorOptions, Row, gpu_pod, spawn_allocator,
 };
 use gpuledger_e2e::cluster::process::{cpu_seconds, rss_kib};
+use gpuledger_e2e::prometheus::sample;
 use k8s_openapi::api::core::v1::Pod;
 use kube::Client;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams};
@@ -172,7 +176,7 @@ async fn run() -> Result<Vec<Row>, String> {
     let shape = GpuShape::default();
     // One extender address for every operator started: the proxy forwards to a fixed port.
     let operator_port = free_port();
-    let (proxy, cp) = scheduling_cluster(operator_port).await?;
+    let (proxy, mut cp) = scheduling_cluster(operator_port).await?;
     let client = cp.client();
     let logs = tempfile::tempdir().map_err(|e| e.to_string())?;
     let options = |identity: String| OperatorOptions {
@@ -296,17 +300,176 @@ async fn run() -> Result<Vec<Row>, String> {
     let scheduled_filter = proxy.take_ms("/filter");
     let names_per_call = proxy.take_filter_sizes();
     let after_mib = rss_kib(op.pid()).unwrap_or_default() as f64 / 1024.0;
+    let restarts = match (&phase, &allocated) {
+        (Ok(_), Ok(())) => {
+            let names: Vec<String> = fleets.iter().flat_map(|f| f.names.clone()).collect();
+            Some(restarts(&mut cp, &op, operator_port, &names).await)
+        }
+        _ => None,
+    };
     keep_operator_log(&op, "scale");
     op.kill().await.map_err(|e| e.to_string())?;
     phase?;
     allocated?;
 
-    Ok(rows(
-        &figures,
-        &scheduled_filter,
-        &names_per_call,
-        after_mib,
-    ))
+    let mut rows = rows(&figures, &scheduled_filter, &names_per_call, after_mib);
+    if let (Some(restarts), Some(f)) = (restarts, figures.last()) {
+        rows.extend(restart_rows(f, restarts));
+    }
+    Ok(rows)
+}
+
+/// kube-apiserver restarts under the running operator at the largest size.
+const RESTARTS: usize = 3;
+
+/// What [`restarts`] timed, one figure per restart.
+struct Restarts {
+    /// SIGTERM of kube-apiserver to its `/readyz` 200 again.
+    away_s: Vec<f64>,
+    /// The API server ready again to the operator's next reservation list applied.
+    relisted_s: Vec<f64>,
+    /// How long the end of that list held the ledger index's lock.
+    held_ms: Vec<f64>,
+    /// Reservations that list added, replaced or took out (nothing is written meanwhile).
+    changed: f64,
+    /// Filter calls right after, every node a candidate.
+    filter_ms: Vec<f64>,
+}
+
+/// A control-plane upgrade with nothing being scheduled, [`RESTARTS`] times: kube-apiserver
+/// restarted (SIGTERM, SIGKILL 1 s later, the same flags), whose new watch cache starts at etcd's
+/// current revision, so the operator's reservation watch cannot resume and lists again. Timed
+/// from the operator's own metrics: when that list was applied, and how long its end held the
+/// index that filter and bind read; then filter calls naming every node.
+async fn restarts(
+    cp: &mut gpuledger_e2e::cluster::ControlPlane,
+    op: &ChildOperator,
+    port: u16,
+    names: &[String],
+) -> Result<Restarts, String> {
+    const WAIT: Duration = Duration::from_secs(600);
+    let mut out = Restarts {
+        away_s: Vec::new(),
+        relisted_s: Vec::new(),
+        held_ms: Vec::new(),
+        changed: 0.0,
+        filter_ms: Vec::new(),
+    };
+    for i in 0..RESTARTS {
+        let before = ListFigures::of(op).await;
+        let away = cp
+            .restart_apiserver(Duration::from_secs(1))
+            .await
+            .map_err(|e| e.to_string())?;
+        let back = Instant::now();
+        let after = loop {
+            let now = ListFigures::of(op).await;
+            if now.lists > before.lists {
+                break now;
+            }
+            if back.elapsed() > WAIT {
+                return Err(format!(
+                    "restart {i}: the operator applied no list {WAIT:?} after kube-apiserver was back"
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        let relisted = back.elapsed().as_secs_f64();
+        let lists = after.lists - before.lists;
+        let held_ms = (after.held_s - before.held_s) / lists * 1000.0;
+        let filter = direct_filter(port, names, 50).await?;
+        eprintln!(
+            "[bench] scale: kube-apiserver restart {i}: away {:.2} s, the operator's list applied {relisted:.2} s after it was back ({lists} list(s), the end held the index {held_ms:.1} ms, {} changed); filter after it p99 {:.2} ms",
+            away.as_secs_f64(),
+            after.changed - before.changed,
+            gpuledger_e2e::bench::stats::Summary::of(&filter.samples)
+                .map(|s| s.p99)
+                .unwrap_or(f64::NAN)
+        );
+        out.away_s.push(away.as_secs_f64());
+        out.relisted_s.push(relisted);
+        out.held_ms.push(held_ms);
+        out.changed += after.changed - before.changed;
+        out.filter_ms.extend(filter.samples);
+    }
+    Ok(out)
+}
+
+/// The operator's counters of the reservation lists its index applied.
+struct ListFigures {
+    lists: f64,
+    held_s: f64,
+    changed: f64,
+}
+
+impl ListFigures {
+    async fn of(op: &ChildOperator) -> ListFigures {
+        let text = op.metrics().await;
+        let read = |name: &str| sample(&text, name, &[]).unwrap_or(0.0);
+        ListFigures {
+            lists: read("gpuledger_ledger_relists_total"),
+            held_s: read("gpuledger_ledger_relist_hold_seconds_sum"),
+            changed: read("gpuledger_ledger_relist_changes_total"),
+        }
+    }
+}
+
+fn restart_rows(f: &SizeFigures, restarts: Result<Restarts, String>) -> Vec<Row> {
+    let workload = format!(
+        "{} reservations, {} GpuNodes; kube-apiserver restarted under the running operator",
+        f.reservations, f.nodes
+    );
+    let r = match restarts {
+        Ok(r) => r,
+        Err(e) => return vec![Row::run_failed("kube-apiserver restart", workload, &e)],
+    };
+    let median = |v: &[f64]| {
+        gpuledger_e2e::bench::stats::Summary::of(v)
+            .map(|s| s.median)
+            .unwrap_or(f64::NAN)
+    };
+    vec![
+        Row::measured(
+            "kube-apiserver restart: operator relisted",
+            workload.clone(),
+            "s",
+            &r.relisted_s,
+            format!(
+                "no target; /readyz 200 again -> the operator's reservation list applied (its \
+                 watch cannot resume across the new watch cache): its reconnect backoff and the \
+                 list; the API server was away {:.2} s (median; SIGTERM, SIGKILL 1 s later, its \
+                 start); {:.0} reservations changed over {RESTARTS} lists (nothing was written \
+                 meanwhile)",
+                median(&r.away_s),
+                r.changed
+            ),
+        ),
+        Row::measured(
+            "kube-apiserver restart: index held",
+            workload.clone(),
+            "ms",
+            &r.held_ms,
+            "no target; how long applying that list's end held the ledger index's lock, which \
+             filter and bind wait on (gpuledger_ledger_relist_hold_seconds): only differences \
+             are applied",
+        ),
+        Row::measured(
+            "kube-apiserver restart: filter after",
+            format!(
+                "{workload}; 50 calls after each, {} candidate names, direct HTTP",
+                f.nodes
+            ),
+            "ms",
+            &r.filter_ms,
+            format!(
+                "the filter target, p99 < {FILTER_TARGET_MS} ms: {}",
+                verdict(
+                    gpuledger_e2e::bench::stats::Summary::of(&r.filter_ms)
+                        .is_some_and(|s| s.p99 < FILTER_TARGET_MS)
+                )
+            ),
+        ),
+    ]
 }
 
 /// What [`handovers`] timed, one figure per handover.

@@ -7,8 +7,11 @@ use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use k8s_openapi::api::core::v1::ConfigMap;
 use kube::Client;
+use kube::api::{Api, Patch, PatchParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
+use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::Instant;
 
@@ -20,6 +23,10 @@ use crate::cluster::process::{self, ProcessGroup, TAIL_LINES};
 
 /// How long each component may take to become ready on a loaded two-core machine.
 pub const DEFAULT_STARTUP_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// The ConfigMap in kube-system that [`ControlPlane::restart_apiserver`] writes before each
+/// restart.
+const RESTART_MARKER: &str = "gpuledger-e2e-restart";
 
 /// Whether and how kube-scheduler runs.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -321,11 +328,29 @@ impl ControlPlane {
 
     /// Restarts kube-apiserver as a rolling upgrade of it would: SIGTERM (SIGKILL after
     /// `grace`: v1.34.4 here stops listening at once but its process was still there 40 s
-    /// later, so a short grace is enough), started again with the same flags, port, certificates and etcd, and waited for
-    /// until `/readyz` answers. Every watch open through it ends, and the new server's watch
-    /// cache starts at etcd's current revision: a client resuming from an older version is told
-    /// it expired (410) and lists again. Returns how long the API server was away.
+    /// later, so a short grace is enough), started again with the same flags, port,
+    /// certificates and etcd, and waited for until `/readyz` answers. Every watch open through
+    /// it ends, and the new server's watch cache starts at etcd's current revision: a client
+    /// resuming from an older version is told it expired (410) and lists again. So that every
+    /// open watch is older, as on any cluster with writes going on, a ConfigMap in kube-system
+    /// is written first (a watch whose last event or bookmark already carried the latest
+    /// revision would otherwise resume). Returns how long the API server was away.
     pub async fn restart_apiserver(&mut self, grace: Duration) -> Result<Duration, ClusterError> {
+        let marker: Api<ConfigMap> = Api::namespaced(self.client.clone(), "kube-system");
+        let body = json!({
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": { "name": RESTART_MARKER },
+            "data": { "restartedAt": format!("{:?}", std::time::SystemTime::now()) },
+        });
+        marker
+            .patch(
+                RESTART_MARKER,
+                &PatchParams::apply("gpuledger-e2e").force(),
+                &Patch::Apply(&body),
+            )
+            .await
+            .map_err(|e| ClusterError::kube("write the restart marker", e))?;
         let started = Instant::now();
         self.processes.restart("kube-apiserver", grace).await?;
         let client = self.client.clone();
