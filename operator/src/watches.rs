@@ -1,5 +1,5 @@
-//! Shared plumbing of the operator's watches: health reporting, and the trimming that keeps
-//! cached objects small.
+//! Shared plumbing of the operator's watches: health reporting, the wait after an error, and the
+//! trimming that keeps cached objects small.
 
 use std::sync::Arc;
 
@@ -9,8 +9,10 @@ use kube::runtime::watcher;
 
 use crate::telemetry::Health;
 
+mod backoff;
 mod inventory;
 mod streamed;
+pub use backoff::{BackoffExceptExpired, WatchBackoff, backed_off};
 pub use inventory::InventoryVersions;
 pub use streamed::streamed_watcher;
 

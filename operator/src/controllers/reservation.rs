@@ -19,7 +19,7 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::Api;
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
 use tokio::sync::Notify;
 
@@ -31,7 +31,7 @@ use crate::lease::allocation as lease;
 use crate::ledger::render::{devices_summary, numa_summary};
 use crate::ledger::writer::OperatorStatus;
 use crate::ledger::{LedgerIndex, ReservationKey, WriteError};
-use crate::watches::{streamed_watcher, tracked};
+use crate::watches::{BackoffExceptExpired, streamed_watcher, tracked};
 
 /// Why a reconcile failed (it is retried).
 #[derive(Debug, thiserror::Error)]
@@ -232,7 +232,7 @@ where
         futures::stream::once(async move { index.wait_synced().await }).flat_map(move |()| {
             let facts = facts.clone();
             streamed_watcher(api.clone(), watcher::Config::default())
-                .default_backoff()
+                .backoff_except_expired()
                 // The cache learns of a change before the change triggers a reconcile.
                 .map_ok(move |event| {
                     facts.apply(&event);

@@ -14,14 +14,13 @@ use futures::{Stream, StreamExt};
 
 use gpuledger_crds::GpuReservation;
 use kube::Api;
-use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
 use tokio::sync::Notify;
 
 use super::LedgerIndex;
 use super::index::{ECHO_TIMEOUT, shared};
 use crate::telemetry::Metrics;
-use crate::watches::streamed_watcher;
+use crate::watches::{BackoffExceptExpired, streamed_watcher};
 
 /// How often the watchdog looks.
 const WATCHDOG_EVERY: Duration = Duration::from_secs(5);
@@ -38,7 +37,7 @@ pub fn restartable(
     futures::stream::repeat(()).flat_map(move |()| {
         let restart = restart.clone();
         streamed_watcher(api.clone(), watcher::Config::default())
-            .default_backoff()
+            .backoff_except_expired()
             .take_until(async move { restart.notified().await })
     })
 }

@@ -36,7 +36,9 @@ use crate::ledger::usage::holds_capacity;
 use crate::ledger::{LedgerIndex, LedgerWriter, NodeLocks};
 use crate::schedule::Policy;
 use crate::telemetry::{Health, Metrics, QuotaLabels};
-use crate::watches::{InventoryVersions, drive, streamed_watcher, strip_managed_fields, tracked};
+use crate::watches::{
+    BackoffExceptExpired, InventoryVersions, drive, streamed_watcher, strip_managed_fields, tracked,
+};
 use crate::{certs, controllers, extender, ledger, quota, webhook};
 use config::RunConfig;
 
@@ -162,7 +164,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         Api::<GpuNode>::all(client.clone()),
         watcher::Config::default(),
     )
-    .default_backoff()
+    .backoff_except_expired()
     .modify(strip_managed_fields)
     .reflect(writer)
     // After the store took each change: filter's cached views of the nodes it changed are
@@ -181,7 +183,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         Api::<NumaPolicy>::all(client.clone()),
         watcher::Config::default(),
     )
-    .default_backoff()
+    .backoff_except_expired()
     .modify(strip_managed_fields)
     .reflect(writer);
     tasks.spawn(drive("numapolicies", stream, health.clone()));
@@ -190,7 +192,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         Api::<ResourceQuota>::all(client.clone()),
         watcher::Config::default(),
     )
-    .default_backoff()
+    .backoff_except_expired()
     .modify(strip_managed_fields)
     .reflect(writer);
     tasks.spawn(drive("resourcequotas", stream, health.clone()));
@@ -202,7 +204,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         Api::<GpuConfig>::all(client.clone()),
         watcher::Config::default(),
     )
-    .default_backoff()
+    .backoff_except_expired()
     .modify(strip_managed_fields)
     .reflect(writer)
     .inspect({
@@ -222,7 +224,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         Api::<Lease>::namespaced(client.clone(), &config.namespace),
         watcher::Config::default(),
     )
-    .default_backoff()
+    .backoff_except_expired()
     .inspect_ok({
         let leases = leases.clone();
         let freed = leader_freed.clone();
