@@ -180,6 +180,46 @@ pub fn event(kind: &str, object: impl serde::Serialize) -> Value {
     json!({ "type": kind, "object": serde_json::to_value(object).unwrap_or(Value::Null) })
 }
 
+/// What a watcher with kube-runtime's default config asks of the collection at `path` when its
+/// watch is told that its version expired (410 Gone, as after a kube-apiserver restart): a list
+/// (empty, at version 5), a watch from 5 answered by the `ERROR` event, a second list (at 9),
+/// then a watch from 9 left unanswered. `query` is what every request must also carry (a
+/// selector), as `(key, value)`.
+///
+/// A test runs the watch with time paused, sleeps a moment shorter than any backoff (100 ms;
+/// kube-runtime's first step is 800 ms), then calls [`ScriptedApi::finish`]: the second list and
+/// watch were requested only if the 410 was answered at once.
+pub fn watch_expired_once(path: &str, query: &[(&str, &str)]) -> Vec<Step> {
+    let with_query = |mut e: Expect| {
+        for (key, value) in query {
+            e = e.query(key, value);
+        }
+        e
+    };
+    let list = |version: &str| {
+        json!({
+            "apiVersion": "v1",
+            "kind": "List",
+            "metadata": { "resourceVersion": version },
+            "items": [],
+        })
+    };
+    let watch = |version: &str| {
+        with_query(expect(Method::GET, path))
+            .query("watch", "true")
+            .query("resourceVersion", version)
+    };
+    vec![
+        with_query(expect(Method::GET, path)).reply(200, list("5")),
+        watch("5").reply_events(vec![event(
+            "ERROR",
+            status(410, "Expired", "too old resource version: 5 (8)"),
+        )]),
+        with_query(expect(Method::GET, path)).reply(200, list("9")),
+        watch("9").never_reply(),
+    ]
+}
+
 #[derive(Default)]
 struct Progress {
     /// Descriptions of the steps, in order.

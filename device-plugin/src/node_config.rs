@@ -5,13 +5,15 @@
 //! preferred-allocation toggle flips, the registration, without a restart.
 //!
 //! When GpuConfigs cannot be read (the CRD is missing, or RBAC refuses) the watch retries with
-//! backoff and the flags stay in force: the node keeps working as configured at start.
+//! backoff (listing again at once when told its version expired, as after a kube-apiserver
+//! restart) and the flags stay in force: the node keeps working as configured at start.
 
 use std::collections::BTreeMap;
 
 use futures::{StreamExt, stream};
 use gpuledger_crds::GpuConfig;
 use gpuledger_crds::gpuconfig::{NodeSettings, node_settings};
+use gpuledger_crds::kubeclient::watch_backoff::BackoffExceptExpired;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::Api;
 use kube::runtime::reflector::{self, Store};
@@ -43,6 +45,18 @@ impl Sources {
 /// What the two watches are, for messages.
 const WATCHED: [&str; 2] = ["GpuConfigs", "its Node"];
 
+/// The watch of what `api` and `config` select, waiting after errors as every gpuledger watch
+/// does (an expired version is listed again at once).
+fn watched<K>(
+    api: Api<K>,
+    config: watcher::Config,
+) -> impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
+{
+    watcher(api, config).backoff_except_expired()
+}
+
 /// Watches GpuConfigs and the Node `node`, sending the settings that apply after each change;
 /// `ready` fires once both have been listed (the first settings are then in `tx`). Runs until
 /// `tx` has no receiver left.
@@ -57,19 +71,17 @@ pub async fn watch_settings(
     let (nodes, node_writer) = reflector::store::<Node>();
     // Each stream says which it is (an index into WATCHED) and whether this event completed a
     // (re)list.
-    let config_events = watcher(
+    let config_events = watched(
         Api::<GpuConfig>::all(client.clone()),
         watcher::Config::default(),
     )
-    .default_backoff()
     .reflect(config_writer)
     .map(|e| (0, e.map(|ev| matches!(ev, watcher::Event::InitDone))));
     let by_name = format!("metadata.name={node}");
-    let node_events = watcher(
+    let node_events = watched(
         Api::<Node>::all(client),
         watcher::Config::default().fields(&by_name),
     )
-    .default_backoff()
     .reflect(node_writer)
     .map(|e| (1, e.map(|ev| matches!(ev, watcher::Event::InitDone))));
     let sources = Sources {
@@ -110,5 +122,28 @@ pub async fn watch_settings(
         if tx.is_closed() {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpuledger_crds::scripted_api::{scripted, watch_expired_once};
+
+    #[tokio::test(start_paused = true)]
+    async fn the_node_watch_lists_again_at_once_when_its_version_expired() {
+        let by_name = [("fieldSelector", "metadata.name=n1")];
+        let (client, api) = scripted(watch_expired_once("/api/v1/nodes", &by_name));
+        let watch = tokio::spawn(async move {
+            let stream = watched(
+                Api::<Node>::all(client),
+                watcher::Config::default().fields("metadata.name=n1"),
+            );
+            let mut stream = std::pin::pin!(stream);
+            while stream.next().await.is_some() {}
+        });
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        api.finish().await;
+        watch.abort();
     }
 }

@@ -539,7 +539,12 @@ async fn api_server_restarted_during_scheduling_and_refits() {
         .await
         .unwrap();
     eprintln!("restart: kube-apiserver away for {away:?}");
+    let back = Instant::now();
     create_pods(&client, rest.to_vec()).await;
+    // The refit controller's watch could not resume either: until it lists again, no refit is
+    // heard, and a plugin's runs out its deadline. Printed, not asserted (a timing).
+    let heard = refit_heard_after(&client, back).await;
+    eprintln!("restart: a refit asked at once was answered {heard:?} after /readyz");
     let asked = refitter.await.unwrap();
 
     let outcome = settle(&client, &names, Duration::from_secs(5)).await;

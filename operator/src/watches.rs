@@ -1,18 +1,24 @@
-//! Shared plumbing of the operator's watches: health reporting, the wait after an error, and the
-//! trimming that keeps cached objects small.
+//! Shared plumbing of the operator's watches: health reporting, the wait after an error (the
+//! same in every watch and controller), and the trimming that keeps cached objects small.
 
 use std::sync::Arc;
 
+use std::fmt::Debug;
+use std::hash::Hash;
+
 use futures::{Stream, StreamExt};
-use kube::Resource;
-use kube::runtime::watcher;
+use kube::runtime::controller::Controller;
+use kube::runtime::{WatchStreamExt, reflector, watcher};
+use kube::{Api, Resource};
+use serde::de::DeserializeOwned;
 
 use crate::telemetry::Health;
 
-mod backoff;
 mod inventory;
 mod streamed;
-pub use backoff::{BackoffExceptExpired, WatchBackoff, backed_off};
+pub use gpuledger_crds::kubeclient::watch_backoff::{
+    BackoffExceptExpired, WaitedAlready, WatchBackoff, backed_off,
+};
 pub use inventory::InventoryVersions;
 pub use streamed::streamed_watcher;
 
@@ -63,6 +69,20 @@ where
         )
 }
 
+/// A kube-runtime `Controller` of the `K`s `api` and `config` select, its watch waiting after
+/// errors as every other watch of the operator does ([`backed_off`]). `Controller::new` would
+/// back off by kube-runtime's default alone, which waits out a 410 too: after a kube-apiserver
+/// restart such a controller heard nothing new for up to the longest step of that backoff.
+pub fn controller<K>(api: Api<K>, config: watcher::Config) -> Controller<K>
+where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+    K::DynamicType: Default + Eq + Hash + Clone + Debug + Unpin,
+{
+    let (reader, writer) = reflector::store();
+    let stream = reflector(writer, watcher(api, config).backoff_except_expired()).applied_objects();
+    Controller::for_stream(stream, reader).trigger_backoff(WaitedAlready)
+}
+
 /// Drives a watch stream to its end, reporting to `health` under `name`.
 pub async fn drive<S, T>(name: &'static str, stream: S, health: Arc<Health>)
 where
@@ -78,6 +98,29 @@ mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::Pod;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ManagedFieldsEntry, ObjectMeta};
+
+    /// Both halves of the defence: the watch lists at once on a 410, and the controller adds no
+    /// wait of its own (kube-runtime's `Controller::new`, or this one with the default trigger
+    /// backoff, asks for the second list 800 ms or more later).
+    #[tokio::test(start_paused = true)]
+    async fn a_controller_lists_again_at_once_when_its_version_expired() {
+        use gpuledger_crds::scripted_api::{scripted, watch_expired_once};
+        use k8s_openapi::api::core::v1::ConfigMap;
+        use kube::runtime::controller::Action;
+        let (client, api) = scripted(watch_expired_once("/api/v1/configmaps", &[]));
+        let running = tokio::spawn(
+            controller(Api::<ConfigMap>::all(client), watcher::Config::default())
+                .run(
+                    |_, _| async { Ok::<_, kube::Error>(Action::await_change()) },
+                    |_, _, _| Action::await_change(),
+                    Arc::new(()),
+                )
+                .for_each(|_| async {}),
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        api.finish().await;
+        running.abort();
+    }
 
     #[test]
     fn managed_fields_go_the_rest_stays() {

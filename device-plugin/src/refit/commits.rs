@@ -13,6 +13,7 @@ use std::sync::Arc;
 
 use futures::StreamExt;
 use gpuledger_crds::GpuReservation;
+use gpuledger_crds::kubeclient::watch_backoff::BackoffExceptExpired;
 use gpuledger_crds::names::NODE_LABEL;
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client, ResourceExt};
@@ -33,14 +34,17 @@ pub struct NodeCommits {
 
 impl NodeCommits {
     /// Starts watching the reservations of `node` (retried with backoff when the API server
-    /// fails; refits meanwhile wait for their answers alone).
+    /// fails, listed again at once when told its version expired; refits meanwhile wait for
+    /// their answers alone).
     pub fn start(client: Client, node: &str) -> Self {
         let (versions, _) = broadcast::channel(BACKLOG);
         let sender = versions.clone();
         let api: Api<GpuReservation> = Api::all(client);
         let config = watcher::Config::default().labels(&format!("{NODE_LABEL}={node}"));
         let watch = tokio::spawn(async move {
-            let stream = watcher(api, config).default_backoff().applied_objects();
+            let stream = watcher(api, config)
+                .backoff_except_expired()
+                .applied_objects();
             let mut stream = std::pin::pin!(stream);
             while let Some(seen) = stream.next().await {
                 match seen {
@@ -151,6 +155,19 @@ impl Awaited<'_> {
 mod tests {
     use super::*;
     use gpuledger_crds::{ContainerReservation, GpuReservationSpec, ReservedDevice};
+
+    #[tokio::test(start_paused = true)]
+    async fn the_watch_lists_again_at_once_when_its_version_expired() {
+        use gpuledger_crds::scripted_api::{scripted, watch_expired_once};
+        let (client, api) = scripted(watch_expired_once(
+            "/apis/gpuledger.io/v1alpha1/gpureservations",
+            &[("labelSelector", &format!("{NODE_LABEL}=n1"))],
+        ));
+        let commits = NodeCommits::start(client, "n1");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        api.finish().await;
+        drop(commits);
+    }
 
     fn version(
         uid: &str,

@@ -32,7 +32,7 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
-use kube::api::{Api, ListParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::{Client, ResourceExt};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -377,6 +377,53 @@ pub fn spawn_refit_storm(
         }
         asked.len()
     })
+}
+
+/// How long after `since` the operator answered a refit asked at once: a RefitRequest of a pod
+/// that does not exist (refused whatever its deadline, so the answer comes whenever the
+/// operator hears of it) is created as soon as the API server takes it, and waited for. The
+/// probe is deleted once answered, so it counts in no later tally of [`NS`]'s requests.
+pub async fn refit_heard_after(client: &Client, since: Instant) -> Duration {
+    let refits: Api<RefitRequest> = Api::namespaced(client.clone(), NS);
+    let spec = RefitRequestSpec {
+        pod_name: "probe-absent".into(),
+        pod_uid: "probe-absent-uid".into(),
+        node_name: "gpu-0".into(),
+        reservation: "probe-absent".into(),
+        container_index: 0,
+        container_name: "main".into(),
+        allowed_devices: vec!["GPU-probe".into()],
+        deadline: MicroTime(Timestamp::now() + SignedDuration::from_secs(2)),
+    };
+    let probe = RefitRequest::new("refit-probe", spec);
+    wait_for("the refit probe created", WAIT, || {
+        let refits = refits.clone();
+        let probe = probe.clone();
+        async move {
+            let made = refits.create(&PostParams::default(), &probe).await;
+            Ok::<_, kube::Error>(made.ok().map(|_| ()))
+        }
+    })
+    .await
+    .expect("refit probe created");
+    // Looked at every 50 ms (wait_for's pauses grow to a second).
+    let heard = loop {
+        let answered = refits.get("refit-probe").await.is_ok_and(|r| {
+            r.status
+                .and_then(|s| s.phase)
+                .is_some_and(|p| p.is_terminal())
+        });
+        if answered {
+            break since.elapsed();
+        }
+        assert!(
+            since.elapsed() < WAIT,
+            "the refit probe unanswered after {WAIT:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let _ = refits.delete("refit-probe", &DeleteParams::default()).await;
+    heard
 }
 
 /// Waits until every RefitRequest in [`NS`] has a terminal phase; returns (succeeded, failed).

@@ -15,7 +15,7 @@ use gpuledger_crds::{GpuConfig, kstatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams};
-use kube::runtime::controller::{Action, Controller};
+use kube::runtime::controller::Action;
 use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
 use serde_json::json;
@@ -43,7 +43,7 @@ pub enum ConfigError {
 /// Runs the controller until the process ends.
 pub async fn run(ctx: Arc<Context>) {
     let api: Api<GpuConfig> = Api::all(ctx.client.clone());
-    Controller::new(api, watcher::Config::default())
+    crate::watches::controller(api, watcher::Config::default())
         .run(reconcile, error_policy, ctx)
         .for_each(|_| async {})
         .await;

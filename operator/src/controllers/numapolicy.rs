@@ -17,7 +17,7 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, ListParams, Patch, PatchParams};
-use kube::runtime::controller::{Action, Controller};
+use kube::runtime::controller::Action;
 use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
 use serde_json::json;
@@ -49,7 +49,7 @@ pub enum PolicyError {
 /// Runs the controller until the process ends.
 pub async fn run(ctx: Arc<Context>) {
     let api: Api<NumaPolicy> = Api::all(ctx.client.clone());
-    Controller::new(api, watcher::Config::default())
+    crate::watches::controller(api, watcher::Config::default())
         .run(reconcile, error_policy, ctx)
         .for_each(|_| async {})
         .await;

@@ -42,6 +42,7 @@ use crate::context::{Context, pod_ref_by_name};
 use crate::ledger::writer::OperatorStatus;
 use crate::ledger::{ReservationKey, WriteError};
 use crate::telemetry::{NodeLabels, OutcomeLabels};
+use crate::watches::{BackoffExceptExpired, WaitedAlready};
 use answers::{AnswerBook, Standing};
 use commit::{Moved, expired};
 use dispatch::{Arrivals, Turns, delivered};
@@ -222,7 +223,10 @@ pub async fn run(ctx: Arc<Context>, ttl: Duration) {
     let rc = Arc::new(RefitContext::new(ctx, ttl));
     let on_watch = rc.clone();
     let (reader, writer) = reflector::store();
-    let stream = reflector(writer, watcher(requests, watcher::Config::default()))
+    // After a kube-apiserver restart this watch must list again at once: until it does, no new
+    // request is heard and every refit asked meanwhile runs out its deadline.
+    let watched = watcher(requests, watcher::Config::default()).backoff_except_expired();
+    let stream = reflector(writer, watched)
         .applied_objects()
         .inspect_ok(move |r| {
             on_watch.arrivals.record(r);
@@ -234,6 +238,7 @@ pub async fn run(ctx: Arc<Context>, ttl: Duration) {
             }
         });
     Controller::for_stream(stream, reader)
+        .trigger_backoff(WaitedAlready)
         .run(reconcile, error_policy, rc)
         .for_each(|res| async move {
             if let Err(e) = res {
@@ -671,6 +676,26 @@ async fn expire_answered(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// After a kube-apiserver restart the request watch must hear new requests again as soon as
+    /// the API server answers: a 410 is listed again at once, by the watch and by the controller
+    /// it feeds (each refit asked before that runs out its deadline).
+    #[tokio::test(start_paused = true)]
+    async fn the_request_watch_lists_again_at_once_when_its_version_expired() {
+        use crate::ledger::index::LedgerIndex;
+        use gpuledger_crds::GpuNode;
+        use gpuledger_crds::scripted_api::{scripted, watch_expired_once};
+        let (client, api) = scripted(watch_expired_once(
+            "/apis/gpuledger.io/v1alpha1/refitrequests",
+            &[],
+        ));
+        let (gpunodes, _writer) = reflector::store::<GpuNode>();
+        let ctx = Context::detached(client, Arc::new(LedgerIndex::new()), gpunodes, true);
+        let running = tokio::spawn(run(Arc::new(ctx), DEFAULT_TTL));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        api.finish().await;
+        running.abort();
+    }
 
     /// A request written at `stamp` (the plugin's word) with a 2 s budget from `t0`.
     pub(super) fn stamped(stamp: Option<&str>, t0: Timestamp) -> RefitRequest {

@@ -1,18 +1,26 @@
-//! How the operator's watches wait after an error.
+//! How every gpuledger watch waits after an error, in the operator and in the device plugin.
 //!
 //! As kube-runtime's default (800 ms doubling to 30 s, jittered, reset by the next event), with
 //! one exception: a watch told that the version it would resume from has expired (410 Gone, as
 //! after a kube-apiserver restart, whose new watch cache begins at etcd's current revision) lists
 //! again at once. That answer comes from a working API server and says what to do next; the
-//! watcher lists on its next poll anyway, and waiting first only keeps the ledger index on its
-//! old contents one more step of the backoff. After a restart that step is the longest: the
+//! watcher lists on its next poll anyway, and waiting first only keeps what the watch feeds on
+//! its old contents one more step of the backoff. After a restart that step is the longest: the
 //! failed reconnects while the server was away have grown it (the operator's reservation list
 //! was applied 12 to 19 s after the API server was back at 20 000 reservations, `make bench`'s
-//! restart rows, before this).
+//! restart rows, before this; a refit controller still on the default heard no new RefitRequest
+//! for as long, so every refit asked meanwhile ran out its deadline).
+//!
+//! The API server says it either way: as an `ERROR` event on a watch it accepted (its watch
+//! cache), or as a 410 answer to the watch request itself.
 //!
 //! At most one such immediate list per [`EXPIRED_AT_ONCE_EVERY`]: an API server that keeps
 //! answering 410 meets the backoff like any other error, so a list of 100 000 objects is never
 //! repeated in a tight loop.
+//!
+//! kube-runtime's `Controller` backs off its trigger stream by itself (its default, which knows
+//! nothing of 410): a controller fed by a stream that waits here is given [`WaitedAlready`] so
+//! that the two waits do not add up.
 
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
@@ -57,7 +65,28 @@ impl<S, T> BackoffExceptExpired for S where S: Stream<Item = Result<T, watcher::
 
 /// Whether the API server said the watch's resourceVersion is no longer in its history.
 fn expired(e: &watcher::Error) -> bool {
-    matches!(e, watcher::Error::WatchError(status) if status.code == 410)
+    match e {
+        watcher::Error::WatchError(status) => status.code == 410,
+        watcher::Error::WatchStartFailed(kube::Error::Api(status)) => status.code == 410,
+        _ => false,
+    }
+}
+
+/// The backoff for a kube-runtime `Controller` whose trigger stream already waits after its
+/// errors ([`backed_off`]): no further wait.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct WaitedAlready;
+
+impl Iterator for WaitedAlready {
+    type Item = Duration;
+
+    fn next(&mut self) -> Option<Duration> {
+        Some(Duration::ZERO)
+    }
+}
+
+impl Backoff for WaitedAlready {
+    fn reset(&mut self) {}
 }
 
 impl<S, T> Stream for WatchBackoff<S>
@@ -126,6 +155,26 @@ mod tests {
         // The item after another error waits kube-runtime's first step (800 ms, jittered up).
         let waited = at[3] - at[2];
         assert!(waited >= Duration::from_millis(800), "{waited:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_watch_request_answered_gone_is_listed_again_at_once() {
+        let gone_at_start = watcher::Error::WatchStartFailed(kube::Error::Api(Box::new(
+            Status::failure("too old resource version: 1 (2)", "Gone").with_code(410),
+        )));
+        let at = arrivals(vec![Err(gone_at_start), Ok(1)]).await;
+        assert_eq!(at[1], at[0]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_controller_fed_by_a_backed_off_stream_adds_no_wait() {
+        let mut waits = WaitedAlready;
+        assert_eq!(
+            waits.next(),
+            Some(Duration::ZERO),
+            "Some: a None would end the stream"
+        );
+        assert_eq!(waits.nth(100), Some(Duration::ZERO));
     }
 
     #[tokio::test(start_paused = true)]
