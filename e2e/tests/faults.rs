@@ -540,11 +540,23 @@ async fn api_server_restarted_during_scheduling_and_refits() {
         .unwrap();
     eprintln!("restart: kube-apiserver away for {away:?}");
     let back = Instant::now();
+    // Neither the reservation watch nor the refit controller's could resume: until each lists
+    // again the index misses what changed, and no refit is heard (a plugin's runs out its
+    // deadline). Printed, not asserted (timings).
+    let reservations_listed = async {
+        loop {
+            if relists(&op).await > lists_before {
+                break back.elapsed();
+            }
+            assert!(back.elapsed() < WAIT, "no reservation list within {WAIT:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    let (heard, listed) = tokio::join!(refit_heard_after(&client, back), reservations_listed);
+    eprintln!(
+        "restart: after /readyz, a refit asked at once was answered in {heard:?}, the reservation list applied in {listed:?}"
+    );
     create_pods(&client, rest.to_vec()).await;
-    // The refit controller's watch could not resume either: until it lists again, no refit is
-    // heard, and a plugin's runs out its deadline. Printed, not asserted (a timing).
-    let heard = refit_heard_after(&client, back).await;
-    eprintln!("restart: a refit asked at once was answered {heard:?} after /readyz");
     let asked = refitter.await.unwrap();
 
     let outcome = settle(&client, &names, Duration::from_secs(5)).await;
