@@ -24,7 +24,6 @@ use gpuledger_crds::{GpuReservation, ReservationPhase};
 use gpuledger_e2e::bench::operator::OperatorOptions;
 use gpuledger_e2e::bench::operator::{http_get, signal};
 use gpuledger_e2e::bench::{ChildOperator, GpuShape};
-use gpuledger_e2e::cluster::process::is_alive;
 use gpuledger_e2e::cluster::wait_for;
 use gpuledger_e2e::prometheus::sample;
 use gpuledger_operator::lease::leader::{LEADER_LEASE, LEASE_SECONDS};
@@ -454,7 +453,9 @@ async fn a_stopped_leader_hands_its_lease_to_the_standby_mid_burst() {
     drop(standby);
 }
 
-/// A minimal HTTP POST on loopback; the body of the answer.
+/// kube-apiserver frozen (SIGSTOP) for 5 s while pods are being bound and refits asked for:
+/// every call of the operator's stalls at once. The ledger must come out exact and the same
+/// operator process serve on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn api_server_paused_for_five_seconds_during_scheduling_and_refits() {
     let mut rng = rng("api_server_paused_for_five_seconds");
@@ -482,30 +483,8 @@ async fn api_server_paused_for_five_seconds_during_scheduling_and_refits() {
     signal(apiserver, Signal::CONT).unwrap();
     create_pods(&client, rest.to_vec()).await;
     let asked = refitter.await.unwrap();
-
-    let outcome = settle(&client, &names, Duration::from_secs(5)).await;
-    eprintln!(
-        "pause: {} bound, {} pending with a reason",
-        outcome.bound.len(),
-        outcome.pending.len()
-    );
-    assert!(
-        !outcome.bound.is_empty(),
-        "nothing was scheduled after the pause"
-    );
-    let (moved, refused) = refits_terminal(&client).await;
-    eprintln!("pause: {asked} refits asked: {moved} succeeded, {refused} failed with a reason");
-    assert_eq!(moved + refused, asked);
-    audit_clean(&client).await;
-    no_repairs_needed(&client).await;
-    reservations_match_bindings(&rig).await;
-    // The operator rode out the stall: same process, ready again.
-    assert!(is_alive(op.pid()), "operator died during the stall");
-    wait_for("operator ready after the stall", WAIT, || async {
-        Ok::<_, std::io::Error>((op.readyz().await == Some(200)).then_some(()))
-    })
-    .await
-    .unwrap();
+    // The operator rode out the stall: same process, ready again, the ledger exact.
+    ledger_exact_after("pause", &rig, &op, &names, asked).await;
 }
 
 /// kube-apiserver restarted (SIGTERM, SIGKILL 1 s later, started again on the same etcd) while
@@ -558,35 +537,11 @@ async fn api_server_restarted_during_scheduling_and_refits() {
     );
     create_pods(&client, rest.to_vec()).await;
     let asked = refitter.await.unwrap();
-
-    let outcome = settle(&client, &names, Duration::from_secs(5)).await;
-    eprintln!(
-        "restart: {} bound, {} pending with a reason",
-        outcome.bound.len(),
-        outcome.pending.len()
-    );
-    assert!(
-        !outcome.bound.is_empty(),
-        "nothing was scheduled after the restart"
-    );
-    let (moved, refused) = refits_terminal(&client).await;
-    eprintln!("restart: {asked} refits asked: {moved} succeeded, {refused} failed with a reason");
-    assert_eq!(moved + refused, asked);
-    audit_clean(&client).await;
-    no_repairs_needed(&client).await;
-    reservations_match_bindings(&rig).await;
+    let outcome = ledger_exact_after("restart", &rig, &op, &names, asked).await;
     published_usage_matches_ledger(&client).await;
-    assert!(is_alive(op.pid()), "operator died across the restart");
-    wait_for("operator ready after the restart", WAIT, || async {
-        Ok::<_, std::io::Error>((op.readyz().await == Some(200)).then_some(()))
-    })
-    .await
-    .unwrap();
-    // The reservation watch could not resume across the new watch cache: it listed again,
-    // and the index applied that list.
+    // The reservation watch could not resume across the new watch cache: the index applied
+    // the list after it (waited for above, so `lists` is past `lists_before`).
     let lists = relists(&op).await;
-    eprintln!("restart: reservation lists applied {lists}");
-    assert!(lists > lists_before, "no list applied after the restart");
 
     // What a watch misses while away must come in with the list after it. The operator is
     // frozen across a second restart, so no watch of its can see the changes made meanwhile:

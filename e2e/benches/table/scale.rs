@@ -33,6 +33,7 @@ use futures::TryStreamExt;
 use gpuledger_crds::names::{DEFAULT_NAMESPACE, reservation_name};
 use gpuledger_crds::{GpuReservation, ReservationPhase};
 use gpuledger_e2e::bench::fleet::{Share, run_parallel};
+use gpuledger_e2e::bench::stats::Summary;
 use gpuledger_e2e::bench::{
     ChildOperator, Fleet, GpuShape, OperatorOptions, Row, gpu_pod, spawn_allocator,
 };
@@ -382,7 +383,7 @@ async fn restarts(
             "[bench] scale: kube-apiserver restart {i}: away {:.2} s, the operator's list applied {relisted:.2} s after it was back ({lists} list(s), the end held the index {held_ms:.1} ms, {} changed); filter after it p99 {:.2} ms",
             away.as_secs_f64(),
             after.changed - before.changed,
-            gpuledger_e2e::bench::stats::Summary::of(&filter.samples)
+            Summary::of(&filter.samples)
                 .map(|s| s.p99)
                 .unwrap_or(f64::NAN)
         );
@@ -423,11 +424,7 @@ fn restart_rows(f: &SizeFigures, restarts: Result<Restarts, String>) -> Vec<Row>
         Ok(r) => r,
         Err(e) => return vec![Row::run_failed("kube-apiserver restart", workload, &e)],
     };
-    let median = |v: &[f64]| {
-        gpuledger_e2e::bench::stats::Summary::of(v)
-            .map(|s| s.median)
-            .unwrap_or(f64::NAN)
-    };
+    let median = |v: &[f64]| Summary::of(v).map(|s| s.median).unwrap_or(f64::NAN);
     vec![
         Row::measured(
             "kube-apiserver restart: operator relisted",
@@ -463,10 +460,7 @@ fn restart_rows(f: &SizeFigures, restarts: Result<Restarts, String>) -> Vec<Row>
             &r.filter_ms,
             format!(
                 "the filter target, p99 < {FILTER_TARGET_MS} ms: {}",
-                verdict(
-                    gpuledger_e2e::bench::stats::Summary::of(&r.filter_ms)
-                        .is_some_and(|s| s.p99 < FILTER_TARGET_MS)
-                )
+                verdict(Summary::of(&r.filter_ms).is_some_and(|s| s.p99 < FILTER_TARGET_MS))
             ),
         ),
     ]
@@ -773,7 +767,6 @@ fn verdict_at(reservations: usize, met: bool) -> &'static str {
 }
 
 fn rows(figures: &[SizeFigures], scheduled: &[f64], names: &[usize], after_mib: f64) -> Vec<Row> {
-    use gpuledger_e2e::bench::stats::Summary;
     let median = |v: &[f64]| Summary::of(v).map(|s| s.median).unwrap_or(0.0);
     let p99 = |v: &[f64]| Summary::of(v).map(|s| s.p99).unwrap_or(f64::INFINITY);
     let ready_per_10k: Vec<(usize, f64)> = figures

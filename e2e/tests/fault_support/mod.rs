@@ -22,6 +22,7 @@ use gpuledger_e2e::bench::fleet::run_parallel;
 use gpuledger_e2e::bench::{
     ChildOperator, Fleet, GpuShape, OperatorOptions, gpu_pod, spawn_allocator_after,
 };
+use gpuledger_e2e::cluster::process::is_alive;
 use gpuledger_e2e::cluster::{
     ControlPlane, ControlPlaneOptions, apply_path, ensure_namespace, wait_for,
 };
@@ -377,6 +378,43 @@ pub fn spawn_refit_storm(
         }
         asked.len()
     })
+}
+
+/// What a fault during scheduling and refits must leave, checked once it is over (`what` names
+/// the fault in the messages): the pods in `names` settled, some bound; the `asked` refits all
+/// answered; the ledger audit clean with no repair needed; reservations matching bindings; and
+/// the same operator process `op` alive and ready. Returns where the pods ended up.
+pub async fn ledger_exact_after(
+    what: &str,
+    rig: &Rig,
+    op: &ChildOperator,
+    names: &BTreeSet<String>,
+    asked: usize,
+) -> Outcome {
+    let client = rig.client();
+    let outcome = settle(&client, names, Duration::from_secs(5)).await;
+    eprintln!(
+        "{what}: {} bound, {} pending with a reason",
+        outcome.bound.len(),
+        outcome.pending.len()
+    );
+    assert!(
+        !outcome.bound.is_empty(),
+        "nothing was scheduled after the {what}"
+    );
+    let (moved, refused) = refits_terminal(&client).await;
+    eprintln!("{what}: {asked} refits asked: {moved} succeeded, {refused} failed with a reason");
+    assert_eq!(moved + refused, asked);
+    audit_clean(&client).await;
+    no_repairs_needed(&client).await;
+    reservations_match_bindings(rig).await;
+    assert!(is_alive(op.pid()), "operator died across the {what}");
+    wait_for(format!("operator ready after the {what}"), WAIT, || async {
+        Ok::<_, std::io::Error>((op.readyz().await == Some(200)).then_some(()))
+    })
+    .await
+    .unwrap();
+    outcome
 }
 
 /// How long after `since` the operator answered a refit asked at once: a RefitRequest of a pod
