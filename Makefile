@@ -111,7 +111,7 @@ bench: k8s-binaries
 	@bin="$$(e2e/k8s/build.sh 2>/dev/null | tail -n1)"; \
 	export GPULEDGER_K8S_BIN="$$bin" GPULEDGER_BIN_DIR="$(CURDIR)/target/release"; \
 	$(CARGO) bench -q -j $(JOBS) -p gpuledger-e2e --bench refit >$(BENCH_OUT)/refit.txt 2>$(BENCH_OUT)/refit.log \
-	  || echo "refit bench failed; see $(BENCH_OUT)/refit.log" >&2; \
+	  || echo "refit bench failed: exit status $$?, see $(BENCH_OUT)/refit.log" | tee -a $(BENCH_OUT)/refit.txt >&2; \
 	GPULEDGER_REFIT_BENCH_OUT="$(CURDIR)/$(BENCH_OUT)/refit.txt" \
 	  $(CARGO) bench -q -j $(JOBS) -p gpuledger-e2e --bench table 2>$(BENCH_OUT)/table.log
 

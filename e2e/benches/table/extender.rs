@@ -100,10 +100,10 @@ fn free_port() -> u16 {
 pub async fn filter_and_throughput() -> Vec<Row> {
     match run().await {
         Ok(rows) => rows,
-        Err(e) => vec![Row::missing(
+        Err(e) => vec![Row::run_failed(
             "extender filter / scheduling",
             "1000 nodes, 1000 pods, real kube-scheduler",
-            format!("failed: {e}"),
+            &e,
         )],
     }
 }
@@ -648,7 +648,7 @@ pub async fn overload() -> Vec<Row> {
         Err(e) => vec![Row::run_failed(
             "overload: scheduling",
             "1000 nodes, API server slowed",
-            &e.to_string(),
+            &e,
         )],
     }
 }

@@ -4,7 +4,7 @@
 //! RefitRequest, wait for the answer) against the real operator and API server.
 
 use gpuledger_e2e::bench::Row;
-use gpuledger_e2e::bench::refit_output::{parse, ratios};
+use gpuledger_e2e::bench::refit_output::table_rows;
 
 const NAME: &str = "refit round trip";
 
@@ -17,25 +17,11 @@ pub fn round_trip() -> Vec<Row> {
         )];
     };
     match std::fs::read_to_string(&path) {
-        Ok(text) => {
-            let rows = parse(NAME, &text);
-            if rows.is_empty() {
-                vec![Row::missing(
-                    NAME,
-                    "plugin refit call -> operator answer",
-                    "refit bench printed no figures (see target/bench/refit.log)",
-                )]
-            } else {
-                let mut rows = rows;
-                let ratios = ratios(&rows);
-                rows.extend(ratios);
-                rows
-            }
-        }
-        Err(e) => vec![Row::missing(
+        Ok(text) => table_rows(NAME, &text),
+        Err(e) => vec![Row::run_failed(
             NAME,
             "plugin refit call -> operator answer",
-            format!("cannot read {}: {e}", std::path::Path::new(&path).display()),
+            &format!("cannot read {}: {e}", std::path::Path::new(&path).display()),
         )],
     }
 }

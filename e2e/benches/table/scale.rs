@@ -80,10 +80,10 @@ const FILTER_TARGET_MS: f64 = 5.0;
 pub async fn scale() -> Vec<Row> {
     match run().await {
         Ok(rows) => rows,
-        Err(e) => vec![Row::missing(
+        Err(e) => vec![Row::run_failed(
             "operator at scale",
             "1000 / 2500 / 5000 nodes, 20 reservations each",
-            format!("failed: {e}"),
+            &e,
         )],
     }
 }

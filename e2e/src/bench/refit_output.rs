@@ -18,6 +18,30 @@ pub const ONE_AT_A_TIME_MS: f64 = 20.0;
 /// Target for the refit's p99 over its floor's (issue 19).
 pub const FLOOR_RATIO: f64 = 1.5;
 
+/// The line `make bench` appends to the refit bench's output when that bench exits with an
+/// error (see the Makefile's `bench` target): what follows it says which status.
+pub const FAILED: &str = "refit bench failed";
+
+/// The table's refit rows from the refit bench's whole output: its series and their ratios to
+/// the floor. A bench that failed (its output carries a [`FAILED`] line) or printed no series
+/// adds a row that fails `make bench`: a missing figure must not read as a quiet table.
+pub fn table_rows(name: &str, text: &str) -> Vec<Row> {
+    let mut rows = parse(name, text);
+    let ratios = ratios(&rows);
+    rows.extend(ratios);
+    let workload = "plugin refit call -> operator answer";
+    if let Some(line) = text.lines().find(|l| l.trim_start().starts_with(FAILED)) {
+        rows.push(Row::run_failed(name, workload, line.trim()));
+    } else if rows.is_empty() {
+        rows.push(Row::run_failed(
+            name,
+            workload,
+            "the refit bench printed no figures (see target/bench/refit.log)",
+        ));
+    }
+    rows
+}
+
 /// For each refit series with a floor series of the same label (`one at a time` with `floor one
 /// at a time`), a row with the refit's median and p99 over the floor's.
 pub fn ratios(rows: &[Row]) -> Vec<Row> {
@@ -180,6 +204,26 @@ pub fn parse(name: &str, text: &str) -> Vec<Row> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_failed_or_silent_refit_bench_fails_the_table() {
+        let figures = "refit round trip (plugin call -> answer), 40 refits on 20 nodes:\n       one at a time: n= 20  p50   23.9 ms  p90   26.1 ms  p99   27.1 ms\n";
+        let rows = table_rows("refit", figures);
+        assert_eq!(rows.len(), 1);
+        assert!(rows.iter().all(|r| r.failure.is_none()));
+        // Figures from passes that ran, then the bench failed: the figures stay, and so does
+        // the failure.
+        let failed = format!("{figures}{FAILED}: exit status 101, see target/bench/refit.log\n");
+        let rows = table_rows("refit", &failed);
+        assert_eq!(rows.len(), 2);
+        let why = rows[1].failure.as_deref().unwrap_or_default();
+        assert!(why.contains("exit status 101"), "{why}");
+        // Nothing printed at all.
+        let rows = table_rows("refit", "");
+        assert_eq!(rows.len(), 1);
+        let why = rows[0].failure.as_deref().unwrap_or_default();
+        assert!(why.contains("no figures"), "{why}");
+    }
 
     #[test]
     fn reads_labelled_series() {
