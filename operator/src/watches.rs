@@ -1,10 +1,9 @@
 //! Shared plumbing of the operator's watches: health reporting, the wait after an error (the
 //! same in every watch and controller), and the trimming that keeps cached objects small.
 
-use std::sync::Arc;
-
 use std::fmt::Debug;
 use std::hash::Hash;
+use std::sync::Arc;
 
 use futures::{Stream, StreamExt};
 use kube::runtime::controller::Controller;

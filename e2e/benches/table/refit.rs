@@ -4,23 +4,19 @@
 //! RefitRequest, wait for the answer) against the real operator and API server.
 
 use gpuledger_e2e::bench::Row;
-use gpuledger_e2e::bench::refit_output::table_rows;
+use gpuledger_e2e::bench::refit_output::{WORKLOAD, table_rows};
 
 const NAME: &str = "refit round trip";
 
 pub fn round_trip() -> Vec<Row> {
     let Some(path) = std::env::var_os("GPULEDGER_REFIT_BENCH_OUT") else {
-        return vec![Row::missing(
-            NAME,
-            "plugin refit call -> operator answer",
-            "run via make bench",
-        )];
+        return vec![Row::missing(NAME, WORKLOAD, "run via make bench")];
     };
     match std::fs::read_to_string(&path) {
         Ok(text) => table_rows(NAME, &text),
         Err(e) => vec![Row::run_failed(
             NAME,
-            "plugin refit call -> operator answer",
+            WORKLOAD,
             &format!("cannot read {}: {e}", std::path::Path::new(&path).display()),
         )],
     }

@@ -18,6 +18,9 @@ pub const ONE_AT_A_TIME_MS: f64 = 20.0;
 /// Target for the refit's p99 over its floor's (issue 19).
 pub const FLOOR_RATIO: f64 = 1.5;
 
+/// What the refit rows measure (their workload column, before the series).
+pub const WORKLOAD: &str = "plugin refit call -> operator answer";
+
 /// The line `make bench` appends to the refit bench's output when that bench exits with an
 /// error (see the Makefile's `bench` target): what follows it says which status.
 pub const FAILED: &str = "refit bench failed";
@@ -29,13 +32,12 @@ pub fn table_rows(name: &str, text: &str) -> Vec<Row> {
     let mut rows = parse(name, text);
     let ratios = ratios(&rows);
     rows.extend(ratios);
-    let workload = "plugin refit call -> operator answer";
     if let Some(line) = text.lines().find(|l| l.trim_start().starts_with(FAILED)) {
-        rows.push(Row::run_failed(name, workload, line.trim()));
+        rows.push(Row::run_failed(name, WORKLOAD, line.trim()));
     } else if rows.is_empty() {
         rows.push(Row::run_failed(
             name,
-            workload,
+            WORKLOAD,
             "the refit bench printed no figures (see target/bench/refit.log)",
         ));
     }
@@ -174,7 +176,7 @@ pub fn parse(name: &str, text: &str) -> Vec<Row> {
         }
         rows.push(Row {
             name: name.into(),
-            workload: format!("plugin refit call -> operator answer, {nodes} nodes{series}"),
+            workload: format!("{WORKLOAD}, {nodes} nodes{series}"),
             unit: "ms".into(),
             summary,
             note: if label.starts_with("saturated") {
