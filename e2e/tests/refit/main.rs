@@ -7,6 +7,8 @@
 //! 1. with the operator running: the outcome matrix rows that need an answer (aligned, refit
 //!    ok, refit refused) for none / best-effort / strict, a pinned UUID, the NumaPolicy mode,
 //!    every validation refusal, the cross-node identity, competing refits, refit vs scheduling;
+//!    then, with the operator behind a fault proxy, a move whose answer is lost on its way back
+//!    (still recorded on the reservation and as the pod's event);
 //! 2. with the operator stopped: the rows without a usable answer (timeout, committed but
 //!    unmappable) and the API server paused (SIGSTOP) during a refit: a strict pod fails, a
 //!    best-effort one falls back to the kubelet's choice and is allocated after the resume;
@@ -14,11 +16,13 @@
 //!    `Misaligned`; metrics; the ledger audit is clean; answered requests expire (TTL).
 //!
 //! Nodes: `refit-a` (plugin, roomy), `refit-b` (plugin, NUMA 0 full), `refit-c` and `refit-d`
-//! (inventory only; requests are written directly with a plugin identity of that node).
+//! (inventory only; requests are written directly with a plugin identity of that node),
+//! `refit-e` (plugin, for the lost answer alone).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod faults;
+mod lost_answer;
 mod matrix;
 mod races;
 mod support;
@@ -28,6 +32,7 @@ use std::time::Duration;
 
 use gpuledger_crds::names::DEFAULT_NAMESPACE;
 use gpuledger_crds::{RefitRequest, ReservationPhase};
+use gpuledger_e2e::cluster::FaultProxy;
 use gpuledger_e2e::sim::InProcessOperator;
 use gpuledger_operator::audit::{self, Finding};
 use kube::api::{Api, ListParams};
@@ -56,12 +61,20 @@ async fn numa_refit_end_to_end() {
     clock_offsets_are_the_trip_only(&op.metrics().await);
 
     op.stop().await;
-    // The misbehaving operator of these rows writes with the operator's own identity: only it
-    // may change a reservation's spec (config/admission).
+    // The operator's own identity: for the proxy in front of it, and for the misbehaving
+    // operator of the rows after it (only the operator may change a reservation's spec,
+    // config/admission).
     let as_operator = cp
         .client_for_service_account(DEFAULT_NAMESPACE, OPERATOR_SA)
         .await
         .unwrap();
+    // A node of its own, so that its NUMA 0 has room whatever the rows above booked.
+    let e = PluginNode::start(&cp, "refit-e").await;
+    let proxy = FaultProxy::start(as_operator.clone()).await.unwrap();
+    let op = Operator::start_behind(&cp, &proxy, port, Duration::from_secs(600)).await;
+    lost_answer::a_move_whose_answer_is_lost_is_still_recorded(&admin, &e, &proxy).await;
+    op.stop().await;
+    drop(proxy);
     let mut unanswered = faults::rows_without_a_usable_answer(&admin, &as_operator, &a).await;
     let paused = faults::api_server_paused_during_a_refit(&cp, &admin, &a).await;
     unanswered
@@ -78,6 +91,7 @@ async fn numa_refit_end_to_end() {
     op.stop().await;
     a.stop().await;
     b.stop().await;
+    e.stop().await;
 }
 
 /// Every reservation whose kubelet allocation differs from it carries `Misaligned`.

@@ -26,8 +26,8 @@ use gpuledger_device_plugin::plugin::{self, PluginOptions};
 use gpuledger_device_plugin::refit::client::RefitClient;
 use gpuledger_device_plugin::refit::commits::NodeCommits;
 use gpuledger_e2e::cluster::{
-    ControlPlane, ControlPlaneOptions, FakeGpuNode, FakeNode, apply_path, ensure_namespace,
-    wait_for,
+    ControlPlane, ControlPlaneOptions, FakeGpuNode, FakeNode, FaultProxy, apply_path,
+    ensure_namespace, wait_for,
 };
 use gpuledger_e2e::kubelet::KubeletSimulator;
 use gpuledger_e2e::sim::InProcessOperator;
@@ -123,6 +123,29 @@ impl Operator {
             .service_account_kubeconfig(DEFAULT_NAMESPACE, OPERATOR_SA, None)
             .await
             .expect("operator kubeconfig");
+        Self::start_with(kubeconfig, extender_port, refit_ttl).await
+    }
+
+    /// The same, with every API call passing through `proxy`, which must have been started
+    /// with the operator's own client (it adds its upstream's credentials).
+    pub async fn start_behind(
+        cp: &ControlPlane,
+        proxy: &FaultProxy,
+        extender_port: u16,
+        refit_ttl: Duration,
+    ) -> InProcessOperator {
+        let kubeconfig = cp.run_dir().join("operator-behind-proxy.kubeconfig");
+        proxy
+            .write_kubeconfig(&kubeconfig)
+            .expect("proxy kubeconfig");
+        Self::start_with(kubeconfig, extender_port, refit_ttl).await
+    }
+
+    async fn start_with(
+        kubeconfig: std::path::PathBuf,
+        extender_port: u16,
+        refit_ttl: Duration,
+    ) -> InProcessOperator {
         let mut config = test_config(
             kubeconfig,
             extender_port,

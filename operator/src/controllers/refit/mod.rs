@@ -8,6 +8,7 @@
 //! into the request's status with the request's resourceVersion as precondition (two replicas
 //! or a stale cache can never answer twice), then the `Refitted` condition, the pod event and
 //! the metrics follow — after the answer, so the waiting kubelet is not kept waiting on them.
+//! A committed move gets its condition and event even when its answer is lost or refused.
 //! Answered requests are deleted after `--refit-ttl`.
 //!
 //! A move is only committed for a request nobody has answered: [`answers`] says when the
@@ -351,7 +352,15 @@ async fn answer_request(
     let decided = started.elapsed();
     let write_took = moved.as_ref().map(|m| m.write_took).unwrap_or_default();
     let answering = Instant::now();
-    if !write_answer(ctx, &req, &answer).await? {
+    let accepted = write_answer(ctx, &req, &answer).await;
+    if let Some(m) = moved.as_ref().filter(|_| !matches!(accepted, Ok(true))) {
+        // The move is committed whatever became of its answer, and this is the last moment it
+        // can be recorded: the next try finds the container on allowed GPUs and answers
+        // "unchanged", or finds the lost answer applied after all, and moves nothing either way.
+        mark_refitted(ctx, &req, m).await;
+        publish_event(ctx, &req, &answer, Some(m)).await;
+    }
+    if !accepted? {
         // The request changed since our cache saw it (answered by another replica, or our own
         // earlier answer): it stays uncertain, and the watch brings the fresh object.
         return Ok(Action::requeue(Duration::from_millis(100)));
