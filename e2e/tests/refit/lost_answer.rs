@@ -7,8 +7,8 @@
 
 use gpuledger_crds::conditions::{self, types};
 use gpuledger_crds::{Alignment, RefitPhase};
-use gpuledger_e2e::cluster::{FaultAction, FaultProxy, FaultRule};
-use kube::Client;
+use gpuledger_e2e::cluster::{FaultAction, FaultProxy, FaultRule, wait_for};
+use kube::{Client, ResourceExt};
 
 use super::matrix::admit_row;
 use super::support::*;
@@ -34,10 +34,17 @@ pub async fn a_move_whose_answer_is_lost_is_still_recorded(
         new_gpu == uuid(&node.name, 0) || new_gpu == uuid(&node.name, 1),
         "refitted onto NUMA 0, got {new_gpu}"
     );
-    assert_eq!(proxy.hits(rule), 1, "the answer's response was dropped");
+    // The plugin takes the move as its answer, so the kubelet may be done before the operator
+    // has even sent the answer: wait for the rule to act.
+    wait_for("the answer's response dropped", WAIT, || async {
+        Ok::<_, std::convert::Infallible>((proxy.hits(rule) == 1).then_some(()))
+    })
+    .await
+    .unwrap();
     let refits = refits_of(admin, name).await;
     assert_eq!(refits.len(), 1, "exactly one request");
-    let answer = refits[0].status.clone().unwrap_or_default();
+    let answered = wait_answered(admin, &refits[0].name_any()).await;
+    let answer = answered.status.unwrap_or_default();
     assert_eq!(answer.phase, Some(RefitPhase::Succeeded), "{answer:?}");
     assert!(answer.moved, "{answer:?}");
     let r = reservation(admin, name).await;
