@@ -5,7 +5,6 @@
 //! reservation's `Refitted` condition and the pod's `NumaRefitSucceeded` event, as for an
 //! answer that arrived.
 
-use gpuledger_crds::conditions::{self, types};
 use gpuledger_crds::{Alignment, RefitPhase};
 use gpuledger_e2e::cluster::{FaultAction, FaultProxy, FaultRule, wait_for};
 use kube::{Client, ResourceExt};
@@ -49,21 +48,6 @@ pub async fn a_move_whose_answer_is_lost_is_still_recorded(
     assert!(answer.moved, "{answer:?}");
     let r = reservation(admin, name).await;
     assert_eq!(reserved(&r, 0), [new_gpu.as_str()]);
-    let r = wait_reservation(admin, name, "Refitted", |r| {
-        r.status
-            .as_ref()
-            .is_some_and(|s| conditions::is_true(&s.conditions, types::REFITTED))
-    })
-    .await;
-    let cond = conditions::find(&r.status.unwrap_or_default().conditions, types::REFITTED)
-        .cloned()
-        .unwrap_or_else(|| panic!("{name}: no Refitted condition"));
-    assert!(
-        cond.message.contains(&uuid(&node.name, 2)) && cond.message.contains(&new_gpu),
-        "{}",
-        cond.message
-    );
-    let note = wait_event(admin, name, "NumaRefitSucceeded").await;
-    assert!(note.contains(&new_gpu), "{note}");
+    wait_move_recorded(admin, name, &uuid(&node.name, 2), &new_gpu).await;
     proxy.clear_rules();
 }

@@ -2,7 +2,6 @@
 //! a pinned UUID, and a NumaPolicy choosing the mode. Every admission runs through the kubelet
 //! simulator with `single-numa-node` on NUMA 0 unless said otherwise.
 
-use gpuledger_crds::conditions::{self, types};
 use gpuledger_crds::resources::GPU;
 use gpuledger_crds::{Alignment, NumaPolicy as NumaPolicyCr, NumaPolicySpec, RefitPhase};
 use gpuledger_e2e::cluster::wait_for;
@@ -127,18 +126,7 @@ async fn refit_ok_rows(admin: &Client, a: &PluginNode) {
         assert_eq!(s.phase, Some(RefitPhase::Succeeded));
         assert!(s.moved);
         assert_eq!(s.devices, [new_gpu.as_str()]);
-        let r = wait_reservation(admin, name, "Refitted", |r| {
-            r.status
-                .as_ref()
-                .is_some_and(|s| conditions::is_true(&s.conditions, types::REFITTED))
-        })
-        .await;
-        let cond = conditions::find(&r.status.unwrap().conditions, types::REFITTED)
-            .unwrap()
-            .clone();
-        assert!(cond.message.contains(&uuid(&a.name, gpu)) && cond.message.contains(&new_gpu));
-        let note = wait_event(admin, name, "NumaRefitSucceeded").await;
-        assert!(note.contains(&new_gpu), "{note}");
+        wait_move_recorded(admin, name, &uuid(&a.name, gpu), &new_gpu).await;
     }
 }
 

@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use gpuledger_crds::conditions::{self, types};
 use gpuledger_crds::names::{
     self, DEFAULT_NAMESPACE, DEVICE_PLUGIN_MANAGER, NODE_LABEL, RESERVATION_LABEL,
 };
@@ -598,6 +599,27 @@ pub async fn wait_answered(admin: &Client, name: &str) -> RefitRequest {
     })
     .await
     .expect("answered")
+}
+
+/// Waits until reservation `name` records a refit from GPU `from` to GPU `to`: its `Refitted`
+/// condition names both, and the pod has a `NumaRefitSucceeded` event naming `to`.
+pub async fn wait_move_recorded(admin: &Client, name: &str, from: &str, to: &str) {
+    let r = wait_reservation(admin, name, "Refitted", |r| {
+        r.status
+            .as_ref()
+            .is_some_and(|s| conditions::is_true(&s.conditions, types::REFITTED))
+    })
+    .await;
+    let status = r.status.unwrap_or_default();
+    let cond = conditions::find(&status.conditions, types::REFITTED)
+        .unwrap_or_else(|| panic!("{name}: no Refitted condition"));
+    assert!(
+        cond.message.contains(from) && cond.message.contains(to),
+        "{name}: {}",
+        cond.message
+    );
+    let note = wait_event(admin, name, "NumaRefitSucceeded").await;
+    assert!(note.contains(to), "{name}: {note}");
 }
 
 /// Events (events.k8s.io/v1) about pod `name`: `(reason, note)`.
