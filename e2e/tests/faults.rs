@@ -7,7 +7,8 @@
 //! GetPreferredAllocation and Allocate (real device plugin, kubelet simulator) — and then checks the invariants of
 //! docs/ARCHITECTURE.md §4 with the ledger audit: no GPU over-committed (also checked right
 //! after every kill, without settling), no reservation without a live pod, no GPU pod without a
-//! reservation, and every pod either placed or Pending with a reason. Figures
+//! reservation, and every pod either placed or Pending with a reason. One more checks the
+//! operator's liveness probe across a kube-apiserver restart. Figures
 //! (restart-to-ready, takeover time) are printed, not asserted: speed is for `make bench`.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -30,6 +31,7 @@ use gpuledger_operator::lease::leader::{LEADER_LEASE, LEASE_SECONDS};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
@@ -613,6 +615,87 @@ async fn api_server_restarted_during_scheduling_and_refits() {
     assert!(
         changes >= 1.0,
         "the list after the second restart changed nothing"
+    );
+}
+
+/// The liveness probe (`/healthz`) across a kube-apiserver restart, with a stall limit well
+/// under the time the server is away: a restart of the operator cures nothing there and would
+/// list everything again just as the server recovers, so the probe must stay green. A watch the
+/// server refuses while it serves (here: its kind deleted, every list answered 404) is what a
+/// restart may cure, and the probe must report it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn liveness_holds_while_the_api_server_is_away_and_fails_on_a_refused_watch() {
+    const LIMIT: Duration = Duration::from_secs(1);
+    let mut rig = Rig::start(1, SHAPE).await;
+    let mut opts = rig.operator_options("liveness", false);
+    opts.extra_args
+        .push(format!("--watch-stall-limit={}s", LIMIT.as_secs()));
+    let mut op = ChildOperator::spawn(opts).unwrap();
+    op.wait_ready(WAIT).await.unwrap();
+    let port = op.options().metrics_port;
+    let lists_before = relists(&op).await;
+
+    // Probed every 100 ms from before the restart until the reservations are listed again and
+    // the limit has passed once more.
+    let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
+    let probes = tokio::spawn(async move {
+        let (mut answered, mut failed) = (0, Vec::new());
+        loop {
+            match http_get(port, "/healthz").await {
+                Ok((200, _)) => answered += 1,
+                Ok((code, body)) => failed.push(format!("HTTP {code}: {body}")),
+                Err(e) => failed.push(format!("no answer: {e}")),
+            }
+            tokio::select! {
+                _ = &mut stopped => return (answered, failed),
+                () = tokio::time::sleep(Duration::from_millis(100)) => {}
+            }
+        }
+    });
+    let away = rig
+        .cp
+        .restart_apiserver(Duration::from_secs(1))
+        .await
+        .unwrap();
+    wait_for("the reservations listed again", WAIT, || async {
+        Ok::<_, std::io::Error>((relists(&op).await > lists_before).then_some(()))
+    })
+    .await
+    .unwrap();
+    tokio::time::sleep(LIMIT + Duration::from_secs(1)).await;
+    stop.send(()).unwrap();
+    let (answered, failed) = probes.await.unwrap();
+    eprintln!("liveness: kube-apiserver away {away:?}; {answered} probes answered 200");
+    assert!(
+        away > LIMIT,
+        "the fault must outlast the limit to test it: away {away:?}"
+    );
+    assert!(
+        failed.is_empty(),
+        "the liveness probe failed {} times while the API server was away or recovering; \
+         first: {:?}; last: {:?}",
+        failed.len(),
+        failed.first(),
+        failed.last()
+    );
+
+    // Refused while the server serves: the NumaPolicy kind deleted, its watch's every list
+    // answered 404. Reported once refused for the limit.
+    let crds: Api<CustomResourceDefinition> = Api::all(rig.client());
+    crds.delete("numapolicies.gpuledger.io", &DeleteParams::default())
+        .await
+        .unwrap();
+    let reported = wait_for("the refused watch reported", WAIT, || async {
+        Ok::<_, std::io::Error>(match http_get(port, "/healthz").await? {
+            (503, body) => Some(body),
+            _ => None,
+        })
+    })
+    .await
+    .unwrap();
+    assert!(
+        reported.contains("watch numapolicies refused by the API server"),
+        "{reported}"
     );
 }
 

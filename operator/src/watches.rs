@@ -11,7 +11,7 @@ use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube::{Api, Resource};
 use serde::de::DeserializeOwned;
 
-use crate::telemetry::Health;
+use crate::telemetry::{Health, WatchFailure};
 
 mod inventory;
 mod streamed;
@@ -57,7 +57,7 @@ where
             Ok(_) => health.watch_ok(name),
             Err(e) => {
                 tracing::warn!(watch = name, error = %e, "watch error (retrying)");
-                health.watch_error(name);
+                health.watch_error(name, failure_of(e));
             }
         })
         .chain(
@@ -66,6 +66,32 @@ where
             })
             .filter_map(|()| async { None }),
         )
+}
+
+/// Whether a watch's error is the API server refusing it (a restart of this process may cure
+/// that) or the server not serving it, or asking for a fresh list (only its recovery, or the
+/// list the watch asks for at once, does).
+pub fn failure_of(e: &watcher::Error) -> WatchFailure {
+    let code = match e {
+        watcher::Error::WatchError(status) => status.code,
+        watcher::Error::InitialListFailed(e)
+        | watcher::Error::WatchStartFailed(e)
+        | watcher::Error::WatchFailed(e) => match e {
+            kube::Error::Api(status) => status.code,
+            // No connection, a timeout, a stream broken off: nothing served it.
+            kube::Error::HyperError(_) | kube::Error::Service(_) | kube::Error::ReadEvents(_) => {
+                return WatchFailure::NotServed;
+            }
+            // Served, and unreadable here (a body this version cannot decode, a credential
+            // it cannot load...): as a refusal.
+            _ => return WatchFailure::Refused,
+        },
+        watcher::Error::NoResourceVersion => return WatchFailure::Refused,
+    };
+    match code {
+        410 | 429 | 500..=599 => WatchFailure::NotServed,
+        _ => WatchFailure::Refused,
+    }
 }
 
 /// A kube-runtime `Controller` of the `K`s `api` and `config` select, its watch waiting after
@@ -95,6 +121,59 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_watch_error_is_sorted_by_whether_the_server_served_it() {
+        use kube::core::Status;
+        let api =
+            |code: u16| kube::Error::Api(Box::new(Status::failure("no", "x").with_code(code)));
+        let in_stream = |code: u16| {
+            watcher::Error::WatchError(Box::new(Status::failure("no", "x").with_code(code)))
+        };
+        for code in [400, 401, 403, 404, 422] {
+            assert_eq!(
+                failure_of(&in_stream(code)),
+                WatchFailure::Refused,
+                "{code}"
+            );
+            assert_eq!(
+                failure_of(&watcher::Error::WatchStartFailed(api(code))),
+                WatchFailure::Refused,
+                "{code}"
+            );
+        }
+        for code in [410, 429, 500, 503, 504] {
+            assert_eq!(
+                failure_of(&in_stream(code)),
+                WatchFailure::NotServed,
+                "{code}"
+            );
+            assert_eq!(
+                failure_of(&watcher::Error::InitialListFailed(api(code))),
+                WatchFailure::NotServed,
+                "{code}"
+            );
+        }
+        let refused_connection = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        assert_eq!(
+            failure_of(&watcher::Error::WatchStartFailed(kube::Error::Service(
+                refused_connection.into()
+            ))),
+            WatchFailure::NotServed
+        );
+        let reset = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+        assert_eq!(
+            failure_of(&watcher::Error::WatchFailed(kube::Error::ReadEvents(reset))),
+            WatchFailure::NotServed
+        );
+        let unreadable = serde_json::from_str::<u32>("{").unwrap_err();
+        assert_eq!(
+            failure_of(&watcher::Error::InitialListFailed(kube::Error::SerdeError(
+                unreadable
+            ))),
+            WatchFailure::Refused
+        );
+    }
     use k8s_openapi::api::core::v1::Pod;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ManagedFieldsEntry, ObjectMeta};
 

@@ -42,6 +42,7 @@ pub fn test_config(
         leader_elect: false,
         identity: Some(identity.to_string()),
         allocating_timeout: Duration::from_secs(300),
+        watch_stall_limit: gpuledger_operator::telemetry::WATCH_STALL_LIMIT,
         node_policy: SchedulerPolicy::Binpack,
         gpu_policy: SchedulerPolicy::Spread,
         lease_wait: Duration::from_secs(3),

@@ -85,6 +85,11 @@ pub struct RunConfig {
     /// Identity in leader election (defaults to hostname and process id).
     #[arg(long, env = "GPULEDGER_IDENTITY")]
     pub identity: Option<String>,
+    /// How long the API server may keep refusing a watch (403, 404 …) before `/healthz` (the
+    /// liveness probe) reports it. A watch failing because the server does not serve (down,
+    /// restarting, overloaded) is never reported: a restart would not cure it.
+    #[arg(long, env = "GPULEDGER_WATCH_STALL_LIMIT", default_value = "90s", value_parser = parse_duration)]
+    pub watch_stall_limit: Duration,
     /// How long a reservation may stay Allocating before it fails and frees the node's Lease.
     #[arg(long, env = "GPULEDGER_ALLOCATING_TIMEOUT", default_value = "5m", value_parser = parse_duration)]
     pub allocating_timeout: Duration,
@@ -221,6 +226,10 @@ mod tests {
         assert_eq!(cli.run.namespace, "gpuledger-system");
         assert_eq!(cli.run.default_alignment, Alignment::None);
         assert_eq!(cli.run.allocating_timeout, Duration::from_secs(300));
+        assert_eq!(
+            cli.run.watch_stall_limit,
+            crate::telemetry::WATCH_STALL_LIMIT
+        );
         assert_eq!(cli.run.node_policy, SchedulerPolicy::Binpack);
         assert_eq!(cli.run.gpu_policy, SchedulerPolicy::Spread);
         assert!(!cli.run.leader_elect);

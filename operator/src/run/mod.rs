@@ -136,7 +136,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         .identity
         .clone()
         .unwrap_or_else(leader::default_identity);
-    let health = Arc::new(Health::default());
+    let health = Arc::new(Health::new(config.watch_stall_limit));
     let metrics = Arc::new(Metrics::new());
     let index = Arc::new(LedgerIndex::new());
 

@@ -1,8 +1,13 @@
 //! Health of this replica: its watches, its leadership, and the extender endpoint it keeps.
 //!
-//! `/healthz` fails when a watch the operator depends on has been failing for longer than
-//! [`WATCH_STALL_LIMIT`] or has ended: the process is then deciding on stale data and a restart
-//! is the cure. `/warmz` is true on every replica whose caches are listed and whose fit views
+//! `/healthz` fails when a watch the operator depends on has ended, or has been refused by the
+//! API server for longer than its stall limit ([`WATCH_STALL_LIMIT`] unless
+//! `--watch-stall-limit` says otherwise): the process is then deciding on stale data and a
+//! restart may cure it (a credential or a client state only a new process has). A watch that
+//! fails because the server does not serve (down, restarting, overloaded, still loading the
+//! kind) or asks for a fresh list is not stalled, however long that lasts: a restart cures none
+//! of it, and the cold start it causes would list everything again just as the server
+//! recovers ([`WatchFailure`]). `/warmz` is true on every replica whose caches are listed and whose fit views
 //! are built, the standby too: the pods' readiness, so a rollout can count a new standby as
 //! available. `/readyz` is true only on the leader with a synced ledger index: the one that may
 //! write and that the extender Service reaches (its endpoint is the leader's,
@@ -14,13 +19,28 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-/// How long a watch may keep failing before `/healthz` reports it.
+/// How long the API server may keep refusing a watch before `/healthz` reports it (the
+/// default of `--watch-stall-limit`).
 pub const WATCH_STALL_LIMIT: Duration = Duration::from_secs(90);
+
+/// What a watch's error says about whether a restart of this process could help.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WatchFailure {
+    /// The API server answered and refused (403, 404, a body this process cannot read…).
+    Refused,
+    /// The server did not serve it (no connection, a broken stream, 429, a 5xx), or told the
+    /// watch its version expired (410: it lists again at once). The server's recovery, not a
+    /// restart, is the cure.
+    NotServed,
+}
 
 #[derive(Clone, Copy, Debug)]
 enum WatchState {
     Flowing,
-    FailingSince(Instant),
+    /// Refused by the server since then, without an event in between.
+    RefusedSince(Instant),
+    /// Its last error was one the server's recovery cures.
+    WaitingOnServer,
     Ended,
 }
 
@@ -40,9 +60,10 @@ const LEADING: u8 = 1;
 const STEPPED_DOWN: u8 = 2;
 
 /// Health of the watches and leadership.
-#[derive(Default)]
 pub struct Health {
     watches: Mutex<BTreeMap<&'static str, WatchState>>,
+    /// How long a watch may be refused before it counts as stalled.
+    stall_limit: Duration,
     /// [`FOLLOWING`], [`LEADING`] or [`STEPPED_DOWN`].
     leader: AtomicU8,
     /// How many times this replica became leader: numbers its terms.
@@ -51,18 +72,38 @@ pub struct Health {
     endpoint: Mutex<Option<EndpointState>>,
 }
 
+impl Default for Health {
+    fn default() -> Self {
+        Health::new(WATCH_STALL_LIMIT)
+    }
+}
+
 impl Health {
+    /// Health whose watches count as stalled once refused for `stall_limit`.
+    pub fn new(stall_limit: Duration) -> Self {
+        Health {
+            watches: Mutex::default(),
+            stall_limit,
+            leader: AtomicU8::default(),
+            terms: AtomicU64::default(),
+            endpoint: Mutex::default(),
+        }
+    }
+
     /// A watch delivered an event or a successful (re)list.
     pub fn watch_ok(&self, name: &'static str) {
         self.lock().insert(name, WatchState::Flowing);
     }
 
     /// A watch returned an error (it retries with backoff).
-    pub fn watch_error(&self, name: &'static str) {
+    pub fn watch_error(&self, name: &'static str, failure: WatchFailure) {
         let mut w = self.lock();
-        let state = match w.get(name) {
-            Some(WatchState::FailingSince(t)) => WatchState::FailingSince(*t),
-            _ => WatchState::FailingSince(Instant::now()),
+        let state = match (failure, w.get(name)) {
+            (WatchFailure::NotServed, _) => WatchState::WaitingOnServer,
+            (WatchFailure::Refused, Some(WatchState::RefusedSince(t))) => {
+                WatchState::RefusedSince(*t)
+            }
+            (WatchFailure::Refused, _) => WatchState::RefusedSince(Instant::now()),
         };
         w.insert(name, state);
     }
@@ -74,15 +115,23 @@ impl Health {
 
     /// Names of unhealthy watches with why, empty when healthy.
     pub fn problems(&self) -> Vec<String> {
+        self.problems_at(Instant::now())
+    }
+
+    fn problems_at(&self, now: Instant) -> Vec<String> {
         self.lock()
             .iter()
             .filter_map(|(name, state)| match state {
-                WatchState::Flowing => None,
-                WatchState::FailingSince(t) if t.elapsed() < WATCH_STALL_LIMIT => None,
-                WatchState::FailingSince(t) => Some(format!(
-                    "watch {name} failing for {}s",
-                    t.elapsed().as_secs()
-                )),
+                WatchState::Flowing | WatchState::WaitingOnServer => None,
+                WatchState::RefusedSince(t) => {
+                    let refused_for = now.saturating_duration_since(*t);
+                    (refused_for >= self.stall_limit).then(|| {
+                        format!(
+                            "watch {name} refused by the API server for {}s",
+                            refused_for.as_secs()
+                        )
+                    })
+                }
                 WatchState::Ended => Some(format!("watch {name} ended")),
             })
             .collect()
@@ -257,10 +306,37 @@ mod tests {
     fn health_tolerates_short_failures_but_not_ended_watches() {
         let h = Health::default();
         h.watch_ok("reservations");
-        h.watch_error("reservations");
+        h.watch_error("reservations", WatchFailure::Refused);
         assert!(h.problems().is_empty());
         h.watch_ok("reservations");
         h.watch_ended("pods");
         assert_eq!(h.problems(), ["watch pods ended"]);
+    }
+
+    #[test]
+    fn only_a_watch_the_server_keeps_refusing_is_reported() {
+        let limit = Duration::from_secs(10);
+        let h = Health::new(limit);
+        let later = |by: u64| Instant::now() + Duration::from_secs(by);
+        // The server away (refused connections, 503s): no restart, however long.
+        h.watch_error("reservations", WatchFailure::NotServed);
+        h.watch_error("reservations", WatchFailure::NotServed);
+        assert!(h.problems_at(later(3600)).is_empty());
+        // Refused while it serves (a 403, say): the limit counts from the first refusal.
+        h.watch_error("reservations", WatchFailure::Refused);
+        let first = Instant::now();
+        h.watch_error("reservations", WatchFailure::Refused);
+        assert!(h.problems_at(Instant::now()).is_empty(), "within the limit");
+        let problems = h.problems_at(first + limit + Duration::from_secs(1));
+        assert_eq!(
+            problems,
+            ["watch reservations refused by the API server for 11s"]
+        );
+        // The server going away, or an event, stops the count.
+        h.watch_error("reservations", WatchFailure::NotServed);
+        assert!(h.problems_at(later(3600)).is_empty());
+        h.watch_error("reservations", WatchFailure::Refused);
+        h.watch_ok("reservations");
+        assert!(h.problems_at(later(3600)).is_empty());
     }
 }

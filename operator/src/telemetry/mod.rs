@@ -14,7 +14,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 pub mod health;
-pub use health::{Health, WATCH_STALL_LIMIT};
+pub use health::{Health, WATCH_STALL_LIMIT, WatchFailure};
 
 /// Buckets of the extender's latencies: fine around kube-scheduler's budget (the filter's
 /// target is a p99 under 5 ms), coarse beyond it up to the bind's seconds.
