@@ -9,7 +9,7 @@
 //! or a stale cache can never answer twice), then the `Refitted` condition, the pod event and
 //! the metrics follow — after the answer, so the waiting kubelet is not kept waiting on them.
 //! A committed move gets its condition and event even when its answer is lost or refused.
-//! Answered requests are deleted after `--refit-ttl`.
+//! Answered requests are deleted after `--refit-ttl`. Those writes are in [`record`].
 //!
 //! A move is only committed for a request nobody has answered: [`answers`] says when the
 //! cache's Pending can be trusted and when the request must be read from the API server first.
