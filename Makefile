@@ -124,6 +124,7 @@ soak: k8s-binaries
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -j $(JOBS) -- -D warnings
+	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps -j $(JOBS) -q
 
 fmt:
 	$(CARGO) fmt --all

@@ -115,7 +115,7 @@ impl KubeletCheck {
         }
     }
 
-    /// Looks for `replicas` in the kubelet's record until they show up (or [`LOOK_FOR`]
+    /// Looks for `replicas` in the kubelet's record until they show up (or `LOOK_FOR`
     /// passes), then reports a disagreement on `reservation`. Runs in the background of an
     /// Allocate; errors are logged and counted, never returned to the kubelet.
     pub async fn run(self, reservation: GpuReservation, replicas: Vec<String>, metrics: &Metrics) {

@@ -12,7 +12,9 @@
     clippy::unwrap_used,
     clippy::expect_used,
     clippy::panic,
-    missing_docs
+    missing_docs,
+    // The proto's comments name paths like `<device-plugin>.sock`, read as HTML by rustdoc.
+    rustdoc::invalid_html_tags
 )]
 pub mod api {
     tonic::include_proto!("v1beta1");

@@ -1,6 +1,6 @@
 //! `make demo`: the main job on one command. It starts a real local control plane, the operator
 //! and two simulated 8-GPU/2-NUMA nodes ([`crate::sim`]), then tells a short story with real pods
-//! (see [`story`]) and shows the ledger with the real `kubectl` before and after. Every step
+//! (see `story`) and shows the ledger with the real `kubectl` before and after. Every step
 //! prints what it does and how long it took; a failure names its step; nothing is left running.
 
 mod kubectl;

@@ -313,7 +313,7 @@ impl PodFactsCache {
     /// and keeps almost none, and a copy of all of them was, at 100 000 pods, a transient
     /// 20 MB at each look.
     ///
-    /// The pods are looked at [`SCAN_CHUNK`] at a time, the lock let go between chunks. One
+    /// The pods are looked at `SCAN_CHUNK` at a time, the lock let go between chunks. One
     /// look at 100 000 pods (each with a ledger lookup in `keep`) held it for tens of
     /// milliseconds, and the pod watch's next write waited that long, and behind that write
     /// every reader: bind on the extender's single thread, and every filter call queued behind

@@ -1,5 +1,5 @@
 //! The reservation lifecycle controller: reconciles every GpuReservation whenever it or its pod
-//! changes, executing the step [`lifecycle::next_step`] chooses, through the keys-only queue of
+//! changes, executing the step [`super::lifecycle::next_step`] chooses, through the keys-only queue of
 //! [`super::work_queue`]. Only the leader writes; every
 //! write is guarded by the resourceVersion the decision was based on, and a conflict simply
 //! re-runs the reconcile on fresh data.

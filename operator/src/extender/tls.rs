@@ -235,7 +235,7 @@ type Handshake = (
 ///
 /// Handshakes run side by side, each in a task of its own: one caller that connects and then
 /// says nothing (or says it slowly) would otherwise hold every other connection, kube-scheduler's
-/// included, behind it until [`HANDSHAKE_TIMEOUT`].
+/// included, behind it until `HANDSHAKE_TIMEOUT`.
 pub struct TlsListener {
     tcp: TcpListener,
     acceptor: TlsAcceptor,
@@ -258,7 +258,7 @@ pub enum HandshakeFailure {
     Protocol,
     /// The connection ended before the handshake did: a port check, a caller that gave up.
     Closed,
-    /// Not finished within [`HANDSHAKE_TIMEOUT`].
+    /// Not finished within `HANDSHAKE_TIMEOUT`.
     TimedOut,
 }
 

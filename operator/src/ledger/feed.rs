@@ -42,7 +42,7 @@ pub fn restartable(
     })
 }
 
-/// Every [`WATCHDOG_EVERY`]: restarts the watch when an own write has gone [`ECHO_TIMEOUT`]
+/// Every `WATCHDOG_EVERY`: restarts the watch when an own write has gone [`ECHO_TIMEOUT`]
 /// without its event, and drops own writes a relist kept that the watch never confirmed.
 pub async fn watchdog(index: Arc<LedgerIndex>, restart: Arc<Notify>, metrics: Arc<Metrics>) {
     let mut tick = tokio::time::interval(WATCHDOG_EVERY);

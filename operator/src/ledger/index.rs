@@ -561,7 +561,7 @@ impl LedgerIndex {
     }
 
     /// Drops the own writes a relist kept that the watch has not confirmed within
-    /// [`LOCAL_WRITE_GRACE`]: they were deleted before the list was taken. Returns how many.
+    /// `LOCAL_WRITE_GRACE`: they were deleted before the list was taken. Returns how many.
     pub fn expire_unconfirmed(&self, now: Instant) -> usize {
         // Almost always nothing to do: look under the read lock, which filters share.
         if self.read().unconfirmed.is_empty() {
@@ -603,7 +603,7 @@ impl LedgerIndex {
         self.read().live.get(key).cloned()
     }
 
-    /// Every reservation, gathered [`NODES_PER_HOLD`] nodes at a time with the lock let go
+    /// Every reservation, gathered `NODES_PER_HOLD` nodes at a time with the lock let go
     /// between them. A copy of all 100 000 in one hold kept the watch's next write waiting for
     /// milliseconds, and behind it (the lock lets no reader past a waiting writer) every filter
     /// and bind on the extender's single thread. Not a snapshot: a reservation written during

@@ -260,7 +260,7 @@ impl LedgerWriter {
         Ok(written)
     }
 
-    /// Writes the operator's status fields on `current` ([`status_patch`]), guarded by its
+    /// Writes the operator's status fields on `current` (`status_patch`), guarded by its
     /// resourceVersion. Every status the operator writes is a decision on `current`'s spec, so
     /// it records that generation as observed, and the GitOps conditions for what the status
     /// now says ([`gpuledger_crds::kstatus::reservation`]).

@@ -44,7 +44,7 @@ pub struct RunConfig {
     #[arg(long, env = "GPULEDGER_SELF_SIGNED_TLS", conflicts_with = "tls_cert")]
     pub self_signed_tls: Option<String>,
     /// DNS names and IP addresses of that certificate, comma-separated (default: the operator
-    /// Service's names, gpuledger-operator.<namespace>.svc and its shorter forms).
+    /// Service's names, `gpuledger-operator.<namespace>.svc` and its shorter forms).
     #[arg(long, env = "GPULEDGER_TLS_NAMES", value_delimiter = ',')]
     pub tls_names: Vec<String>,
     /// PEM CA whose client certificates may call the extender's filter, prioritize and bind,

@@ -163,7 +163,7 @@ struct CachedView {
 /// name here and one atomic read: at 5000 candidates, looking each one up in the GpuNode
 /// store and the index as well (three lookups by name, each mostly cache misses at that size)
 /// took three quarters of the call. The lookup itself is laid out for a cold cache: see
-/// [`ByName`].
+/// `ByName`.
 #[derive(Default)]
 pub struct NodeViewCache {
     entries: Mutex<ByName<CachedView>>,
