@@ -7,10 +7,12 @@
 //! fails because the server does not serve (down, restarting, overloaded, still loading the
 //! kind) or asks for a fresh list is not stalled, however long that lasts: a restart cures none
 //! of it, and the cold start it causes would list everything again just as the server
-//! recovers ([`WatchFailure`]). `/warmz` is true on every replica whose caches are listed and whose fit views
-//! are built, the standby too: the pods' readiness, so a rollout can count a new standby as
-//! available. `/readyz` is true only on the leader with a synced ledger index: the one that may
-//! write and that the extender Service reaches (its endpoint is the leader's,
+//! recovers ([`WatchFailure`]).
+//!
+//! `/warmz` is true on every replica whose caches are listed and whose fit views are built, the
+//! standby too: the pods' readiness, so a rollout can count a new standby as available.
+//! `/readyz` is true only on the leader with a synced ledger index: the one that may write and
+//! that the extender Service reaches (its endpoint is the leader's,
 //! `controllers::extender_endpoint`; a leader whose endpoint is not current is not ready, and
 //! says why). The handlers that answer them are in `run`.
 
