@@ -26,7 +26,7 @@ use gpuledger_e2e::bench::operator::OperatorOptions;
 use gpuledger_e2e::bench::operator::{http_get, signal};
 use gpuledger_e2e::bench::{ChildOperator, GpuShape};
 use gpuledger_e2e::cluster::wait_for;
-use gpuledger_e2e::prometheus::sample;
+use gpuledger_e2e::prometheus::{sample, sum};
 use gpuledger_operator::lease::leader::{LEADER_LEASE, LEASE_SECONDS};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
@@ -678,6 +678,18 @@ async fn liveness_holds_while_the_api_server_is_away_and_fails_on_a_refused_watc
         failed.first(),
         failed.last()
     );
+    // Each error was seen and sorted: the watches failed, none of it as a refusal.
+    let metrics = op.metrics().await;
+    let errors = |failure: &str| {
+        let label = format!("failure=\"{failure}\"");
+        sum(&metrics, "gpuledger_watch_errors_total", &[label.as_str()])
+    };
+    assert!(errors("not_served") >= 1.0, "no watch error counted");
+    assert_eq!(
+        errors("refused"),
+        0.0,
+        "a refusal counted during the restart"
+    );
 
     // Refused while the server serves: the NumaPolicy kind deleted, its watch's every list
     // answered 404. Reported once refused for the limit.
@@ -697,6 +709,12 @@ async fn liveness_holds_while_the_api_server_is_away_and_fails_on_a_refused_watc
         reported.contains("watch numapolicies refused by the API server"),
         "{reported}"
     );
+    let refused = sum(
+        &op.metrics().await,
+        "gpuledger_watch_errors_total",
+        &["watch=\"numapolicies\"", "failure=\"refused\""],
+    );
+    assert!(refused >= 1.0, "the refusals were not counted");
 }
 
 /// How many reservation lists the operator's ledger index has applied.

@@ -136,8 +136,11 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         .identity
         .clone()
         .unwrap_or_else(leader::default_identity);
-    let health = Arc::new(Health::new(config.watch_stall_limit));
     let metrics = Arc::new(Metrics::new());
+    let health = Arc::new(Health::new(
+        config.watch_stall_limit,
+        metrics.watch_errors.clone(),
+    ));
     let index = Arc::new(LedgerIndex::new());
 
     // Ledger: one watch feeds the index (its own relist/rv logic, see ledger::index) and then

@@ -21,6 +21,11 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+
+use super::WatchErrorLabels;
+
 /// How long the API server may keep refusing a watch before `/healthz` reports it (the
 /// default of `--watch-stall-limit`).
 pub const WATCH_STALL_LIMIT: Duration = Duration::from_secs(90);
@@ -34,6 +39,16 @@ pub enum WatchFailure {
     /// watch its version expired (410: it lists again at once). The server's recovery, not a
     /// restart, is the cure.
     NotServed,
+}
+
+impl WatchFailure {
+    /// The `failure` label of `gpuledger_watch_errors_total`.
+    pub fn label(self) -> &'static str {
+        match self {
+            WatchFailure::Refused => "refused",
+            WatchFailure::NotServed => "not_served",
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -66,6 +81,8 @@ pub struct Health {
     watches: Mutex<BTreeMap<&'static str, WatchState>>,
     /// How long a watch may be refused before it counts as stalled.
     stall_limit: Duration,
+    /// Every watch error, counted (`gpuledger_watch_errors_total` once registered).
+    errors: Family<WatchErrorLabels, Counter>,
     /// [`FOLLOWING`], [`LEADING`] or [`STEPPED_DOWN`].
     leader: AtomicU8,
     /// How many times this replica became leader: numbers its terms.
@@ -76,16 +93,18 @@ pub struct Health {
 
 impl Default for Health {
     fn default() -> Self {
-        Health::new(WATCH_STALL_LIMIT)
+        Health::new(WATCH_STALL_LIMIT, Family::default())
     }
 }
 
 impl Health {
-    /// Health whose watches count as stalled once refused for `stall_limit`.
-    pub fn new(stall_limit: Duration) -> Self {
+    /// Health whose watches count as stalled once refused for `stall_limit`; their errors are
+    /// counted in `errors` (the registered `Metrics::watch_errors`).
+    pub fn new(stall_limit: Duration, errors: Family<WatchErrorLabels, Counter>) -> Self {
         Health {
             watches: Mutex::default(),
             stall_limit,
+            errors,
             leader: AtomicU8::default(),
             terms: AtomicU64::default(),
             endpoint: Mutex::default(),
@@ -99,6 +118,12 @@ impl Health {
 
     /// A watch returned an error (it retries with backoff).
     pub fn watch_error(&self, name: &'static str, failure: WatchFailure) {
+        self.errors
+            .get_or_create(&WatchErrorLabels {
+                watch: name.to_string(),
+                failure: failure.label().to_string(),
+            })
+            .inc();
         let mut w = self.lock();
         let state = match (failure, w.get(name)) {
             (WatchFailure::NotServed, _) => WatchState::WaitingOnServer,
@@ -318,7 +343,7 @@ mod tests {
     #[test]
     fn only_a_watch_the_server_keeps_refusing_is_reported() {
         let limit = Duration::from_secs(10);
-        let h = Health::new(limit);
+        let h = Health::new(limit, Family::default());
         let later = |by: u64| Instant::now() + Duration::from_secs(by);
         // The server away (refused connections, 503s): no restart, however long.
         h.watch_error("reservations", WatchFailure::NotServed);
@@ -340,5 +365,16 @@ mod tests {
         h.watch_error("reservations", WatchFailure::Refused);
         h.watch_ok("reservations");
         assert!(h.problems_at(later(3600)).is_empty());
+        // Every error counted, by kind.
+        let counted = |failure: WatchFailure| {
+            h.errors
+                .get_or_create(&WatchErrorLabels {
+                    watch: "reservations".into(),
+                    failure: failure.label().into(),
+                })
+                .get()
+        };
+        assert_eq!(counted(WatchFailure::NotServed), 3);
+        assert_eq!(counted(WatchFailure::Refused), 3);
     }
 }

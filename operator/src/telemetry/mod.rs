@@ -96,6 +96,16 @@ pub struct FailureLabels {
     pub kind: String,
 }
 
+/// Labels of a watch's error: which watch, and whether the API server refused it or did not
+/// serve it ([`WatchFailure`]).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WatchErrorLabels {
+    /// The watch (`gpureservations`, `pods`, `gpunodes`, …).
+    pub watch: String,
+    /// `refused` (counts towards `/healthz`'s stall limit) or `not_served`.
+    pub failure: String,
+}
+
 /// Labels of one GPU quota key of one namespace.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct QuotaLabels {
@@ -161,6 +171,9 @@ pub struct Metrics {
     pub lifecycle_resyncs: Counter,
     /// Failed reconciles by controller and kind (each is retried); see [`Metrics::reconcile_failed`].
     pub reconcile_failures: Family<FailureLabels, Counter>,
+    /// Watch errors by watch and by whether the API server refused or did not serve
+    /// ([`Health::watch_error`] counts them).
+    pub watch_errors: Family<WatchErrorLabels, Counter>,
     /// GPU quota limits by namespace and key (refreshed at scrape time; the tightest quota).
     pub quota_limit: Family<QuotaLabels, Gauge>,
     /// What the ledger books against each limited key (refreshed at scrape time).
@@ -329,6 +342,12 @@ impl Metrics {
             "Failed reconciles by controller and kind of failure (each is retried)",
             reconcile_failures.clone(),
         );
+        let watch_errors = Family::<WatchErrorLabels, Counter>::default();
+        registry.register(
+            "watch_errors",
+            "Watch errors by watch and failure: refused by the API server (counts towards /healthz's stall limit) or not served by it (never does)",
+            watch_errors.clone(),
+        );
         let quota_limit = Family::<QuotaLabels, Gauge>::default();
         registry.register(
             "quota_limit",
@@ -407,6 +426,7 @@ impl Metrics {
             relist_hold,
             lifecycle_resyncs,
             reconcile_failures,
+            watch_errors,
             quota_limit,
             quota_used,
             leader,
