@@ -58,6 +58,13 @@ impl Default for Metrics {
         let preferred = Family::<OutcomeLabel, Counter>::default();
         let registrations = Counter::default();
         let kubelet_checks = Family::<OutcomeLabel, Counter>::default();
+        // Present at 0 from the start, so that an alert on the `increase()` of mismatches sees
+        // the first one (a series born at 1 shows no increase).
+        for outcome in ["agrees", "mismatch", "unseen"] {
+            let _ = kubelet_checks.get_or_create(&OutcomeLabel {
+                outcome: outcome.into(),
+            });
+        }
         let healthy_gpus = Gauge::default();
         let gpus = Gauge::default();
         registry.register(

@@ -51,6 +51,7 @@ where
     S: Stream<Item = Result<T, watcher::Error>> + Send,
     T: Send,
 {
+    health.watch_started(name);
     let on_end = health.clone();
     stream
         .inspect(move |item| match item {

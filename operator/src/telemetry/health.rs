@@ -111,6 +111,17 @@ impl Health {
         }
     }
 
+    /// A watch of this name starts: its error counts are exported at 0 from now on, so that
+    /// an alert on their `increase()` sees the first error.
+    pub fn watch_started(&self, name: &'static str) {
+        for failure in [WatchFailure::Refused, WatchFailure::NotServed] {
+            let _ = self.errors.get_or_create(&WatchErrorLabels {
+                watch: name.to_string(),
+                failure: failure.label().to_string(),
+            });
+        }
+    }
+
     /// A watch delivered an event or a successful (re)list.
     pub fn watch_ok(&self, name: &'static str) {
         self.lock().insert(name, WatchState::Flowing);

@@ -269,6 +269,13 @@ impl Metrics {
             busy_skips.clone(),
         );
         let repairs = Family::<OutcomeLabels, Counter>::default();
+        // Present at 0 from the start: an alert on `increase()` then sees the first repair (a
+        // series born at 1 shows no increase).
+        for outcome in ["repaired", "unfit"] {
+            let _ = repairs.get_or_create(&OutcomeLabels {
+                outcome: outcome.into(),
+            });
+        }
         registry.register(
             "ledger_repairs",
             "Bound GPU pods found without a reservation on their node, by outcome (repaired or unfit)",
