@@ -490,3 +490,171 @@ fn rbac_or_policy_drift_between_chart_and_kustomize_is_caught() {
         assert_eq!(diffs.len(), 1, "{diffs:#?}");
     }
 }
+
+/// The metric series a registry's exposition offers: each `# TYPE` line's name with the
+/// suffixes its samples carry (`_total` for a counter; `_bucket`, `_sum`, `_count` for a
+/// histogram). Families not yet touched still declare their type.
+fn exported_series(exposition: &str) -> Vec<String> {
+    exposition
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .flat_map(|l| {
+            let mut parts = l.split(' ');
+            let name = parts.next().unwrap_or_default().to_string();
+            let suffixes: &[&str] = match parts.next() {
+                Some("counter") => &["_total"],
+                Some("histogram") => &["_bucket", "_sum", "_count"],
+                _ => &[""],
+            };
+            suffixes
+                .iter()
+                .map(move |s| format!("{name}{s}"))
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// Every vector selector of `expr`: the metric's name and its label matchers.
+fn selectors(expr: &promql_parser::parser::Expr) -> Vec<(String, Vec<(String, String)>)> {
+    use promql_parser::parser::Expr;
+    let vector = |vs: &promql_parser::parser::VectorSelector| {
+        let labels = vs
+            .matchers
+            .matchers
+            .iter()
+            .map(|m| (m.name.clone(), m.value.clone()))
+            .collect();
+        (vs.name.clone().unwrap_or_default(), labels)
+    };
+    match expr {
+        Expr::VectorSelector(vs) => vec![vector(vs)],
+        Expr::MatrixSelector(ms) => vec![vector(&ms.vs)],
+        Expr::Aggregate(a) => selectors(&a.expr),
+        Expr::Unary(u) => selectors(&u.expr),
+        Expr::Binary(b) => [selectors(&b.lhs), selectors(&b.rhs)].concat(),
+        Expr::Paren(p) => selectors(&p.expr),
+        Expr::Subquery(s) => selectors(&s.expr),
+        Expr::Call(c) => c.args.args.iter().flat_map(|a| selectors(a)).collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// The chart's Prometheus Operator objects, off by default: PodMonitors for the operator and
+/// the device plugins that select exactly their pods and name a port they declare, and a
+/// PrometheusRule whose every expression is valid PromQL over series the operator or the device
+/// plugin really exports, so an alert cannot go silent because a metric was renamed.
+#[test]
+fn the_charts_alerts_and_pod_monitors_watch_what_gpuledger_exports() {
+    let defaults = objects(&helm_template(&[]));
+    assert!(
+        !defaults
+            .keys()
+            .any(|k| k.starts_with("PodMonitor/") || k.starts_with("PrometheusRule/")),
+        "monitoring objects rendered without being asked for"
+    );
+    let rendered = objects(&helm_template(&[
+        "--set",
+        "monitoring.podMonitors.enabled=true",
+        "--set",
+        "monitoring.prometheusRule.enabled=true",
+        "--set",
+        "monitoring.podMonitors.labels.release=kps",
+        "--set",
+        "monitoring.prometheusRule.labels.release=kps",
+    ]));
+
+    for (monitor, workload) in [
+        (
+            "PodMonitor/gpuledger-operator",
+            "Deployment/gpuledger-operator",
+        ),
+        (
+            "PodMonitor/gpuledger-device-plugin",
+            "DaemonSet/gpuledger-device-plugin",
+        ),
+    ] {
+        let monitor = &rendered[monitor];
+        let pod = &rendered[workload]["spec"]["template"];
+        assert_eq!(monitor["metadata"]["labels"]["release"], "kps");
+        assert_eq!(
+            monitor["spec"]["selector"]["matchLabels"], pod["metadata"]["labels"],
+            "{workload}: the PodMonitor must select its pods and only them"
+        );
+        let port = monitor["spec"]["podMetricsEndpoints"][0]["port"]
+            .as_str()
+            .unwrap();
+        let declared = pod["spec"]["containers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|c| c["ports"].as_array().cloned().unwrap_or_default())
+            .any(|p| p["name"] == port);
+        assert!(declared, "{workload} declares no port named {port}");
+    }
+
+    // What a running operator exports: its watches started (each exports its error counts at 0).
+    let operator = gpuledger_operator::telemetry::Metrics::new();
+    let health = gpuledger_operator::telemetry::Health::new(
+        gpuledger_operator::telemetry::WATCH_STALL_LIMIT,
+        operator.watch_errors.clone(),
+    );
+    health.watch_started("gpureservations");
+    let mut exported = exported_series(&operator.encode().unwrap());
+    exported.extend(exported_series(
+        &gpuledger_device_plugin::metrics::Metrics::default().render(),
+    ));
+    assert!(
+        exported.contains(&"gpuledger_watch_errors_total".to_string()),
+        "{exported:?}"
+    );
+    assert!(exported.contains(&"gpuledger_device_plugin_gpus".to_string()));
+
+    let rule = &rendered["PrometheusRule/gpuledger-alerts"];
+    assert_eq!(rule["metadata"]["labels"]["release"], "kps");
+    let mut alerts = Vec::new();
+    for group in rule["spec"]["groups"].as_array().unwrap() {
+        for r in group["rules"].as_array().unwrap() {
+            let alert = r["alert"].as_str().unwrap().to_string();
+            let severity = r["labels"]["severity"].as_str().unwrap_or_default();
+            assert!(
+                ["critical", "warning", "info"].contains(&severity),
+                "{alert}: severity {severity:?}"
+            );
+            for field in ["summary", "description"] {
+                assert!(
+                    r["annotations"][field]
+                        .as_str()
+                        .is_some_and(|s| !s.is_empty()),
+                    "{alert}: no {field}"
+                );
+            }
+            let expr = r["expr"].as_str().unwrap();
+            let parsed = promql_parser::parser::parse(expr)
+                .unwrap_or_else(|e| panic!("{alert}: {expr}: {e}"));
+            for (metric, labels) in selectors(&parsed) {
+                assert!(
+                    exported.contains(&metric),
+                    "{alert} reads {metric}, which nothing exports"
+                );
+                // The refusals that count towards the liveness limit, by the label the
+                // operator writes.
+                if metric == "gpuledger_watch_errors_total" {
+                    for (label, value) in labels {
+                        assert_eq!(label, "failure", "{alert}");
+                        assert_eq!(
+                            value,
+                            gpuledger_operator::telemetry::WatchFailure::Refused.label(),
+                            "{alert}"
+                        );
+                    }
+                }
+            }
+            alerts.push(alert);
+        }
+    }
+    let count = alerts.len();
+    alerts.sort();
+    alerts.dedup();
+    assert_eq!(alerts.len(), count, "alert names repeat");
+    assert!(count >= 10, "{alerts:?}");
+}
