@@ -40,21 +40,28 @@ pub fn compacted<K: Resource + Clone>(mut obj: K) -> K {
     obj.clone()
 }
 
-/// Reports each item of a watch stream to `health` under `name` (a flowing watch, or one
-/// failing since when), and that the stream ended when it does; the items pass unchanged.
-pub fn tracked<S, T>(
+/// Reports each event of a watch stream to `health` under `name` (a flowing watch, or one
+/// refused or not served since when), and that the stream ended when it does; the events pass
+/// unchanged.
+///
+/// `Init` is not progress: a watcher sends it before every attempt to list, so a list the
+/// server keeps refusing is a stream of `Init`, error, `Init`, error…; counting each `Init` as
+/// flowing would restart the stall clock on every retry, and a refused list would never reach
+/// the limit.
+pub fn tracked<S, K>(
     name: &'static str,
     health: Arc<Health>,
     stream: S,
-) -> impl Stream<Item = Result<T, watcher::Error>> + Send
+) -> impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send
 where
-    S: Stream<Item = Result<T, watcher::Error>> + Send,
-    T: Send,
+    S: Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send,
+    K: Send,
 {
     health.watch_started(name);
     let on_end = health.clone();
     stream
         .inspect(move |item| match item {
+            Ok(watcher::Event::Init) => {}
             Ok(_) => health.watch_ok(name),
             Err(e) => {
                 tracing::warn!(watch = name, error = %e, "watch error (retrying)");
@@ -79,12 +86,16 @@ pub fn failure_of(e: &watcher::Error) -> WatchFailure {
         | watcher::Error::WatchStartFailed(e)
         | watcher::Error::WatchFailed(e) => match e {
             kube::Error::Api(status) => status.code,
+            // This process could not authenticate the request (a token file or credential
+            // plugin that fails): a new process may well, so it counts as a refusal.
+            kube::Error::Service(e) if e.is::<kube::client::AuthError>() => {
+                return WatchFailure::Refused;
+            }
             // No connection, a timeout, a stream broken off: nothing served it.
             kube::Error::HyperError(_) | kube::Error::Service(_) | kube::Error::ReadEvents(_) => {
                 return WatchFailure::NotServed;
             }
-            // Served, and unreadable here (a body this version cannot decode, a credential
-            // it cannot load...): as a refusal.
+            // Served, and unreadable here (a body this version cannot decode): as a refusal.
             _ => return WatchFailure::Refused,
         },
         watcher::Error::NoResourceVersion => return WatchFailure::Refused,
@@ -110,10 +121,10 @@ where
 }
 
 /// Drives a watch stream to its end, reporting to `health` under `name`.
-pub async fn drive<S, T>(name: &'static str, stream: S, health: Arc<Health>)
+pub async fn drive<S, K>(name: &'static str, stream: S, health: Arc<Health>)
 where
-    S: Stream<Item = Result<T, watcher::Error>> + Send,
-    T: Send,
+    S: Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send,
+    K: Send,
 {
     let mut stream = std::pin::pin!(tracked(name, health, stream));
     while stream.next().await.is_some() {}
@@ -161,6 +172,17 @@ mod tests {
                 refused_connection.into()
             ))),
             WatchFailure::NotServed
+        );
+        let no_token = kube::client::AuthError::ReadTokenFile(
+            std::io::Error::from(std::io::ErrorKind::NotFound),
+            "/var/run/secrets/token".into(),
+        );
+        assert_eq!(
+            failure_of(&watcher::Error::WatchStartFailed(kube::Error::Service(
+                no_token.into()
+            ))),
+            WatchFailure::Refused,
+            "a credential this process cannot load"
         );
         let reset = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
         assert_eq!(
@@ -219,7 +241,8 @@ mod tests {
     #[tokio::test]
     async fn health_sees_items_errors_and_the_end() {
         let health = Arc::new(Health::default());
-        let items: Vec<Result<u32, watcher::Error>> = vec![Ok(1), Ok(2)];
+        let items: Vec<Result<watcher::Event<u32>, watcher::Error>> =
+            vec![Ok(watcher::Event::Apply(1)), Ok(watcher::Event::Apply(2))];
         let out: Vec<_> = tracked("w", health.clone(), futures::stream::iter(items))
             .collect()
             .await;
@@ -227,5 +250,53 @@ mod tests {
         let problems = health.problems();
         assert_eq!(problems.len(), 1, "{problems:?}");
         assert!(problems[0].contains('w'), "{problems:?}");
+    }
+
+    /// A list the server keeps refusing: the watcher's `Init` before each retry is not
+    /// progress, so the refusal's clock keeps running; an object listed is.
+    #[tokio::test]
+    async fn a_list_refused_on_every_retry_stays_refused() {
+        use kube::core::Status;
+        let forbidden = || {
+            Err(watcher::Error::InitialListFailed(kube::Error::Api(
+                Box::new(Status::failure("forbidden", "Forbidden").with_code(403)),
+            )))
+        };
+        let retries: Vec<Result<watcher::Event<u32>, watcher::Error>> = vec![
+            Ok(watcher::Event::Init),
+            forbidden(),
+            Ok(watcher::Event::Init),
+            forbidden(),
+            Ok(watcher::Event::Init),
+        ];
+        // Any refusal is over the limit at once: only whether the clock still runs is asked.
+        let health = Arc::new(Health::new(
+            std::time::Duration::ZERO,
+            prometheus_client::metrics::family::Family::default(),
+        ));
+        let stream = futures::stream::iter(retries).chain(futures::stream::pending());
+        let mut stream = std::pin::pin!(tracked("numapolicies", health.clone(), stream));
+        for _ in 0..5 {
+            stream.next().await;
+        }
+        let problems = health.problems();
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(problems[0].contains("numapolicies refused"), "{problems:?}");
+
+        let listed: Vec<Result<watcher::Event<u32>, watcher::Error>> = vec![
+            Ok(watcher::Event::Init),
+            forbidden(),
+            Ok(watcher::Event::InitApply(7)),
+        ];
+        let health = Arc::new(Health::new(
+            std::time::Duration::ZERO,
+            prometheus_client::metrics::family::Family::default(),
+        ));
+        let stream = futures::stream::iter(listed).chain(futures::stream::pending());
+        let mut stream = std::pin::pin!(tracked("numapolicies", health.clone(), stream));
+        for _ in 0..3 {
+            stream.next().await;
+        }
+        assert!(health.problems().is_empty(), "an object listed is progress");
     }
 }
