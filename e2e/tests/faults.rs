@@ -715,6 +715,27 @@ async fn liveness_holds_while_the_api_server_is_away_and_fails_on_a_refused_watc
         &["watch=\"numapolicies\"", "failure=\"refused\""],
     );
     assert!(refused >= 1.0, "the refusals were not counted");
+
+    // Started without the kind: its cold start cannot finish (the NumaPolicy list is refused
+    // on every try), yet the probes must answer from the start, since the kubelet counts a
+    // refused connection as a failed liveness probe, and report the refused watch. (That the
+    // watcher's `Init` before each retry does not restart the count, which matters only with
+    // limits longer than the retry backoff, is `watches::tests`.)
+    let opts = op.options().clone();
+    op.kill().await.unwrap();
+    let _restarted = ChildOperator::spawn(opts).unwrap();
+    let reported = wait_for("the refused list reported after a start", WAIT, || async {
+        Ok::<_, std::io::Error>(match http_get(port, "/healthz").await? {
+            (503, body) => Some(body),
+            _ => None,
+        })
+    })
+    .await
+    .unwrap();
+    assert!(
+        reported.contains("watch numapolicies refused by the API server"),
+        "{reported}"
+    );
 }
 
 /// How many reservation lists the operator's ledger index has applied.

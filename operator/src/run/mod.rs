@@ -304,6 +304,25 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         ),
     });
 
+    // Probes and metrics are served from here on, before the caches are listed: `/healthz`
+    // must answer through a cold start of any length (the liveness probe counts a refused
+    // connection as a failure, and would restart an operator still listing a large cluster),
+    // and must report a watch the API server refuses from the start; `/warmz` and `/readyz`
+    // say "not yet" until the lists are in.
+    let tel_listener = TcpListener::bind(config.metrics_addr)
+        .await
+        .map_err(|source| RunError::Listen {
+            addr: config.metrics_addr,
+            source,
+        })?;
+    let tel_app = telemetry_router(ctx.clone());
+    tasks.spawn(async move {
+        if let Err(e) = axum::serve(tel_listener, tel_app).await {
+            tracing::error!(error = %e, "telemetry server failed");
+        }
+    });
+    tracing::info!(metrics = %config.metrics_addr, "serving probes and metrics");
+
     // The lifecycle controller drives the reservation watch, so it starts before the wait for
     // the index; it reconciles nothing until the index is synced (`Context::may_write`).
     tasks.spawn(controllers::reservation::run(ctx.clone(), reservations));
@@ -318,13 +337,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
             addr: config.extender_addr,
             source,
         })?;
-    let tel_listener = TcpListener::bind(config.metrics_addr)
-        .await
-        .map_err(|source| RunError::Listen {
-            addr: config.metrics_addr,
-            source,
-        })?;
-    tracing::info!(extender = %config.extender_addr, metrics = %config.metrics_addr, "serving");
+    tracing::info!(extender = %config.extender_addr, "serving");
     // The admission webhook shares the extender's listener, Service and certificate.
     if let Some((keeper, live, identity)) = cert_keeper {
         tasks.spawn(certs::keep_current(
@@ -360,12 +373,6 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         let stopped = extender_stopped.clone();
         async move {
             let _ = stopped.await;
-        }
-    });
-    let tel_app = telemetry_router(ctx.clone());
-    tasks.spawn(async move {
-        if let Err(e) = axum::serve(tel_listener, tel_app).await {
-            tracing::error!(error = %e, "telemetry server failed");
         }
     });
     tasks.spawn(controllers::numapolicy::run(ctx.clone()));
