@@ -16,7 +16,7 @@ use crate::telemetry::{Health, WatchFailure};
 mod inventory;
 mod streamed;
 pub use gpuledger_crds::kubeclient::watch_backoff::{
-    BackoffExceptExpired, WaitedAlready, WatchBackoff, backed_off,
+    BackoffExceptExpired, Progress, WaitedAlready, WatchBackoff, backed_off,
 };
 pub use inventory::InventoryVersions;
 pub use streamed::streamed_watcher;
@@ -44,10 +44,10 @@ pub fn compacted<K: Resource + Clone>(mut obj: K) -> K {
 /// refused or not served since when), and that the stream ended when it does; the events pass
 /// unchanged.
 ///
-/// `Init` is not progress: a watcher sends it before every attempt to list, so a list the
-/// server keeps refusing is a stream of `Init`, error, `Init`, error…; counting each `Init` as
-/// flowing would restart the stall clock on every retry, and a refused list would never reach
-/// the limit.
+/// `Init` is not progress ([`Progress`]): a watcher sends it before every attempt to list, so a
+/// list the server keeps refusing is a stream of `Init`, error, `Init`, error…; counting each
+/// `Init` as flowing would restart the stall clock on every retry, and a refused list would
+/// never reach the limit.
 pub fn tracked<S, K>(
     name: &'static str,
     health: Arc<Health>,
@@ -61,7 +61,7 @@ where
     let on_end = health.clone();
     stream
         .inspect(move |item| match item {
-            Ok(watcher::Event::Init) => {}
+            Ok(event) if !event.is_progress() => {}
             Ok(_) => health.watch_ok(name),
             Err(e) => {
                 tracing::warn!(watch = name, error = %e, "watch error (retrying)");

@@ -18,6 +18,11 @@
 //! answering 410 meets the backoff like any other error, so a list of 100 000 objects is never
 //! repeated in a tight loop.
 //!
+//! Only an event that shows progress resets the backoff ([`Progress`]): a watcher sends `Init`
+//! before every attempt to list, refused ones included, so resetting on it would retry a list
+//! the API server keeps refusing (a Role removed, a CRD missing) every 800 ms for as long as
+//! that lasts, from every node for the device plugin's watches.
+//!
 //! kube-runtime's `Controller` backs off its trigger stream by itself (its default, which knows
 //! nothing of 410): a controller fed by a stream that waits here is given [`WaitedAlready`] so
 //! that the two waits do not add up.
@@ -30,6 +35,19 @@ use futures::Stream;
 use kube::runtime::utils::Backoff;
 use kube::runtime::watcher::{self, DefaultBackoff};
 use tokio::time::{Instant, Sleep};
+
+/// Whether an item of a watch stream shows the watch got somewhere: every event but `Init`,
+/// which a watcher sends before each attempt to list, whether the list then succeeds or not.
+pub trait Progress {
+    /// Whether this item is progress.
+    fn is_progress(&self) -> bool;
+}
+
+impl<K> Progress for watcher::Event<K> {
+    fn is_progress(&self) -> bool {
+        !matches!(self, watcher::Event::Init)
+    }
+}
 
 /// The shortest time between two lists started at once on an expired version.
 pub const EXPIRED_AT_ONCE_EVERY: Duration = Duration::from_secs(30);
@@ -61,7 +79,12 @@ pub trait BackoffExceptExpired: Sized {
     }
 }
 
-impl<S, T> BackoffExceptExpired for S where S: Stream<Item = Result<T, watcher::Error>> {}
+impl<S, T> BackoffExceptExpired for S
+where
+    S: Stream<Item = Result<T, watcher::Error>>,
+    T: Progress,
+{
+}
 
 /// Whether the API server said the watch's resourceVersion is no longer in its history.
 fn expired(e: &watcher::Error) -> bool {
@@ -92,6 +115,7 @@ impl Backoff for WaitedAlready {
 impl<S, T> Stream for WatchBackoff<S>
 where
     S: Stream<Item = Result<T, watcher::Error>>,
+    T: Progress,
 {
     type Item = Result<T, watcher::Error>;
 
@@ -103,7 +127,8 @@ where
         }
         let item = ready!(this.stream.as_mut().poll_next(cx));
         match &item {
-            Some(Ok(_)) => this.backoff.reset(),
+            Some(Ok(event)) if event.is_progress() => this.backoff.reset(),
+            Some(Ok(_)) => {}
             Some(Err(e)) => {
                 let now = Instant::now();
                 let at_once = expired(e)
@@ -140,8 +165,50 @@ mod tests {
         ))
     }
 
+    fn ev(n: u32) -> watcher::Event<u32> {
+        watcher::Event::Apply(n)
+    }
+
+    fn forbidden() -> watcher::Error {
+        watcher::Error::InitialListFailed(kube::Error::Api(Box::new(
+            Status::failure("cannot list", "Forbidden").with_code(403),
+        )))
+    }
+
+    /// A list refused on every try, each try announced by the watcher's `Init`: the waits
+    /// between tries keep growing (800 ms, 1.6 s, 3.2 s … jittered up to twice that); reset by
+    /// `Init`, every wait would be the first step. Something listed resets it.
+    #[tokio::test(start_paused = true)]
+    async fn a_list_refused_on_every_try_waits_longer_each_time() {
+        let init = || Ok(watcher::Event::Init);
+        let at = arrivals(vec![
+            init(),
+            Err(forbidden()),
+            init(),
+            Err(forbidden()),
+            init(),
+            Err(forbidden()),
+            init(),
+            Ok(watcher::Event::InitApply(1)),
+            Err(forbidden()),
+            init(),
+        ])
+        .await;
+        let waits: Vec<Duration> = [(1, 2), (3, 4), (5, 6), (8, 9)]
+            .iter()
+            .map(|&(err, next)| at[next] - at[err])
+            .collect();
+        assert!(waits[0] >= Duration::from_millis(800), "{waits:?}");
+        assert!(waits[1] >= Duration::from_millis(1600), "{waits:?}");
+        assert!(waits[2] >= Duration::from_millis(3200), "{waits:?}");
+        assert!(
+            waits[3] < Duration::from_millis(1600),
+            "an object listed resets the backoff: {waits:?}"
+        );
+    }
+
     /// The virtual time each item of `items` arrived at, from the start.
-    async fn arrivals(items: Vec<Result<u32, watcher::Error>>) -> Vec<Duration> {
+    async fn arrivals(items: Vec<Result<watcher::Event<u32>, watcher::Error>>) -> Vec<Duration> {
         let start = Instant::now();
         let stream = backed_off(futures::stream::iter(items));
         stream.map(|_| start.elapsed()).collect().await
@@ -149,7 +216,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn an_expired_version_is_listed_again_at_once_and_other_errors_wait() {
-        let at = arrivals(vec![Err(gone()), Ok(1), Err(refused()), Ok(2)]).await;
+        let at = arrivals(vec![Err(gone()), Ok(ev(1)), Err(refused()), Ok(ev(2))]).await;
         // The item after the 410 comes without a wait.
         assert_eq!(at[1], at[0]);
         // The item after another error waits kube-runtime's first step (800 ms, jittered up).
@@ -162,7 +229,7 @@ mod tests {
         let gone_at_start = watcher::Error::WatchStartFailed(kube::Error::Api(Box::new(
             Status::failure("too old resource version: 1 (2)", "Gone").with_code(410),
         )));
-        let at = arrivals(vec![Err(gone_at_start), Ok(1)]).await;
+        let at = arrivals(vec![Err(gone_at_start), Ok(ev(1))]).await;
         assert_eq!(at[1], at[0]);
     }
 
@@ -179,7 +246,14 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_second_expired_version_soon_after_the_first_meets_the_backoff() {
-        let at = arrivals(vec![Err(gone()), Err(gone()), Ok(1), Err(gone()), Ok(2)]).await;
+        let at = arrivals(vec![
+            Err(gone()),
+            Err(gone()),
+            Ok(ev(1)),
+            Err(gone()),
+            Ok(ev(2)),
+        ])
+        .await;
         assert_eq!(at[1], at[0], "the first 410 lists at once");
         assert!(
             at[2] - at[1] >= Duration::from_millis(800),
@@ -193,12 +267,12 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn an_expired_version_long_after_the_last_is_listed_again_at_once() {
         let start = Instant::now();
-        let items = futures::stream::iter([Err(gone()), Ok(1)])
+        let items = futures::stream::iter([Err(gone()), Ok(ev(1))])
             .chain(futures::stream::once(async {
                 tokio::time::sleep(EXPIRED_AT_ONCE_EVERY).await;
                 Err(gone())
             }))
-            .chain(futures::stream::iter([Ok(2)]));
+            .chain(futures::stream::iter([Ok(ev(2))]));
         let at: Vec<Duration> = backed_off(items).map(|_| start.elapsed()).collect().await;
         assert_eq!(at[3], at[2]);
     }
