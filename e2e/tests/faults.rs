@@ -697,18 +697,7 @@ async fn liveness_holds_while_the_api_server_is_away_and_fails_on_a_refused_watc
     crds.delete("numapolicies.gpuledger.io", &DeleteParams::default())
         .await
         .unwrap();
-    let reported = wait_for("the refused watch reported", WAIT, || async {
-        Ok::<_, std::io::Error>(match http_get(port, "/healthz").await? {
-            (503, body) => Some(body),
-            _ => None,
-        })
-    })
-    .await
-    .unwrap();
-    assert!(
-        reported.contains("watch numapolicies refused by the API server"),
-        "{reported}"
-    );
+    healthz_names_the_refused_numapolicy_watch(port, "while running").await;
     let refused = sum(
         &op.metrics().await,
         "gpuledger_watch_errors_total",
@@ -724,17 +713,27 @@ async fn liveness_holds_while_the_api_server_is_away_and_fails_on_a_refused_watc
     let opts = op.options().clone();
     op.kill().await.unwrap();
     let _restarted = ChildOperator::spawn(opts).unwrap();
-    let reported = wait_for("the refused list reported after a start", WAIT, || async {
-        Ok::<_, std::io::Error>(match http_get(port, "/healthz").await? {
-            (503, body) => Some(body),
-            _ => None,
-        })
-    })
+    healthz_names_the_refused_numapolicy_watch(port, "after a start").await;
+}
+
+/// Waits until the liveness probe on `port` fails, and checks that it names the NumaPolicy
+/// watch as refused by the API server.
+async fn healthz_names_the_refused_numapolicy_watch(port: u16, when: &str) {
+    let reported = wait_for(
+        format!("the refused watch reported {when}"),
+        WAIT,
+        || async {
+            Ok::<_, std::io::Error>(match http_get(port, "/healthz").await? {
+                (503, body) => Some(body),
+                _ => None,
+            })
+        },
+    )
     .await
     .unwrap();
     assert!(
         reported.contains("watch numapolicies refused by the API server"),
-        "{reported}"
+        "{when}: {reported}"
     );
 }
 

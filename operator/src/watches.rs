@@ -142,29 +142,21 @@ mod tests {
         let in_stream = |code: u16| {
             watcher::Error::WatchError(Box::new(Status::failure("no", "x").with_code(code)))
         };
-        for code in [400, 401, 403, 404, 422] {
-            assert_eq!(
-                failure_of(&in_stream(code)),
-                WatchFailure::Refused,
-                "{code}"
-            );
-            assert_eq!(
-                failure_of(&watcher::Error::WatchStartFailed(api(code))),
-                WatchFailure::Refused,
-                "{code}"
-            );
-        }
-        for code in [410, 429, 500, 503, 504] {
-            assert_eq!(
-                failure_of(&in_stream(code)),
-                WatchFailure::NotServed,
-                "{code}"
-            );
-            assert_eq!(
-                failure_of(&watcher::Error::InitialListFailed(api(code))),
-                WatchFailure::NotServed,
-                "{code}"
-            );
+        let expected = [
+            (WatchFailure::Refused, [400, 401, 403, 404, 422]),
+            (WatchFailure::NotServed, [410, 429, 500, 503, 504]),
+        ];
+        for (want, codes) in expected {
+            for code in codes {
+                // Said in the watch stream, in answer to the watch request, or to the list.
+                for e in [
+                    in_stream(code),
+                    watcher::Error::WatchStartFailed(api(code)),
+                    watcher::Error::InitialListFailed(api(code)),
+                ] {
+                    assert_eq!(failure_of(&e), want, "{code}: {e}");
+                }
+            }
         }
         let refused_connection = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
         assert_eq!(

@@ -309,12 +309,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
     // connection as a failure, and would restart an operator still listing a large cluster),
     // and must report a watch the API server refuses from the start; `/warmz` and `/readyz`
     // say "not yet" until the lists are in.
-    let tel_listener = TcpListener::bind(config.metrics_addr)
-        .await
-        .map_err(|source| RunError::Listen {
-            addr: config.metrics_addr,
-            source,
-        })?;
+    let tel_listener = listen(config.metrics_addr).await?;
     let tel_app = telemetry_router(ctx.clone());
     tasks.spawn(async move {
         if let Err(e) = axum::serve(tel_listener, tel_app).await {
@@ -331,12 +326,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
     decision_caches_synced(&index, &ctx.caches).await?;
     tracing::info!(identity = %identity, reservations = index.all().len(), "ledger index synced");
 
-    let ext_listener = TcpListener::bind(config.extender_addr)
-        .await
-        .map_err(|source| RunError::Listen {
-            addr: config.extender_addr,
-            source,
-        })?;
+    let ext_listener = listen(config.extender_addr).await?;
     tracing::info!(extender = %config.extender_addr, "serving");
     // The admission webhook shares the extender's listener, Service and certificate.
     if let Some((keeper, live, identity)) = cert_keeper {
@@ -417,6 +407,13 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         .then(|| Api::<Lease>::namespaced(client.clone(), &config.namespace));
     stopping.stop(handover, &identity).await;
     outcome
+}
+
+/// A listener on `addr`, the error naming it.
+async fn listen(addr: std::net::SocketAddr) -> Result<TcpListener, RunError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| RunError::Listen { addr, source })
 }
 
 /// Waits until the ledger index and every cache a decision reads hold their first full list;
