@@ -138,17 +138,19 @@ impl KubeletCheck {
             tokio::time::sleep(POLL).await;
         };
         match &outcome {
-            Verdict::Agrees => Metrics::count(&metrics.kubelet_checks, "agrees"),
+            Verdict::Agrees => {
+                Metrics::count(&metrics.kubelet_checks, crate::metrics::CHECK_AGREES)
+            }
             Verdict::Unseen => {
                 tracing::info!(pod = %format!("{namespace}/{pod}"), ?replicas, "the kubelet never recorded the replicas (admission failed later?)");
-                Metrics::count(&metrics.kubelet_checks, "unseen");
+                Metrics::count(&metrics.kubelet_checks, crate::metrics::CHECK_UNSEEN);
             }
             Verdict::Disagrees {
                 pod: holder,
                 container,
                 replicas: held,
             } => {
-                Metrics::count(&metrics.kubelet_checks, "mismatch");
+                Metrics::count(&metrics.kubelet_checks, crate::metrics::CHECK_MISMATCH);
                 let message = format!(
                     "the kubelet on {} gave replicas {} to container {container} of pod {holder}, but the allocation Lease named pod {namespace}/{pod}, whose reservation was used to answer",
                     self.node,

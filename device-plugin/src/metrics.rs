@@ -23,6 +23,14 @@ pub struct OutcomeLabel {
     pub outcome: String,
 }
 
+/// Outcomes of the pod-resources cross-check (`kubelet_checks`): the kubelet recorded the
+/// replicas the ledger gave, recorded them for another container, or never recorded them.
+pub const CHECK_AGREES: &str = "agrees";
+/// See [`CHECK_AGREES`].
+pub const CHECK_MISMATCH: &str = "mismatch";
+/// See [`CHECK_AGREES`].
+pub const CHECK_UNSEEN: &str = "unseen";
+
 /// The plugin's metrics.
 pub struct Metrics {
     registry: Registry,
@@ -60,7 +68,7 @@ impl Default for Metrics {
         let kubelet_checks = Family::<OutcomeLabel, Counter>::default();
         // Present at 0 from the start, so that an alert on the `increase()` of mismatches sees
         // the first one (a series born at 1 shows no increase).
-        for outcome in ["agrees", "mismatch", "unseen"] {
+        for outcome in [CHECK_AGREES, CHECK_MISMATCH, CHECK_UNSEEN] {
             let _ = kubelet_checks.get_or_create(&OutcomeLabel {
                 outcome: outcome.into(),
             });

@@ -211,14 +211,14 @@ pub async fn run(ctx: Arc<Context>, pods: Arc<PodFactsCache>) {
                 Ok(Repair::NotNeeded) => {}
                 Ok(Repair::Written(devices)) => {
                     missing_since.remove(&facts.uid);
-                    count(&ctx, "repaired");
+                    count(&ctx, crate::telemetry::REPAIRED);
                     tracing::warn!(pod = %key, node = ?facts.node_name, %devices,
                         "bound GPU pod had no reservation on its node; wrote one");
                 }
                 Ok(Repair::Unfit(why)) => {
                     unfit += 1;
                     if reported.insert(facts.uid.clone()) {
-                        count(&ctx, "unfit");
+                        count(&ctx, crate::telemetry::UNFIT);
                         tracing::error!(pod = %key, node = ?facts.node_name, %why,
                             "bound GPU pod has no reservation and does not fit on its node");
                     }

@@ -96,6 +96,12 @@ pub struct FailureLabels {
     pub kind: String,
 }
 
+/// Outcomes of `gpuledger_ledger_repairs_total`: a reservation was written for the bound pod,
+/// or its node has no room for it.
+pub const REPAIRED: &str = "repaired";
+/// See [`REPAIRED`].
+pub const UNFIT: &str = "unfit";
+
 /// Labels of a watch's error: which watch, and whether the API server refused it or did not
 /// serve it ([`WatchFailure`]).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -271,7 +277,7 @@ impl Metrics {
         let repairs = Family::<OutcomeLabels, Counter>::default();
         // Present at 0 from the start: an alert on `increase()` then sees the first repair (a
         // series born at 1 shows no increase).
-        for outcome in ["repaired", "unfit"] {
+        for outcome in [REPAIRED, UNFIT] {
             let _ = repairs.get_or_create(&OutcomeLabels {
                 outcome: outcome.into(),
             });
