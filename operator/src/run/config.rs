@@ -20,6 +20,21 @@ fn parse_alignment(raw: &str) -> Result<Alignment, String> {
     Alignment::parse("--default-alignment", raw).map_err(|e| e.to_string())
 }
 
+/// The shortest `--watch-stall-limit` accepted. Zero would have the liveness probe restart the
+/// operator on a single refused request (a Role being re-applied, a CRD being upgraded).
+const MIN_WATCH_STALL_LIMIT: Duration = Duration::from_secs(1);
+
+fn parse_stall_limit(raw: &str) -> Result<Duration, String> {
+    let limit = parse_duration(raw).map_err(|e| e.to_string())?;
+    if limit < MIN_WATCH_STALL_LIMIT {
+        return Err(format!(
+            "{raw}: at least {}s, or one refused request restarts the operator",
+            MIN_WATCH_STALL_LIMIT.as_secs()
+        ));
+    }
+    Ok(limit)
+}
+
 /// `gpuledger-operator run`.
 #[derive(Clone, Debug, clap::Args)]
 pub struct RunConfig {
@@ -88,7 +103,7 @@ pub struct RunConfig {
     /// How long the API server may keep refusing a watch (403, 404 …) before `/healthz` (the
     /// liveness probe) reports it. A watch failing because the server does not serve (down,
     /// restarting, overloaded) is never reported: a restart would not cure it.
-    #[arg(long, env = "GPULEDGER_WATCH_STALL_LIMIT", default_value = "90s", value_parser = parse_duration)]
+    #[arg(long, env = "GPULEDGER_WATCH_STALL_LIMIT", default_value = "90s", value_parser = parse_stall_limit)]
     pub watch_stall_limit: Duration,
     /// How long a reservation may stay Allocating before it fails and frees the node's Lease.
     #[arg(long, env = "GPULEDGER_ALLOCATING_TIMEOUT", default_value = "5m", value_parser = parse_duration)]
@@ -238,6 +253,20 @@ mod tests {
         assert_eq!(cli.run.extender_client_names, ["gpuledger-scheduler"]);
         let two = Cli::try_parse_from(["x", "--extender-client-names=a,b"]).unwrap();
         assert_eq!(two.run.extender_client_names, ["a", "b"]);
+    }
+
+    #[test]
+    fn a_stall_limit_under_a_second_is_refused_naming_the_flag() {
+        for short in ["0s", "0", "500ms"] {
+            let err = Cli::try_parse_from(["x", "--watch-stall-limit", short])
+                .err()
+                .unwrap()
+                .to_string();
+            assert!(err.contains("--watch-stall-limit"), "{err}");
+            assert!(err.contains("at least 1s"), "{err}");
+        }
+        let one = Cli::try_parse_from(["x", "--watch-stall-limit=1s"]).unwrap();
+        assert_eq!(one.run.watch_stall_limit, Duration::from_secs(1));
     }
 
     #[test]
