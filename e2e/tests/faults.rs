@@ -27,6 +27,7 @@ use gpuledger_e2e::bench::operator::{http_get, signal};
 use gpuledger_e2e::bench::{ChildOperator, GpuShape};
 use gpuledger_e2e::cluster::wait_for;
 use gpuledger_e2e::prometheus::{sample, sum};
+use gpuledger_e2e::sim::scheduler::{operator_ca, operator_tls_args};
 use gpuledger_operator::lease::leader::{LEADER_LEASE, LEASE_SECONDS};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
@@ -714,6 +715,60 @@ async fn liveness_holds_while_the_api_server_is_away_and_fails_on_a_refused_watc
     op.kill().await.unwrap();
     let _restarted = ChildOperator::spawn(opts).unwrap();
     healthz_names_the_refused_numapolicy_watch(port, "after a start").await;
+}
+
+/// The operator started while kube-apiserver is down (a cold power-on of the whole cluster, a
+/// control-plane upgrade), keeping its own serving certificate as the chart installs it: it
+/// must wait for the server with its probes answering, not exit (the kubelet would hold an
+/// exited operator in crash-loop backoff, up to five minutes, after the server is back). Once
+/// the server serves, the same process reads or issues its certificate and becomes ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn started_while_the_api_server_is_down_it_waits_for_it() {
+    const AWAY: Duration = Duration::from_secs(3);
+    let mut rig = Rig::start(1, SHAPE).await;
+    let mut opts = rig.operator_options("cold-power-on", false);
+    opts.extra_args.extend(operator_tls_args());
+    rig.cp.stop_apiserver(Duration::from_secs(1)).await.unwrap();
+    let mut op = ChildOperator::spawn(opts).unwrap();
+    let port = op.options().metrics_port;
+    wait_for("the probes served", WAIT, || async {
+        Ok::<_, std::io::Error>(http_get(port, "/healthz").await.ok().map(|_| ()))
+    })
+    .await
+    .unwrap();
+
+    // While the server stays away: the same process, alive (liveness 200), not warm.
+    let away_until = Instant::now() + AWAY;
+    let mut probed = 0;
+    while Instant::now() < away_until {
+        op.check_running().unwrap();
+        let (code, body) = http_get(port, "/healthz").await.unwrap();
+        assert_eq!(
+            code, 200,
+            "liveness failed while the API server was down: {body}"
+        );
+        assert_eq!(op.warmz().await, Some(503), "warm with no API server");
+        probed += 1;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let failures = |metrics: &str| {
+        sample(metrics, "gpuledger_serving_certificate_failures_total", &[]).unwrap_or(0.0)
+    };
+    assert!(
+        failures(&op.metrics().await) >= 2.0,
+        "the certificate's Secret was not asked for again while the server was down"
+    );
+
+    rig.cp.start_apiserver().await.unwrap();
+    op.wait_ready(WAIT).await.unwrap();
+    wait_for("the operator warm", WAIT, || async {
+        Ok::<_, std::io::Error>((op.warmz().await == Some(200)).then_some(()))
+    })
+    .await
+    .unwrap();
+    let ca = operator_ca(&rig.cp).await.unwrap();
+    assert!(ca.contains("BEGIN CERTIFICATE"), "{ca}");
+    eprintln!("started while the API server was down: {probed} probes answered 200");
 }
 
 /// Waits until the liveness probe on `port` fails, and checks that it names the NumaPolicy

@@ -45,7 +45,8 @@ use tokio_rustls::rustls::{
     DigitallySignedStruct, DistinguishedName, RootCertStore, SignatureScheme,
 };
 
-use crate::telemetry::Metrics;
+use crate::telemetry::{Metrics, WatchFailure};
+use crate::watches::failure_of_request;
 
 /// Annotation on the Secret: when its serving certificate expires (RFC 3339).
 pub const NOT_AFTER: &str = "gpuledger.io/not-after";
@@ -55,6 +56,12 @@ const VALIDITY: SignedDuration = SignedDuration::from_hours(365 * 24);
 const RENEW_BEFORE: SignedDuration = SignedDuration::from_hours(30 * 24);
 /// How often the Secret and the webhook configurations are looked at again.
 pub const RECHECK_EVERY: Duration = Duration::from_secs(10);
+/// First wait before asking for the Secret again at start-up when the API server did not
+/// serve the request; it doubles up to [`LAST_RETRY`].
+const FIRST_RETRY: Duration = Duration::from_millis(250);
+/// Longest wait between those tries: the certificate follows the server's return by at most
+/// this.
+const LAST_RETRY: Duration = Duration::from_secs(4);
 
 /// What went wrong with the certificate.
 #[derive(Debug, thiserror::Error)]
@@ -327,6 +334,31 @@ pub struct SelfSigned {
 }
 
 impl SelfSigned {
+    /// The identity to serve first, as [`Self::ensure`] reads or issues it, asked again for as
+    /// long as the API server does not serve the request (no connection, a 5xx, 429): an
+    /// operator started while its control plane is away (a power-on of the whole cluster, a
+    /// control-plane upgrade) waits for it, its probes answering, instead of exiting and
+    /// sitting out the kubelet's crash-loop backoff (up to five minutes) once the server is
+    /// back. A refusal (403 without the Role, a Secret it cannot use) ends it with the error:
+    /// only a fix of the install helps there.
+    pub async fn first(&self, client: &Client, metrics: &Metrics) -> Result<Identity, CertError> {
+        let mut wait = FIRST_RETRY;
+        loop {
+            match self.ensure(client).await {
+                Err(CertError::Kube { action, source })
+                    if failure_of_request(&source) == WatchFailure::NotServed =>
+                {
+                    metrics.certificate_failures.inc();
+                    tracing::warn!(%action, error = %source, retry_in = ?wait,
+                        "the API server does not serve the serving certificate's Secret yet");
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(LAST_RETRY);
+                }
+                other => return other,
+            }
+        }
+    }
+
     /// The identity to serve: the Secret's, renewed (or first created) when due.
     pub async fn ensure(&self, client: &Client) -> Result<Identity, CertError> {
         let api: Api<Secret> = Api::namespaced(client.clone(), &self.namespace);

@@ -80,26 +80,33 @@ where
 /// that) or the server not serving it, or asking for a fresh list (only its recovery, or the
 /// list the watch asks for at once, does).
 pub fn failure_of(e: &watcher::Error) -> WatchFailure {
-    let code = match e {
-        watcher::Error::WatchError(status) => status.code,
+    match e {
+        watcher::Error::WatchError(status) => failure_of_status(status.code),
         watcher::Error::InitialListFailed(e)
         | watcher::Error::WatchStartFailed(e)
-        | watcher::Error::WatchFailed(e) => match e {
-            kube::Error::Api(status) => status.code,
-            // This process could not authenticate the request (a token file or credential
-            // plugin that fails): a new process may well, so it counts as a refusal.
-            kube::Error::Service(e) if e.is::<kube::client::AuthError>() => {
-                return WatchFailure::Refused;
-            }
-            // No connection, a timeout, a stream broken off: nothing served it.
-            kube::Error::HyperError(_) | kube::Error::Service(_) | kube::Error::ReadEvents(_) => {
-                return WatchFailure::NotServed;
-            }
-            // Served, and unreadable here (a body this version cannot decode): as a refusal.
-            _ => return WatchFailure::Refused,
-        },
-        watcher::Error::NoResourceVersion => return WatchFailure::Refused,
-    };
+        | watcher::Error::WatchFailed(e) => failure_of_request(e),
+        watcher::Error::NoResourceVersion => WatchFailure::Refused,
+    }
+}
+
+/// The same sorting for any one request to the API server: whether it refused the request, or
+/// did not serve it (then only waiting for the server helps).
+pub fn failure_of_request(e: &kube::Error) -> WatchFailure {
+    match e {
+        kube::Error::Api(status) => failure_of_status(status.code),
+        // This process could not authenticate the request (a token file or credential plugin
+        // that fails): a new process may well, so it counts as a refusal.
+        kube::Error::Service(e) if e.is::<kube::client::AuthError>() => WatchFailure::Refused,
+        // No connection, a timeout, a stream broken off: nothing served it.
+        kube::Error::HyperError(_) | kube::Error::Service(_) | kube::Error::ReadEvents(_) => {
+            WatchFailure::NotServed
+        }
+        // Served, and unreadable here (a body this version cannot decode): as a refusal.
+        _ => WatchFailure::Refused,
+    }
+}
+
+fn failure_of_status(code: u16) -> WatchFailure {
     match code {
         410 | 429 | 500..=599 => WatchFailure::NotServed,
         _ => WatchFailure::Refused,

@@ -352,7 +352,21 @@ impl ControlPlane {
             .await
             .map_err(|e| ClusterError::kube("write the restart marker", e))?;
         let started = Instant::now();
-        self.processes.restart("kube-apiserver", grace).await?;
+        self.stop_apiserver(grace).await?;
+        self.start_apiserver().await?;
+        Ok(started.elapsed())
+    }
+
+    /// Stops kube-apiserver (SIGTERM, SIGKILL after `grace`) and leaves it stopped: every
+    /// client's connection is refused until [`Self::start_apiserver`].
+    pub async fn stop_apiserver(&mut self, grace: Duration) -> Result<(), ClusterError> {
+        self.processes.stop_one("kube-apiserver", grace).await
+    }
+
+    /// Starts the stopped kube-apiserver again with the same flags, port, certificates and
+    /// etcd, and waits until `/readyz` answers.
+    pub async fn start_apiserver(&mut self) -> Result<(), ClusterError> {
+        self.processes.start_again("kube-apiserver")?;
         let client = self.client.clone();
         wait_ready(
             &mut self.processes,
@@ -360,8 +374,7 @@ impl ControlPlane {
             DEFAULT_STARTUP_TIMEOUT,
             || get_ok(&client, "/readyz"),
         )
-        .await?;
-        Ok(started.elapsed())
+        .await
     }
 
     /// Stops every process now (dropping does the same).

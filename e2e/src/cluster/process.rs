@@ -32,6 +32,8 @@ struct Member {
     /// What started it, for [`ProcessGroup::restart`].
     program: PathBuf,
     args: Vec<String>,
+    /// Stopped on purpose ([`ProcessGroup::stop_one`]), not failed.
+    down: bool,
 }
 
 /// A process group of control-plane components that is killed when this value is dropped or our
@@ -93,6 +95,7 @@ impl ProcessGroup {
             log: log.to_path_buf(),
             program: program.to_path_buf(),
             args: args.to_vec(),
+            down: false,
         });
         Ok(pid)
     }
@@ -101,12 +104,15 @@ impl ProcessGroup {
     /// and starts it again with the same program, arguments and log, as a rolling restart of
     /// that component would. Returns the new pid.
     pub async fn restart(&mut self, name: &str, grace: Duration) -> Result<u32, ClusterError> {
-        let pgid = self.pgid;
-        let member = self
-            .members
-            .iter_mut()
-            .find(|m| m.name == name)
-            .ok_or_else(|| ClusterError::NotRunning(name.to_string()))?;
+        self.stop_one(name, grace).await?;
+        self.start_again(name)
+    }
+
+    /// Stops the component `name` with SIGTERM (SIGKILL when it has not exited after `grace`)
+    /// and leaves it stopped, until [`Self::start_again`]; [`Self::check_running`] does not
+    /// count it as failed meanwhile.
+    pub async fn stop_one(&mut self, name: &str, grace: Duration) -> Result<(), ClusterError> {
+        let member = self.member(name)?;
         if let Some(pid) = Pid::from_raw(member.child.id() as i32) {
             let _ = rustix::process::kill_process(pid, Signal::TERM);
         }
@@ -119,16 +125,33 @@ impl ProcessGroup {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+        member.down = true;
+        Ok(())
+    }
+
+    /// Starts the component `name` again with the program, arguments and log it was started
+    /// with. Returns the new pid.
+    pub fn start_again(&mut self, name: &str) -> Result<u32, ClusterError> {
+        let pgid = self.pgid;
+        let member = self.member(name)?;
         let child = start_child(pgid, name, &member.program, &member.args, &member.log)?;
         let pid = child.id();
-        tracing::debug!(name, pid, "restarted");
+        tracing::debug!(name, pid, "started again");
         member.child = child;
+        member.down = false;
         Ok(pid)
+    }
+
+    fn member(&mut self, name: &str) -> Result<&mut Member, ClusterError> {
+        self.members
+            .iter_mut()
+            .find(|m| m.name == name)
+            .ok_or_else(|| ClusterError::NotRunning(name.to_string()))
     }
 
     /// Fails with the exit status and log tail of the first component that has exited.
     pub fn check_running(&mut self) -> Result<(), ClusterError> {
-        for m in &mut self.members {
+        for m in self.members.iter_mut().filter(|m| !m.down) {
             if let Ok(Some(status)) = m.child.try_wait() {
                 return Err(ClusterError::Exited {
                     name: m.name.clone(),

@@ -96,7 +96,7 @@ async fn ensure_namespace(client: &Client, ns: &str) {
 pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Result<(), RunError> {
     let extender_endpoint = config.extender_endpoint()?;
     let callers_certified = config.callers_certified()?;
-    let mut tls = match (&config.tls_cert, &config.tls_key) {
+    let tls_from_files = match (&config.tls_cert, &config.tls_key) {
         (Some(cert), Some(key)) => {
             let callers = match &config.extender_client_ca {
                 Some(ca) => Some(extender::tls::callers_from_file(ca)?),
@@ -108,30 +108,6 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
     };
     let (client, writes) = kubeclient::client_counting_writes(config.kubeconfig.as_deref()).await?;
     ensure_namespace(&client, &config.namespace).await;
-    let mut cert_keeper = None;
-    if let Some(secret) = &config.self_signed_tls {
-        let names = if config.tls_names.is_empty() {
-            let ns = &config.namespace;
-            vec![
-                format!("gpuledger-operator.{ns}.svc"),
-                format!("gpuledger-operator.{ns}"),
-                "gpuledger-operator".to_string(),
-            ]
-        } else {
-            config.tls_names.clone()
-        };
-        let keeper = certs::SelfSigned {
-            secret: secret.clone(),
-            namespace: config.namespace.clone(),
-            names,
-            webhook_configuration: Some(config.webhook_configuration.clone())
-                .filter(|n| !n.is_empty()),
-        };
-        let identity = keeper.ensure(&client).await?;
-        let live = Arc::new(certs::LiveCert::new(&identity)?);
-        tls = Some(extender::tls::acceptor_resolving(live.clone())?);
-        cert_keeper = Some((keeper, live, identity));
-    }
     let identity = config
         .identity
         .clone()
@@ -318,6 +294,18 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
     });
     tracing::info!(metrics = %config.metrics_addr, "serving probes and metrics");
 
+    // The extender's and webhook's certificate: from files, or the operator's own, read or
+    // issued once the API server serves (it may still be starting too).
+    let (tls, cert_keeper) = match self_signed(&config) {
+        None => (tls_from_files, None),
+        Some(keeper) => {
+            let identity = keeper.first(&client, &metrics).await?;
+            let live = Arc::new(certs::LiveCert::new(&identity)?);
+            let tls = extender::tls::acceptor_resolving(live.clone())?;
+            (Some(tls), Some((keeper, live, identity)))
+        }
+    };
+
     // The lifecycle controller drives the reservation watch, so it starts before the wait for
     // the index; it reconciles nothing until the index is synced (`Context::may_write`).
     tasks.spawn(controllers::reservation::run(ctx.clone(), reservations));
@@ -407,6 +395,27 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         .then(|| Api::<Lease>::namespaced(client.clone(), &config.namespace));
     stopping.stop(handover, &identity).await;
     outcome
+}
+
+/// Where the operator keeps its own serving certificate, with `--self-signed-tls`.
+fn self_signed(config: &RunConfig) -> Option<certs::SelfSigned> {
+    let secret = config.self_signed_tls.as_ref()?;
+    let names = if config.tls_names.is_empty() {
+        let ns = &config.namespace;
+        vec![
+            format!("gpuledger-operator.{ns}.svc"),
+            format!("gpuledger-operator.{ns}"),
+            "gpuledger-operator".to_string(),
+        ]
+    } else {
+        config.tls_names.clone()
+    };
+    Some(certs::SelfSigned {
+        secret: secret.clone(),
+        namespace: config.namespace.clone(),
+        names,
+        webhook_configuration: Some(config.webhook_configuration.clone()).filter(|n| !n.is_empty()),
+    })
 }
 
 /// A listener on `addr`, the error naming it.
