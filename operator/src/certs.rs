@@ -637,6 +637,45 @@ pub async fn keep_current(
 mod tests {
     use super::*;
 
+    /// At start-up: asked for again while the API server does not serve it (503, 429), each
+    /// try counted; a refusal (403) ends the wait at once with an error naming the Secret.
+    #[tokio::test(start_paused = true)]
+    async fn the_first_certificate_waits_for_the_server_but_not_past_a_refusal() {
+        use gpuledger_crds::scripted_api::{expect, scripted, status};
+        use http::Method;
+        let keeper = SelfSigned {
+            secret: "tls".into(),
+            namespace: "ns".into(),
+            names: names(),
+            webhook_configuration: None,
+        };
+        let held = issue(&names(), None, Timestamp::now()).unwrap();
+        let stored = serde_json::to_value(secret_of("tls", "ns", &held)).unwrap();
+        let path = "/api/v1/namespaces/ns/secrets/tls";
+        let (client, api) = scripted(vec![
+            expect(Method::GET, path).reply(503, status(503, "ServiceUnavailable", "starting")),
+            expect(Method::GET, path).reply(429, status(429, "TooManyRequests", "busy")),
+            expect(Method::GET, path).reply(200, stored),
+        ]);
+        let metrics = Metrics::new();
+        let got = keeper.first(&client, &metrics).await;
+        api.finish().await;
+        assert_eq!(got.unwrap(), held);
+        assert_eq!(metrics.certificate_failures.get(), 2);
+
+        let (client, api) = scripted(vec![
+            expect(Method::GET, path).reply(403, status(403, "Forbidden", "no Role")),
+        ]);
+        // (Virtual time: a wait past the refusal would run out this limit at once.)
+        let got = tokio::time::timeout(Duration::from_secs(60), keeper.first(&client, &metrics))
+            .await
+            .expect("still waiting after the server refused");
+        api.finish().await;
+        let e = got.unwrap_err();
+        assert!(matches!(e, CertError::Kube { .. }), "{e}");
+        assert!(e.to_string().contains("read Secret ns/tls"), "{e}");
+    }
+
     fn names() -> Vec<String> {
         vec![
             "gpuledger-operator.gpuledger-system.svc".into(),
