@@ -8,6 +8,7 @@ use gpuledger_device_plugin::config::Cli;
 use gpuledger_device_plugin::discovery::Discovery;
 use gpuledger_device_plugin::discovery::file::FileDiscovery;
 use gpuledger_device_plugin::discovery::nvml::NvmlDiscovery;
+use gpuledger_device_plugin::metrics::Metrics;
 use gpuledger_device_plugin::plugin;
 use gpuledger_device_plugin::refit::client::RefitClient;
 use gpuledger_device_plugin::refit::commits::NodeCommits;
@@ -62,8 +63,13 @@ async fn main() -> ExitCode {
         }
         let _ = stop_tx.send(true);
     });
+    let metrics = Arc::new(Metrics::default());
     let refit: Arc<dyn RefitHook> = if cli.refit {
-        let commits = Arc::new(NodeCommits::start(client.clone(), &cli.node_name));
+        let commits = Arc::new(NodeCommits::start(
+            client.clone(),
+            &cli.node_name,
+            metrics.clone(),
+        ));
         Arc::new(RefitClient::new(client.clone()).hearing(commits))
     } else {
         Arc::new(NoRefit)
@@ -75,7 +81,7 @@ async fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match plugin::run(options, client, discovery, refit, stop_rx).await {
+    match plugin::run(options, client, discovery, refit, metrics, stop_rx).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!("{e}");

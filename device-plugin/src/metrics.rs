@@ -10,6 +10,8 @@
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
+use gpuledger_crds::kubeclient::failure::ApiFailure;
+use kube::runtime::watcher;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -22,6 +24,26 @@ pub struct OutcomeLabel {
     /// `ok`, `no_preference`, `rejected` or `error`.
     pub outcome: String,
 }
+
+/// Labels of a watch's error: which watch, and whether the API server refused it or did not
+/// serve it ([`ApiFailure`]).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WatchErrorLabels {
+    /// [`WATCH_GPUCONFIGS`], [`WATCH_NODE`] or [`WATCH_RESERVATIONS`].
+    pub watch: String,
+    /// `refused` (RBAC, a missing CRD: someone must fix the install) or `not_served` (the API
+    /// server down, restarting or overloaded: it recovers by itself).
+    pub failure: String,
+}
+
+/// The GpuConfigs watch, whose device configuration (split count, scaling) the plugin follows;
+/// refused, the node keeps the flags' settings.
+pub const WATCH_GPUCONFIGS: &str = "gpuconfigs";
+/// The watch of this node's Node object (its labels select GpuConfigs).
+pub const WATCH_NODE: &str = "node";
+/// The watch of this node's reservations, whose moves answer refits one write early; refused,
+/// each refit waits for the operator's answer alone.
+pub const WATCH_RESERVATIONS: &str = "gpureservations";
 
 /// Outcomes of the pod-resources cross-check (`kubelet_checks`): the kubelet recorded the
 /// replicas the ledger gave, recorded them for another container, or never recorded them.
@@ -55,6 +77,8 @@ pub struct Metrics {
     pub gpunode_publish_failures: Counter,
     /// 1 while the kubelet holds this plugin's registration.
     pub kubelet_registered: Gauge,
+    /// Errors of the plugin's watches, by watch and failure.
+    pub watch_errors: Family<WatchErrorLabels, Counter>,
     /// Why the GpuNode does not carry the current inventory; `None` once it does.
     gpunode_problem: Mutex<Option<String>>,
 }
@@ -125,6 +149,21 @@ impl Default for Metrics {
             "1 while the kubelet holds this plugin's registration",
             kubelet_registered.clone(),
         );
+        let watch_errors = Family::<WatchErrorLabels, Counter>::default();
+        // At 0 from the start, as the kubelet checks are, for alerts on their increase.
+        for watch in [WATCH_GPUCONFIGS, WATCH_NODE, WATCH_RESERVATIONS] {
+            for failure in [ApiFailure::Refused, ApiFailure::NotServed] {
+                let _ = watch_errors.get_or_create(&WatchErrorLabels {
+                    watch: watch.into(),
+                    failure: failure.label().into(),
+                });
+            }
+        }
+        registry.register(
+            "watch_errors",
+            "Errors of the plugin's watches, by watch and by whether the API server refused it (refused) or did not serve it (not_served)",
+            watch_errors.clone(),
+        );
         Metrics {
             registry,
             allocations,
@@ -137,6 +176,7 @@ impl Default for Metrics {
             gpunode_published,
             gpunode_publish_failures,
             kubelet_registered,
+            watch_errors,
             gpunode_problem: Mutex::new(Some("GpuNode not published yet".into())),
         }
     }
@@ -148,6 +188,16 @@ impl Metrics {
         family
             .get_or_create(&OutcomeLabel {
                 outcome: outcome.to_string(),
+            })
+            .inc();
+    }
+
+    /// Counts an error of watch `watch`, sorted by whether the API server served it.
+    pub fn watch_error(&self, watch: &str, e: &watcher::Error) {
+        self.watch_errors
+            .get_or_create(&WatchErrorLabels {
+                watch: watch.into(),
+                failure: ApiFailure::of_watch(e).label().into(),
             })
             .inc();
     }

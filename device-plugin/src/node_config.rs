@@ -9,6 +9,7 @@
 //! restart) and the flags stay in force: the node keeps working as configured at start.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use futures::{StreamExt, stream};
 use gpuledger_crds::GpuConfig;
@@ -20,6 +21,8 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 use tokio::sync::{oneshot, watch};
+
+use crate::metrics::{Metrics, WATCH_GPUCONFIGS, WATCH_NODE};
 
 /// What the settings of one node are computed from.
 struct Sources {
@@ -44,6 +47,8 @@ impl Sources {
 
 /// What the two watches are, for messages.
 const WATCHED: [&str; 2] = ["GpuConfigs", "its Node"];
+/// Their `watch` label in the watch-error counter.
+const WATCH_NAMES: [&str; 2] = [WATCH_GPUCONFIGS, WATCH_NODE];
 
 /// The watch of what `api` and `config` select, waiting after errors as every gpuledger watch
 /// does (an expired version is listed again at once).
@@ -66,6 +71,7 @@ pub async fn watch_settings(
     flags: NodeSettings,
     tx: watch::Sender<NodeSettings>,
     ready: oneshot::Sender<()>,
+    metrics: Arc<Metrics>,
 ) {
     let (configs, config_writer) = reflector::store::<GpuConfig>();
     let (nodes, node_writer) = reflector::store::<Node>();
@@ -96,6 +102,7 @@ pub async fn watch_settings(
     while let Some((which, event)) = events.next().await {
         match event {
             Err(e) => {
+                metrics.watch_error(WATCH_NAMES[which], &e);
                 let what = WATCHED[which];
                 tracing::warn!(error = %e, "cannot watch {what}; the device configuration stays as it is");
                 continue;

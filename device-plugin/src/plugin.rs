@@ -189,15 +189,16 @@ async fn refresh_loop(
     }
 }
 
-/// Runs the plugin until `shutdown` becomes true.
+/// Runs the plugin until `shutdown` becomes true, counting into `metrics` (which the refit
+/// hook's watch may share).
 pub async fn run(
     options: PluginOptions,
     client: Client,
     discovery: Arc<dyn Discovery>,
     refit: Arc<dyn RefitHook>,
+    metrics: Arc<Metrics>,
     shutdown: watch::Receiver<bool>,
 ) -> Result<(), PluginError> {
-    let metrics = Arc::new(Metrics::default());
     // The device configuration first: the first inventory and registration should already
     // follow the node's GpuConfigs. If they cannot be read soon, the flags apply until they can.
     let flags = NodeSettings::from_flags(options.split_count);
@@ -209,6 +210,7 @@ pub async fn run(
         flags,
         settings_tx,
         ready_tx,
+        metrics.clone(),
     ));
     if tokio::time::timeout(CONFIG_WAIT, ready).await.is_err() {
         tracing::warn!("GpuConfigs not read within {CONFIG_WAIT:?}; starting with the flags");

@@ -130,7 +130,11 @@ async fn prepare(cp: &gpuledger_e2e::cluster::ControlPlane, admin: &Client, n: u
     }
     BenchNode {
         _node: fake,
-        hook: RefitClient::new(plugin.clone()).hearing(Arc::new(NodeCommits::start(plugin, &node))),
+        hook: RefitClient::new(plugin.clone()).hearing(Arc::new(NodeCommits::start(
+            plugin,
+            &node,
+            Arc::default(),
+        ))),
         cases,
     }
 }

@@ -33,7 +33,8 @@ use gpuledger_device_plugin::refit::commits::NodeCommits;
 use gpuledger_device_plugin::refit::{NoRefit, RefitContext, RefitHook, RefitOutcome};
 use gpuledger_device_plugin::uds::dial;
 use gpuledger_e2e::cluster::{
-    ControlPlane, ControlPlaneOptions, FakeGpuNode, apply_path, ensure_namespace,
+    ControlPlane, ControlPlaneOptions, FakeGpuNode, apply_path, client_from_kubeconfig_as,
+    ensure_namespace,
 };
 use gpuledger_e2e::kubelet::{
     AdmittedContainer, ContainerSpec, KubeletSimulator, NumaPolicy, PodSpec,
@@ -105,6 +106,7 @@ async fn device_plugin_against_the_real_api_server() {
         plugin_client.clone(),
         Arc::new(FileDiscovery::new(&sample)),
         Arc::new(NoRefit),
+        Arc::default(),
         stop_rx,
     ));
 
@@ -113,6 +115,7 @@ async fn device_plugin_against_the_real_api_server() {
     ready_once_its_gpunode_is_published(metrics_port).await;
     a_plugin_given_another_nodes_name_is_not_ready_and_says_why(&plugin_client, &tmp, &sample)
         .await;
+    a_plugin_whose_watches_are_refused_counts_them_as_refused(&cp, &tmp, &sample).await;
     allocate_without_a_pending_reservation_is_a_clear_error(&sim, &dir).await;
     preferred_allocation_and_allocate_follow_the_reservation(&sim, &admin).await;
     lease_is_released_only_after_the_last_gpu_container(&dir, &admin).await;
@@ -154,6 +157,71 @@ async fn ready_once_its_gpunode_is_published(metrics_port: u16) {
         metrics.contains("gpuledger_device_plugin_kubelet_registered 1"),
         "{metrics}"
     );
+    // The install's RBAC lets the plugin watch what it watches.
+    for watch in ["gpuconfigs", "node"] {
+        let refused = gpuledger_e2e::prometheus::sample(
+            &metrics,
+            "gpuledger_device_plugin_watch_errors_total",
+            &[&format!("watch=\"{watch}\""), "failure=\"refused\""],
+        );
+        assert_eq!(refused, Some(0.0), "{watch}: {metrics}");
+    }
+}
+
+/// A plugin whose identity may not read what it watches (its ClusterRole binding missing, a
+/// careless RBAC edit): it runs on its flags, and counts each refused list as refused, which
+/// the chart's `GpuledgerDevicePluginWatchRefused` alert reports, instead of warning in its log
+/// alone.
+async fn a_plugin_whose_watches_are_refused_counts_them_as_refused(
+    cp: &ControlPlane,
+    tmp: &tempfile::TempDir,
+    sample: &Path,
+) {
+    let nobody = client_from_kubeconfig_as(
+        cp.kubeconfig(),
+        "an identity without rights",
+        Some(("gpuledger-e2e:nobody", &["system:authenticated"])),
+    )
+    .await
+    .unwrap();
+    let dir = tmp.path().join("refused-device-plugins");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut options = PluginOptions::new(NODE, &dir);
+    let port = gpuledger_e2e::cluster::free_port().unwrap();
+    options.metrics_addr = Some(([127, 0, 0, 1], port).into());
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let refused = tokio::spawn(plugin::run(
+        options,
+        nobody,
+        Arc::new(FileDiscovery::new(sample)),
+        Arc::new(NoRefit),
+        Arc::default(),
+        stop_rx,
+    ));
+    let counted = |metrics: &str, watch: &str, failure: &str| {
+        gpuledger_e2e::prometheus::sample(
+            metrics,
+            "gpuledger_device_plugin_watch_errors_total",
+            &[
+                &format!("watch=\"{watch}\""),
+                &format!("failure=\"{failure}\""),
+            ],
+        )
+        .unwrap_or(0.0)
+    };
+    let metrics = gpuledger_e2e::cluster::wait_for("the refused watches counted", WAIT, || async {
+        let (_, metrics) = gpuledger_e2e::http::get(port, "/metrics").await?;
+        let both = counted(&metrics, "gpuconfigs", "refused") >= 1.0
+            && counted(&metrics, "node", "refused") >= 1.0;
+        Ok::<_, std::io::Error>(both.then_some(metrics))
+    })
+    .await
+    .unwrap();
+    for watch in ["gpuconfigs", "node"] {
+        assert_eq!(counted(&metrics, watch, "not_served"), 0.0, "{metrics}");
+    }
+    stop_tx.send(true).unwrap();
+    let _ = refused.await.unwrap();
 }
 
 /// A careless admin (or a copied manifest) gives a plugin another node's name: its
@@ -176,6 +244,7 @@ async fn a_plugin_given_another_nodes_name_is_not_ready_and_says_why(
         plugin_client.clone(),
         Arc::new(FileDiscovery::new(sample)),
         Arc::new(NoRefit),
+        Arc::default(),
         stop_rx,
     ));
     let refused =
@@ -780,7 +849,12 @@ async fn the_refit_client_hears_the_commit_in_the_ledger(
     // whole timeout and, strict, reject the container.
     let timeout = Duration::from_secs(30);
     // The plugin's one watch of its node's reservations, with its own identity.
-    let commits = Arc::new(NodeCommits::start(plugin_client.clone(), NODE));
+    let watch_metrics = Arc::new(gpuledger_device_plugin::metrics::Metrics::default());
+    let commits = Arc::new(NodeCommits::start(
+        plugin_client.clone(),
+        NODE,
+        watch_metrics.clone(),
+    ));
     let refit = |pod| {
         let hook = RefitClient::new(plugin_client.clone()).hearing(commits.clone());
         start_refit(admin, plugin_client, hook, inventory.clone(), pod, timeout)
@@ -870,6 +944,15 @@ async fn the_refit_client_hears_the_commit_in_the_ledger(
         panic!("a strict refusal must fail the container")
     };
     assert!(reason.contains("CardInsufficientMemory"), "{reason}");
+    // The install's RBAC lets the plugin watch its node's reservations.
+    let refused = watch_metrics
+        .watch_errors
+        .get_or_create(&gpuledger_device_plugin::metrics::WatchErrorLabels {
+            watch: gpuledger_device_plugin::metrics::WATCH_RESERVATIONS.into(),
+            failure: "refused".into(),
+        })
+        .get();
+    assert_eq!(refused, 0, "the plugin's reservation watch was refused");
 }
 
 /// Books pod `pod` container 0 on GPU 1 (NUMA 0), strict, and starts the plugin's refit of it

@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
+use gpuledger_crds::kubeclient::failure::ApiFailure;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::admissionregistration::v1::{
     MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
@@ -45,8 +46,7 @@ use tokio_rustls::rustls::{
     DigitallySignedStruct, DistinguishedName, RootCertStore, SignatureScheme,
 };
 
-use crate::telemetry::{Metrics, WatchFailure};
-use crate::watches::failure_of_request;
+use crate::telemetry::Metrics;
 
 /// Annotation on the Secret: when its serving certificate expires (RFC 3339).
 pub const NOT_AFTER: &str = "gpuledger.io/not-after";
@@ -346,7 +346,7 @@ impl SelfSigned {
         loop {
             match self.ensure(client).await {
                 Err(CertError::Kube { action, source })
-                    if failure_of_request(&source) == WatchFailure::NotServed =>
+                    if ApiFailure::of_request(&source) == ApiFailure::NotServed =>
                 {
                     metrics.certificate_failures.inc();
                     tracing::warn!(%action, error = %source, retry_in = ?wait,

@@ -11,7 +11,9 @@ use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube::{Api, Resource};
 use serde::de::DeserializeOwned;
 
-use crate::telemetry::{Health, WatchFailure};
+use gpuledger_crds::kubeclient::failure::ApiFailure;
+
+use crate::telemetry::Health;
 
 mod inventory;
 mod streamed;
@@ -65,7 +67,7 @@ where
             Ok(_) => health.watch_ok(name),
             Err(e) => {
                 tracing::warn!(watch = name, error = %e, "watch error (retrying)");
-                health.watch_error(name, failure_of(e));
+                health.watch_error(name, ApiFailure::of_watch(e));
             }
         })
         .chain(
@@ -74,43 +76,6 @@ where
             })
             .filter_map(|()| async { None }),
         )
-}
-
-/// Whether a watch's error is the API server refusing it (a restart of this process may cure
-/// that) or the server not serving it, or asking for a fresh list (only its recovery, or the
-/// list the watch asks for at once, does).
-pub fn failure_of(e: &watcher::Error) -> WatchFailure {
-    match e {
-        watcher::Error::WatchError(status) => failure_of_status(status.code),
-        watcher::Error::InitialListFailed(e)
-        | watcher::Error::WatchStartFailed(e)
-        | watcher::Error::WatchFailed(e) => failure_of_request(e),
-        watcher::Error::NoResourceVersion => WatchFailure::Refused,
-    }
-}
-
-/// The same sorting for any one request to the API server: whether it refused the request, or
-/// did not serve it (then only waiting for the server helps).
-pub fn failure_of_request(e: &kube::Error) -> WatchFailure {
-    match e {
-        kube::Error::Api(status) => failure_of_status(status.code),
-        // This process could not authenticate the request (a token file or credential plugin
-        // that fails): a new process may well, so it counts as a refusal.
-        kube::Error::Service(e) if e.is::<kube::client::AuthError>() => WatchFailure::Refused,
-        // No connection, a timeout, a stream broken off: nothing served it.
-        kube::Error::HyperError(_) | kube::Error::Service(_) | kube::Error::ReadEvents(_) => {
-            WatchFailure::NotServed
-        }
-        // Served, and unreadable here (a body this version cannot decode): as a refusal.
-        _ => WatchFailure::Refused,
-    }
-}
-
-fn failure_of_status(code: u16) -> WatchFailure {
-    match code {
-        410 | 429 | 500..=599 => WatchFailure::NotServed,
-        _ => WatchFailure::Refused,
-    }
 }
 
 /// A kube-runtime `Controller` of the `K`s `api` and `config` select, its watch waiting after
@@ -141,61 +106,6 @@ where
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_watch_error_is_sorted_by_whether_the_server_served_it() {
-        use kube::core::Status;
-        let api =
-            |code: u16| kube::Error::Api(Box::new(Status::failure("no", "x").with_code(code)));
-        let in_stream = |code: u16| {
-            watcher::Error::WatchError(Box::new(Status::failure("no", "x").with_code(code)))
-        };
-        let expected = [
-            (WatchFailure::Refused, [400, 401, 403, 404, 422]),
-            (WatchFailure::NotServed, [410, 429, 500, 503, 504]),
-        ];
-        for (want, codes) in expected {
-            for code in codes {
-                // Said in the watch stream, in answer to the watch request, or to the list.
-                for e in [
-                    in_stream(code),
-                    watcher::Error::WatchStartFailed(api(code)),
-                    watcher::Error::InitialListFailed(api(code)),
-                ] {
-                    assert_eq!(failure_of(&e), want, "{code}: {e}");
-                }
-            }
-        }
-        let refused_connection = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
-        assert_eq!(
-            failure_of(&watcher::Error::WatchStartFailed(kube::Error::Service(
-                refused_connection.into()
-            ))),
-            WatchFailure::NotServed
-        );
-        let no_token = kube::client::AuthError::ReadTokenFile(
-            std::io::Error::from(std::io::ErrorKind::NotFound),
-            "/var/run/secrets/token".into(),
-        );
-        assert_eq!(
-            failure_of(&watcher::Error::WatchStartFailed(kube::Error::Service(
-                no_token.into()
-            ))),
-            WatchFailure::Refused,
-            "a credential this process cannot load"
-        );
-        let reset = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
-        assert_eq!(
-            failure_of(&watcher::Error::WatchFailed(kube::Error::ReadEvents(reset))),
-            WatchFailure::NotServed
-        );
-        let unreadable = serde_json::from_str::<u32>("{").unwrap_err();
-        assert_eq!(
-            failure_of(&watcher::Error::InitialListFailed(kube::Error::SerdeError(
-                unreadable
-            ))),
-            WatchFailure::Refused
-        );
-    }
     use k8s_openapi::api::core::v1::Pod;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ManagedFieldsEntry, ObjectMeta};
 

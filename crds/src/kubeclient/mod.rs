@@ -20,6 +20,7 @@ use kube::client::retry::RetryPolicy;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use tower::retry::RetryLayer;
 
+pub mod failure;
 pub mod watch_backoff;
 pub mod writes;
 

@@ -20,6 +20,8 @@ use kube::{Api, Client, ResourceExt};
 use tokio::sync::broadcast;
 use tokio::task::JoinHandle;
 
+use crate::metrics::{Metrics, WATCH_RESERVATIONS};
+
 /// How many reservation versions a slow refit may fall behind before it stops hearing commits
 /// (and waits for the answer alone).
 const BACKLOG: usize = 256;
@@ -36,7 +38,7 @@ impl NodeCommits {
     /// Starts watching the reservations of `node` (retried with backoff when the API server
     /// fails, listed again at once when told its version expired; refits meanwhile wait for
     /// their answers alone).
-    pub fn start(client: Client, node: &str) -> Self {
+    pub fn start(client: Client, node: &str, metrics: Arc<Metrics>) -> Self {
         let (versions, _) = broadcast::channel(BACKLOG);
         let sender = versions.clone();
         let api: Api<GpuReservation> = Api::all(client);
@@ -52,10 +54,13 @@ impl NodeCommits {
                     Ok(r) => drop(sender.send(Arc::new(r))),
                     // Retried with backoff; meanwhile refits wait for the answers alone, which
                     // is slower but correct, so it is worth a warning (missing RBAC, say).
-                    Err(e) => tracing::warn!(
-                        error = %e,
-                        "watching this node's reservations failed; refits wait for the operator's answers alone"
-                    ),
+                    Err(e) => {
+                        metrics.watch_error(WATCH_RESERVATIONS, &e);
+                        tracing::warn!(
+                            error = %e,
+                            "watching this node's reservations failed; refits wait for the operator's answers alone"
+                        )
+                    }
                 }
             }
         });
@@ -163,10 +168,48 @@ mod tests {
             "/apis/gpuledger.io/v1alpha1/gpureservations",
             &[("labelSelector", &format!("{NODE_LABEL}=n1"))],
         ));
-        let commits = NodeCommits::start(client, "n1");
+        let metrics = Arc::new(Metrics::default());
+        let commits = NodeCommits::start(client, "n1", metrics.clone());
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        // The 410 was an error the server's recovery cures, counted as such (read before the
+        // script ends: its end breaks the last watch off, one more such error).
+        assert_eq!(errors(&metrics, "not_served"), 1);
+        assert_eq!(errors(&metrics, "refused"), 0);
+        api.finish().await;
+        drop(commits);
+    }
+
+    /// A list the API server refuses (the plugin's RBAC without GpuReservations) is counted as
+    /// refused, for the alert that someone must fix the install.
+    #[tokio::test(start_paused = true)]
+    async fn a_refused_watch_is_counted_as_refused() {
+        use gpuledger_crds::scripted_api::{expect, scripted, status};
+        let (client, api) = scripted(vec![
+            expect(
+                http::Method::GET,
+                "/apis/gpuledger.io/v1alpha1/gpureservations",
+            )
+            .query("labelSelector", &format!("{NODE_LABEL}=n1"))
+            .reply(403, status(403, "Forbidden", "cannot list gpureservations")),
+        ]);
+        let metrics = Arc::new(Metrics::default());
+        let commits = NodeCommits::start(client, "n1", metrics.clone());
+        // Shorter than the first backoff step: the one list only.
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         api.finish().await;
         drop(commits);
+        assert_eq!(errors(&metrics, "refused"), 1);
+        assert_eq!(errors(&metrics, "not_served"), 0);
+    }
+
+    fn errors(metrics: &Metrics, failure: &str) -> u64 {
+        metrics
+            .watch_errors
+            .get_or_create(&crate::metrics::WatchErrorLabels {
+                watch: WATCH_RESERVATIONS.into(),
+                failure: failure.into(),
+            })
+            .get()
     }
 
     fn version(

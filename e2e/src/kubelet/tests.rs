@@ -50,6 +50,7 @@ async fn real_plugin_registers_advertises_numa_and_recovers_from_a_kubelet_resta
         unreachable_client(),
         Arc::new(FileDiscovery::new(&devices_file)),
         Arc::new(NoRefit),
+        Arc::default(),
         stop_rx,
     ));
 
@@ -126,6 +127,7 @@ async fn plugin_started_before_the_kubelet_waits_and_a_stale_socket_is_replaced(
         unreachable_client(),
         Arc::new(FileDiscovery::new(&devices_file)),
         Arc::new(NoRefit),
+        Arc::default(),
         stop_rx,
     ));
     // The plugin is up before the kubelet; it must keep waiting for kubelet.sock.

@@ -80,6 +80,7 @@ impl PluginNode {
                 plugin_client,
                 Arc::new(discovery),
                 Arc::new(NoRefit),
+                Arc::default(),
                 stop_rx,
             )
             .await

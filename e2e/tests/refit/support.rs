@@ -262,10 +262,10 @@ impl PluginNode {
             options,
             plugin_client.clone(),
             Arc::new(FileDiscovery::new(&devices)),
-            Arc::new(
-                RefitClient::new(plugin_client.clone())
-                    .hearing(Arc::new(NodeCommits::start(plugin_client.clone(), name))),
-            ),
+            Arc::new(RefitClient::new(plugin_client.clone()).hearing(Arc::new(
+                NodeCommits::start(plugin_client.clone(), name, Arc::default()),
+            ))),
+            Arc::default(),
             stop_rx,
         ));
         let replicas = (GPUS * SPLIT) as usize;

@@ -7,7 +7,7 @@
 //! fails because the server does not serve (down, restarting, overloaded, still loading the
 //! kind) or asks for a fresh list is not stalled, however long that lasts: a restart cures none
 //! of it, and the cold start it causes would list everything again just as the server
-//! recovers ([`WatchFailure`]).
+//! recovers ([`ApiFailure`]).
 //!
 //! `/warmz` is true on every replica whose caches are listed and whose fit views are built, the
 //! standby too: the pods' readiness, so a rollout can count a new standby as available.
@@ -24,32 +24,13 @@ use std::time::{Duration, Instant};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 
+use gpuledger_crds::kubeclient::failure::ApiFailure;
+
 use super::WatchErrorLabels;
 
 /// How long the API server may keep refusing a watch before `/healthz` reports it (the
 /// default of `--watch-stall-limit`).
 pub const WATCH_STALL_LIMIT: Duration = Duration::from_secs(90);
-
-/// What a watch's error says about whether a restart of this process could help.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum WatchFailure {
-    /// The API server answered and refused (403, 404, a body this process cannot read…).
-    Refused,
-    /// The server did not serve it (no connection, a broken stream, 429, a 5xx), or told the
-    /// watch its version expired (410: it lists again at once). The server's recovery, not a
-    /// restart, is the cure.
-    NotServed,
-}
-
-impl WatchFailure {
-    /// The `failure` label of `gpuledger_watch_errors_total`.
-    pub fn label(self) -> &'static str {
-        match self {
-            WatchFailure::Refused => "refused",
-            WatchFailure::NotServed => "not_served",
-        }
-    }
-}
 
 #[derive(Clone, Copy, Debug)]
 enum WatchState {
@@ -114,7 +95,7 @@ impl Health {
     /// A watch of this name starts: its error counts are exported at 0 from now on, so that
     /// an alert on their `increase()` sees the first error.
     pub fn watch_started(&self, name: &'static str) {
-        for failure in [WatchFailure::Refused, WatchFailure::NotServed] {
+        for failure in [ApiFailure::Refused, ApiFailure::NotServed] {
             let _ = self.errors.get_or_create(&WatchErrorLabels {
                 watch: name.to_string(),
                 failure: failure.label().to_string(),
@@ -128,7 +109,7 @@ impl Health {
     }
 
     /// A watch returned an error (it retries with backoff).
-    pub fn watch_error(&self, name: &'static str, failure: WatchFailure) {
+    pub fn watch_error(&self, name: &'static str, failure: ApiFailure) {
         self.errors
             .get_or_create(&WatchErrorLabels {
                 watch: name.to_string(),
@@ -137,11 +118,11 @@ impl Health {
             .inc();
         let mut w = self.lock();
         let state = match (failure, w.get(name)) {
-            (WatchFailure::NotServed, _) => WatchState::WaitingOnServer,
-            (WatchFailure::Refused, Some(WatchState::RefusedSince(t))) => {
+            (ApiFailure::NotServed, _) => WatchState::WaitingOnServer,
+            (ApiFailure::Refused, Some(WatchState::RefusedSince(t))) => {
                 WatchState::RefusedSince(*t)
             }
-            (WatchFailure::Refused, _) => WatchState::RefusedSince(Instant::now()),
+            (ApiFailure::Refused, _) => WatchState::RefusedSince(Instant::now()),
         };
         w.insert(name, state);
     }
@@ -344,7 +325,7 @@ mod tests {
     fn health_tolerates_short_failures_but_not_ended_watches() {
         let h = Health::default();
         h.watch_ok("reservations");
-        h.watch_error("reservations", WatchFailure::Refused);
+        h.watch_error("reservations", ApiFailure::Refused);
         assert!(h.problems().is_empty());
         h.watch_ok("reservations");
         h.watch_ended("pods");
@@ -357,13 +338,13 @@ mod tests {
         let h = Health::new(limit, Family::default());
         let later = |by: u64| Instant::now() + Duration::from_secs(by);
         // The server away (refused connections, 503s): no restart, however long.
-        h.watch_error("reservations", WatchFailure::NotServed);
-        h.watch_error("reservations", WatchFailure::NotServed);
+        h.watch_error("reservations", ApiFailure::NotServed);
+        h.watch_error("reservations", ApiFailure::NotServed);
         assert!(h.problems_at(later(3600)).is_empty());
         // Refused while it serves (a 403, say): the limit counts from the first refusal.
-        h.watch_error("reservations", WatchFailure::Refused);
+        h.watch_error("reservations", ApiFailure::Refused);
         let first = Instant::now();
-        h.watch_error("reservations", WatchFailure::Refused);
+        h.watch_error("reservations", ApiFailure::Refused);
         assert!(h.problems_at(Instant::now()).is_empty(), "within the limit");
         let problems = h.problems_at(first + limit + Duration::from_secs(1));
         assert_eq!(
@@ -371,13 +352,13 @@ mod tests {
             ["watch reservations refused by the API server for 11s"]
         );
         // The server going away, or an event, stops the count.
-        h.watch_error("reservations", WatchFailure::NotServed);
+        h.watch_error("reservations", ApiFailure::NotServed);
         assert!(h.problems_at(later(3600)).is_empty());
-        h.watch_error("reservations", WatchFailure::Refused);
+        h.watch_error("reservations", ApiFailure::Refused);
         h.watch_ok("reservations");
         assert!(h.problems_at(later(3600)).is_empty());
         // Every error counted, by kind.
-        let counted = |failure: WatchFailure| {
+        let counted = |failure: ApiFailure| {
             h.errors
                 .get_or_create(&WatchErrorLabels {
                     watch: "reservations".into(),
@@ -385,7 +366,7 @@ mod tests {
                 })
                 .get()
         };
-        assert_eq!(counted(WatchFailure::NotServed), 3);
-        assert_eq!(counted(WatchFailure::Refused), 3);
+        assert_eq!(counted(ApiFailure::NotServed), 3);
+        assert_eq!(counted(ApiFailure::Refused), 3);
     }
 }

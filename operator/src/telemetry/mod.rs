@@ -14,7 +14,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 pub mod health;
-pub use health::{Health, WATCH_STALL_LIMIT, WatchFailure};
+pub use health::{Health, WATCH_STALL_LIMIT};
 
 /// Buckets of the extender's latencies: fine around kube-scheduler's budget (the filter's
 /// target is a p99 under 5 ms), coarse beyond it up to the bind's seconds.
@@ -103,7 +103,7 @@ pub const REPAIRED: &str = "repaired";
 pub const UNFIT: &str = "unfit";
 
 /// Labels of a watch's error: which watch, and whether the API server refused it or did not
-/// serve it ([`WatchFailure`]).
+/// serve it ([`ApiFailure`](gpuledger_crds::kubeclient::failure::ApiFailure)).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WatchErrorLabels {
     /// The watch (`gpureservations`, `pods`, `gpunodes`, …).
