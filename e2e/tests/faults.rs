@@ -719,10 +719,10 @@ async fn liveness_holds_while_the_api_server_is_away_and_fails_on_a_refused_watc
 
 /// The operator started while kube-apiserver is down (a cold power-on of the whole cluster, a
 /// control-plane upgrade), electing a leader and keeping its own serving certificate as the
-/// chart installs it: it
-/// must wait for the server with its probes answering, not exit (the kubelet would hold an
-/// exited operator in crash-loop backoff, up to five minutes, after the server is back). Once
-/// the server serves, the same process reads or issues its certificate and becomes ready.
+/// chart installs it: it must wait for the server with its probes answering, not exit (the
+/// kubelet would hold an exited operator in crash-loop backoff, up to five minutes, after the
+/// server is back). Once the server serves, the same process reads or issues its certificate
+/// and becomes ready.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn started_while_the_api_server_is_down_it_waits_for_it() {
     const AWAY: Duration = Duration::from_secs(3);
