@@ -8,7 +8,7 @@ export CARGO_BUILD_JOBS ?= $(JOBS)
 # the 23 test binaries after a few rebuilds, which filled CI's disk once. Off unless asked for.
 export CARGO_INCREMENTAL ?= 0
 
-.PHONY: help demo demo-down sandbox sandbox-down test unit e2e crds crds-check bench soak lint fmt k8s-binaries cluster-up cluster-down image
+.PHONY: help demo demo-down sandbox sandbox-down test unit e2e crds crds-check monitoring bench soak lint fmt k8s-binaries cluster-up cluster-down image
 
 help:
 	@echo "make demo        run the main job on a local control plane with simulated GPUs"
@@ -17,6 +17,7 @@ help:
 	@echo "make sandbox-down  stop the sandbox and remove its state"
 	@echo "make test        run every test (unit, integration, end-to-end)"
 	@echo "make crds        regenerate crds/yaml from the Rust types"
+	@echo "make monitoring  regenerate config/monitoring's alerts from the chart's"
 	@echo "make bench       run the benchmarks and print one table (several minutes)"
 	@echo "make soak        run the long fault tests (300-pod burst, 20 operator kills)"
 	@echo "make lint        cargo fmt --check and clippy -D warnings"
@@ -95,6 +96,13 @@ unit:
 CRD_DIRS := crds/yaml config/crd/bases charts/gpuledger/crds
 crds:
 	@for d in $(CRD_DIRS); do $(CARGO) run -q -p gpuledger-operator -- crds --out-dir $$d; done
+
+## The alerts live in the chart (charts/gpuledger/templates/monitoring.yaml); config/monitoring's
+## PrometheusRule is rendered from it (e2e/tests/manifests.rs fails when the two differ).
+monitoring: k8s-binaries
+	@bin="$$(e2e/k8s/build.sh 2>/dev/null | tail -n1)"; \
+	hack/monitoring-rule.sh "$$bin/helm" > config/monitoring/prometheus-rule.yaml.new; \
+	mv config/monitoring/prometheus-rule.yaml.new config/monitoring/prometheus-rule.yaml
 
 ## One table (e2e/benches/table): fit decision at 1000/2500/5000 nodes, extender filter at 1000
 ## nodes through the real kube-scheduler, refit round trip and its floor (run first by

@@ -543,6 +543,66 @@ fn selectors(expr: &promql_parser::parser::Expr) -> Vec<(String, Vec<(String, St
 /// the device plugins that select exactly their pods and name a port they declare, and a
 /// PrometheusRule whose every expression is valid PromQL over series the operator or the device
 /// plugin really exports, so an alert cannot go silent because a metric was renamed.
+/// Each PodMonitor and the workload whose pods it must scrape.
+const MONITORED: [(&str, &str); 2] = [
+    (
+        "PodMonitor/gpuledger-operator",
+        "Deployment/gpuledger-operator",
+    ),
+    (
+        "PodMonitor/gpuledger-device-plugin",
+        "DaemonSet/gpuledger-device-plugin",
+    ),
+];
+
+/// Each PodMonitor of `monitors` selects its workload's pods in `installed`, and only them, by
+/// a port their containers declare.
+fn monitors_select_their_pods(
+    monitors: &BTreeMap<String, Value>,
+    installed: &BTreeMap<String, Value>,
+) {
+    for (monitor, workload) in MONITORED {
+        let monitor = &monitors[monitor];
+        let pod = &installed[workload]["spec"]["template"];
+        assert_eq!(
+            monitor["spec"]["selector"]["matchLabels"], pod["metadata"]["labels"],
+            "{workload}: the PodMonitor must select its pods and only them"
+        );
+        let port = monitor["spec"]["podMetricsEndpoints"][0]["port"]
+            .as_str()
+            .unwrap();
+        let declared = pod["spec"]["containers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|c| c["ports"].as_array().cloned().unwrap_or_default())
+            .any(|p| p["name"] == port);
+        assert!(declared, "{workload} declares no port named {port}");
+    }
+}
+
+/// config/monitoring, for an install from config/default: its alerts are the chart's (one
+/// source, rendered by `make monitoring`), and its PodMonitors scrape config/default's pods.
+#[test]
+fn config_monitoring_has_the_charts_alerts_and_scrapes_config_defaults_pods() {
+    let config = objects(&ok_stdout(
+        &kubectl(),
+        &["kustomize", "config/monitoring"],
+        None,
+    ));
+    let chart = objects(&helm_template(&[
+        "--set",
+        "monitoring.prometheusRule.enabled=true",
+    ]));
+    let rule = "PrometheusRule/gpuledger-alerts";
+    assert!(
+        config[rule]["spec"] == chart[rule]["spec"],
+        "config/monitoring's alerts differ from the chart's: run `make monitoring`"
+    );
+    assert_eq!(config[rule]["metadata"]["namespace"], DEFAULT_NAMESPACE);
+    monitors_select_their_pods(&config, &objects(&kustomize_default()));
+}
+
 #[test]
 fn the_charts_alerts_and_pod_monitors_watch_what_gpuledger_exports() {
     let defaults = objects(&helm_template(&[]));
@@ -563,33 +623,9 @@ fn the_charts_alerts_and_pod_monitors_watch_what_gpuledger_exports() {
         "monitoring.prometheusRule.labels.release=kps",
     ]));
 
-    for (monitor, workload) in [
-        (
-            "PodMonitor/gpuledger-operator",
-            "Deployment/gpuledger-operator",
-        ),
-        (
-            "PodMonitor/gpuledger-device-plugin",
-            "DaemonSet/gpuledger-device-plugin",
-        ),
-    ] {
-        let monitor = &rendered[monitor];
-        let pod = &rendered[workload]["spec"]["template"];
-        assert_eq!(monitor["metadata"]["labels"]["release"], "kps");
-        assert_eq!(
-            monitor["spec"]["selector"]["matchLabels"], pod["metadata"]["labels"],
-            "{workload}: the PodMonitor must select its pods and only them"
-        );
-        let port = monitor["spec"]["podMetricsEndpoints"][0]["port"]
-            .as_str()
-            .unwrap();
-        let declared = pod["spec"]["containers"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .flat_map(|c| c["ports"].as_array().cloned().unwrap_or_default())
-            .any(|p| p["name"] == port);
-        assert!(declared, "{workload} declares no port named {port}");
+    monitors_select_their_pods(&rendered, &rendered);
+    for monitor in MONITORED.map(|(monitor, _)| monitor) {
+        assert_eq!(rendered[monitor]["metadata"]["labels"]["release"], "kps");
     }
 
     // What a running operator exports: its watches started (each exports its error counts at 0).
