@@ -107,7 +107,6 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         _ => None,
     };
     let (client, writes) = kubeclient::client_counting_writes(config.kubeconfig.as_deref()).await?;
-    ensure_namespace(&client, &config.namespace).await;
     let identity = config
         .identity
         .clone()
@@ -293,6 +292,9 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         }
     });
     tracing::info!(metrics = %config.metrics_addr, "serving probes and metrics");
+    // Only now: with the API server unreachable this may wait out a connect timeout, and the
+    // liveness probe must answer meanwhile.
+    ensure_namespace(&client, &config.namespace).await;
 
     // The extender's and webhook's certificate: from files, or the operator's own, read or
     // issued once the API server serves (it may still be starting too).
