@@ -738,9 +738,10 @@ async fn started_while_the_api_server_is_down_it_waits_for_it() {
     .await
     .unwrap();
 
-    // While the server stays away: the same process, alive (liveness 200), not warm.
+    // While the server stays away: the same process, alive (liveness 200), not warm, and
+    // saying what it waits for.
     let away_until = Instant::now() + AWAY;
-    let mut probed = 0;
+    let (mut probed, mut said) = (0, String::new());
     while Instant::now() < away_until {
         op.check_running().unwrap();
         let (code, body) = http_get(port, "/healthz").await.unwrap();
@@ -748,10 +749,16 @@ async fn started_while_the_api_server_is_down_it_waits_for_it() {
             code, 200,
             "liveness failed while the API server was down: {body}"
         );
-        assert_eq!(op.warmz().await, Some(503), "warm with no API server");
+        let (code, body) = http_get(port, "/warmz").await.unwrap();
+        assert_eq!(code, 503, "warm with no API server: {body}");
+        said = body;
         probed += 1;
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    assert!(
+        said.contains("waiting for the serving certificate"),
+        "/warmz: {said}"
+    );
     let failures = |metrics: &str| {
         sample(metrics, "gpuledger_serving_certificate_failures_total", &[]).unwrap_or(0.0)
     };
@@ -769,7 +776,9 @@ async fn started_while_the_api_server_is_down_it_waits_for_it() {
     .unwrap();
     let ca = operator_ca(&rig.cp).await.unwrap();
     assert!(ca.contains("BEGIN CERTIFICATE"), "{ca}");
-    eprintln!("started while the API server was down: {probed} probes answered 200");
+    eprintln!(
+        "started while the API server was down: {probed} probes answered 200; /warmz said {said:?}"
+    );
 }
 
 /// Waits until the liveness probe on `port` fails, and checks that it names the NumaPolicy

@@ -46,7 +46,7 @@ use tokio_rustls::rustls::{
     DigitallySignedStruct, DistinguishedName, RootCertStore, SignatureScheme,
 };
 
-use crate::telemetry::Metrics;
+use crate::telemetry::{Health, Metrics};
 
 /// Annotation on the Secret: when its serving certificate expires (RFC 3339).
 pub const NOT_AFTER: &str = "gpuledger.io/not-after";
@@ -341,7 +341,13 @@ impl SelfSigned {
     /// sitting out the kubelet's crash-loop backoff (up to five minutes) once the server is
     /// back. A refusal (403 without the Role, a Secret it cannot use) ends it with the error:
     /// only a fix of the install helps there.
-    pub async fn first(&self, client: &Client, metrics: &Metrics) -> Result<Identity, CertError> {
+    /// `health` names the wait meanwhile (`/warmz`, `/readyz`).
+    pub async fn first(
+        &self,
+        client: &Client,
+        metrics: &Metrics,
+        health: &Health,
+    ) -> Result<Identity, CertError> {
         let mut wait = FIRST_RETRY;
         loop {
             match self.ensure(client).await {
@@ -351,10 +357,16 @@ impl SelfSigned {
                     metrics.certificate_failures.inc();
                     tracing::warn!(%action, error = %source, retry_in = ?wait,
                         "the API server does not serve the serving certificate's Secret yet");
+                    health.starting_waits_on(Some(format!(
+                        "the serving certificate: the API server does not serve it ({action}: {source})"
+                    )));
                     tokio::time::sleep(wait).await;
                     wait = (wait * 2).min(LAST_RETRY);
                 }
-                other => return other,
+                other => {
+                    health.starting_waits_on(None);
+                    return other;
+                }
             }
         }
     }
@@ -658,18 +670,23 @@ mod tests {
             expect(Method::GET, path).reply(200, stored),
         ]);
         let metrics = Metrics::new();
-        let got = keeper.first(&client, &metrics).await;
+        let health = Health::default();
+        let got = keeper.first(&client, &metrics, &health).await;
         api.finish().await;
         assert_eq!(got.unwrap(), held);
         assert_eq!(metrics.certificate_failures.get(), 2);
+        assert_eq!(health.starting_wait(), None, "the wait is over");
 
         let (client, api) = scripted(vec![
             expect(Method::GET, path).reply(403, status(403, "Forbidden", "no Role")),
         ]);
         // (Virtual time: a wait past the refusal would run out this limit at once.)
-        let got = tokio::time::timeout(Duration::from_secs(60), keeper.first(&client, &metrics))
-            .await
-            .expect("still waiting after the server refused");
+        let got = tokio::time::timeout(
+            Duration::from_secs(60),
+            keeper.first(&client, &metrics, &health),
+        )
+        .await
+        .expect("still waiting after the server refused");
         api.finish().await;
         let e = got.unwrap_err();
         assert!(matches!(e, CertError::Kube { .. }), "{e}");

@@ -301,7 +301,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
     let (tls, cert_keeper) = match self_signed(&config) {
         None => (tls_from_files, None),
         Some(keeper) => {
-            let identity = keeper.first(&client, &metrics).await?;
+            let identity = keeper.first(&client, &metrics, &health).await?;
             let live = Arc::new(certs::LiveCert::new(&identity)?);
             let tls = extender::tls::acceptor_resolving(live.clone())?;
             (Some(tls), Some((keeper, live, identity)))
@@ -530,6 +530,12 @@ async fn healthz_handler(State(ctx): State<Arc<Context>>) -> (StatusCode, String
 /// take over at once, first filter included, is. Callers reach the leader alone through the
 /// endpoint it publishes ([`controllers::extender_endpoint`]), not through readiness.
 async fn warmz_handler(State(ctx): State<Arc<Context>>) -> (StatusCode, String) {
+    if let Some(wait) = ctx.health.starting_wait() {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("starting: waiting for {wait}\n"),
+        );
+    }
     if !ctx.ledger.index.is_synced() {
         return (
             StatusCode::SERVICE_UNAVAILABLE,
@@ -549,6 +555,12 @@ async fn warmz_handler(State(ctx): State<Arc<Context>>) -> (StatusCode, String) 
 /// Whether this replica serves the extender: the leader, with its ledger index synced and,
 /// when it keeps the extender Service's endpoint, that endpoint naming it.
 async fn readyz_handler(State(ctx): State<Arc<Context>>) -> (StatusCode, String) {
+    if let Some(wait) = ctx.health.starting_wait() {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("starting: waiting for {wait}\n"),
+        );
+    }
     if let Some(problem) = ctx
         .may_write()
         .then(|| ctx.health.endpoint_problem())
@@ -714,6 +726,26 @@ mod tests {
             let serving = readyz_handler(State(ctx)).await.0;
             assert_eq!(serving == StatusCode::OK, leader);
         }
+    }
+
+    #[tokio::test]
+    async fn a_start_waiting_on_the_api_server_is_named_by_both_readiness_answers() {
+        let ctx = context(LedgerIndex::new(), true);
+        ctx.health
+            .starting_waits_on(Some("the serving certificate: not served".into()));
+        for (code, body) in [
+            warmz_handler(State(ctx.clone())).await,
+            readyz_handler(State(ctx.clone())).await,
+        ] {
+            assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+            assert!(
+                body.contains("waiting for the serving certificate"),
+                "{body}"
+            );
+        }
+        ctx.health.starting_waits_on(None);
+        let (_, body) = warmz_handler(State(ctx)).await;
+        assert!(body.contains("ledger index not synced"), "{body}");
     }
 
     #[tokio::test]

@@ -70,6 +70,9 @@ pub struct Health {
     terms: AtomicU64,
     /// `Some` once this replica keeps the extender Service's endpoint (`--extender-service`).
     endpoint: Mutex<Option<EndpointState>>,
+    /// What start-up is waiting on before it lists anything (the serving certificate while the
+    /// API server does not serve it), for `/warmz` and `/readyz` to name.
+    starting: Mutex<Option<String>>,
 }
 
 impl Default for Health {
@@ -89,6 +92,7 @@ impl Health {
             leader: AtomicU8::default(),
             terms: AtomicU64::default(),
             endpoint: Mutex::default(),
+            starting: Mutex::default(),
         }
     }
 
@@ -240,6 +244,20 @@ impl Health {
     pub fn endpoint_published(&self) -> bool {
         let keeps = self.endpoint_lock().is_some();
         keeps && self.term().is_some() && self.endpoint_problem().is_none()
+    }
+
+    /// Start-up is waiting on `what` (`None`: no longer).
+    pub fn starting_waits_on(&self, what: Option<String>) {
+        *self.starting.lock().unwrap_or_else(|e| e.into_inner()) = what;
+    }
+
+    /// What start-up is waiting on, if anything: why this replica is neither warm nor ready
+    /// when its lists have not even begun.
+    pub fn starting_wait(&self) -> Option<String> {
+        self.starting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     fn endpoint_lock(&self) -> std::sync::MutexGuard<'_, Option<EndpointState>> {
