@@ -781,6 +781,45 @@ async fn started_while_the_api_server_is_down_it_waits_for_it() {
     );
 }
 
+/// A GPU node whose device plugin starts while kube-apiserver is down (a power-on of the whole
+/// cluster): the plugin must not wait for the server or exit. It registers every replica with
+/// the kubelet on its flags, so the node's GPUs are advertised as soon as the kubelet can
+/// report again, and publishes the node's GpuNode once the server serves, the same task
+/// throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_started_while_the_api_server_is_down_registers_and_publishes_once_it_is_back() {
+    let mut rig = Rig::start_with(0, SHAPE, false).await;
+    let prepared = fault_support::kubelet::PluginNode::prepare(&rig.cp, "gpu-boot-0").await;
+    rig.cp.stop_apiserver(Duration::from_secs(1)).await.unwrap();
+    // Waits for all replicas registered with the kubelet (it panics past WAIT).
+    let started = Instant::now();
+    let node = prepared.start_plugin().await;
+    eprintln!(
+        "plugin registered with the API server down in {:?}",
+        started.elapsed()
+    );
+    rig.cp.start_apiserver().await.unwrap();
+    let nodes: Api<gpuledger_crds::GpuNode> = Api::all(rig.client());
+    let published = wait_for("the GpuNode published", WAIT, || {
+        let nodes = nodes.clone();
+        async move {
+            let node = nodes.get_opt("gpu-boot-0").await?;
+            Ok::<_, kube::Error>(node.filter(|n| {
+                n.status
+                    .as_ref()
+                    .is_some_and(|s| s.gpu_count == Some(8) && s.healthy_count == Some(8))
+            }))
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(published.metadata.name.as_deref(), Some("gpu-boot-0"));
+    assert!(
+        !node.plugin_ended(),
+        "the plugin's task ended while the API server was away"
+    );
+}
+
 /// Waits until the liveness probe on `port` fails, and checks that it names the NumaPolicy
 /// watch as refused by the API server.
 async fn healthz_names_the_refused_numapolicy_watch(port: u16, when: &str) {

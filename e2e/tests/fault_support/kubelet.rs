@@ -45,10 +45,25 @@ impl Drop for PluginNode {
     }
 }
 
+/// A node whose identity, Node object and kubelet are ready, its plugin not started yet.
+pub struct PreparedNode {
+    name: String,
+    kubelet: KubeletSimulator,
+    dir: PathBuf,
+    node: FakeNode,
+    plugin_client: kube::Client,
+    tmp: tempfile::TempDir,
+}
+
 impl PluginNode {
     /// Installs the plugin's RBAC and admission policy, creates Node `name`, starts the kubelet
     /// simulator and the plugin, and waits until the plugin has registered all replicas.
     pub async fn start(cp: &ControlPlane, name: &str) -> PluginNode {
+        PluginNode::prepare(cp, name).await.start_plugin().await
+    }
+
+    /// Everything [`PluginNode::start`] needs the API server for, the plugin not started.
+    pub async fn prepare(cp: &ControlPlane, name: &str) -> PreparedNode {
         let admin = cp.client();
         apply_path(&admin, &repo_root().join("config/rbac"))
             .await
@@ -69,7 +84,36 @@ impl PluginNode {
         let kubelet = KubeletSimulator::start(&dir)
             .await
             .expect("kubelet simulator");
-        let mut options = PluginOptions::new(name, &dir);
+        PreparedNode {
+            name: name.to_string(),
+            kubelet,
+            dir,
+            node,
+            plugin_client,
+            tmp,
+        }
+    }
+}
+
+impl PluginNode {
+    /// Whether the plugin's task has ended (returned or failed).
+    pub fn plugin_ended(&self) -> bool {
+        self.plugin.is_finished()
+    }
+}
+
+impl PreparedNode {
+    /// Starts the plugin and waits until it has registered all replicas with the kubelet.
+    pub async fn start_plugin(self) -> PluginNode {
+        let PreparedNode {
+            name,
+            kubelet,
+            dir,
+            node,
+            plugin_client,
+            tmp,
+        } = self;
+        let mut options = PluginOptions::new(&name, &dir);
         options.poll_interval = Duration::from_millis(50);
         let (stop, stop_rx) = watch::channel(false);
         let discovery =
