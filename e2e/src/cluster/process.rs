@@ -29,7 +29,7 @@ struct Member {
     name: String,
     child: Child,
     log: PathBuf,
-    /// What started it, for [`ProcessGroup::restart`].
+    /// What started it, to start it again ([`ProcessGroup::start_again`]).
     program: PathBuf,
     args: Vec<String>,
     /// Stopped on purpose ([`ProcessGroup::stop_one`]), not failed.
