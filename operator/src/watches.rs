@@ -178,17 +178,7 @@ mod tests {
             forbidden(),
             Ok(watcher::Event::Init),
         ];
-        // Any refusal is over the limit at once: only whether the clock still runs is asked.
-        let health = Arc::new(Health::new(
-            std::time::Duration::ZERO,
-            prometheus_client::metrics::family::Family::default(),
-        ));
-        let stream = futures::stream::iter(retries).chain(futures::stream::pending());
-        let mut stream = std::pin::pin!(tracked("numapolicies", health.clone(), stream));
-        for _ in 0..5 {
-            stream.next().await;
-        }
-        let problems = health.problems();
+        let problems = problems_after(retries).await;
         assert_eq!(problems.len(), 1, "{problems:?}");
         assert!(problems[0].contains("numapolicies refused"), "{problems:?}");
 
@@ -197,15 +187,29 @@ mod tests {
             forbidden(),
             Ok(watcher::Event::InitApply(7)),
         ];
+        let problems = problems_after(listed).await;
+        assert!(
+            problems.is_empty(),
+            "an object listed is progress: {problems:?}"
+        );
+    }
+
+    /// What `/healthz` reports once a `numapolicies` watch has passed on `items` (and waits
+    /// for more), with a stall limit of zero: any refusal is over it at once, so only whether
+    /// the refusal's clock still runs is asked.
+    async fn problems_after(
+        items: Vec<Result<watcher::Event<u32>, watcher::Error>>,
+    ) -> Vec<String> {
         let health = Arc::new(Health::new(
             std::time::Duration::ZERO,
             prometheus_client::metrics::family::Family::default(),
         ));
-        let stream = futures::stream::iter(listed).chain(futures::stream::pending());
+        let count = items.len();
+        let stream = futures::stream::iter(items).chain(futures::stream::pending());
         let mut stream = std::pin::pin!(tracked("numapolicies", health.clone(), stream));
-        for _ in 0..3 {
+        for _ in 0..count {
             stream.next().await;
         }
-        assert!(health.problems().is_empty(), "an object listed is progress");
+        health.problems()
     }
 }

@@ -524,17 +524,24 @@ async fn healthz_handler(State(ctx): State<Arc<Context>>) -> (StatusCode, String
     }
 }
 
+/// The answer of both readiness endpoints while start-up waits on the API server before it has
+/// listed anything: what it waits for (the lists' own "not synced" would name the wrong wait).
+fn still_starting(ctx: &Context) -> Option<(StatusCode, String)> {
+    let wait = ctx.health.starting_wait()?;
+    Some((
+        StatusCode::SERVICE_UNAVAILABLE,
+        format!("starting: waiting for {wait}\n"),
+    ))
+}
+
 /// Whether this replica is warm: its caches listed (it serves nothing before that), its ledger
 /// index synced and every fit view built once, leader or standby. The pod's readiness probe: a
 /// Deployment's rollout goes on only once a new replica is available, and a standby that can
 /// take over at once, first filter included, is. Callers reach the leader alone through the
 /// endpoint it publishes ([`controllers::extender_endpoint`]), not through readiness.
 async fn warmz_handler(State(ctx): State<Arc<Context>>) -> (StatusCode, String) {
-    if let Some(wait) = ctx.health.starting_wait() {
-        return (
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("starting: waiting for {wait}\n"),
-        );
+    if let Some(starting) = still_starting(&ctx) {
+        return starting;
     }
     if !ctx.ledger.index.is_synced() {
         return (
@@ -555,11 +562,8 @@ async fn warmz_handler(State(ctx): State<Arc<Context>>) -> (StatusCode, String) 
 /// Whether this replica serves the extender: the leader, with its ledger index synced and,
 /// when it keeps the extender Service's endpoint, that endpoint naming it.
 async fn readyz_handler(State(ctx): State<Arc<Context>>) -> (StatusCode, String) {
-    if let Some(wait) = ctx.health.starting_wait() {
-        return (
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("starting: waiting for {wait}\n"),
-        );
+    if let Some(starting) = still_starting(&ctx) {
+        return starting;
     }
     if let Some(problem) = ctx
         .may_write()
