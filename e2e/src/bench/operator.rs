@@ -117,13 +117,27 @@ impl ChildOperator {
     }
 
     /// Waits until `/readyz` answers 200 (leader with a synced ledger) and returns the time
-    /// since the process was started. Fails with the log tail if it exits or takes too long.
+    /// since the process was started. Fails with the log tail if it exits or takes too long,
+    /// or if its extender's port is closed once it says it is ready.
     pub async fn wait_ready(&mut self, timeout: Duration) -> Result<Duration, ClusterError> {
         let mut last = String::from("no answer yet");
         while self.started.elapsed() < timeout {
             self.group.check_running()?;
             match self.readyz().await {
-                Some(200) => return Ok(self.started.elapsed()),
+                Some(200) => {
+                    let ready = self.started.elapsed();
+                    let port = self.options.extender_port;
+                    return match tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
+                        Ok(_) => Ok(ready),
+                        Err(source) => Err(ClusterError::ReadyButClosed {
+                            name: self.options.identity.clone(),
+                            port,
+                            source,
+                            log: self.log.clone(),
+                            tail: tail(&self.log, TAIL_LINES),
+                        }),
+                    };
+                }
                 Some(code) => last = format!("HTTP {code}"),
                 None => {}
             }

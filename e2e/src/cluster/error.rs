@@ -80,6 +80,22 @@ pub enum ClusterError {
         /// The end of that log.
         tail: String,
     },
+    /// An operator said it was ready while its extender's port was closed: a caller sent to
+    /// it then (the scheduler, a Service) would have been refused.
+    #[error("{name} answered /readyz 200 but its extender on 127.0.0.1:{port} refused a connection ({source}); last lines of {}:\n{tail}", log.display())]
+    ReadyButClosed {
+        /// Component name.
+        name: String,
+        /// The extender's port.
+        port: u16,
+        /// The connection's error.
+        #[source]
+        source: std::io::Error,
+        /// Its log file.
+        log: PathBuf,
+        /// The end of that log.
+        tail: String,
+    },
     /// A [`wait_for`](crate::cluster::wait_for) condition did not hold in time.
     #[error("timed out after {timeout:?} waiting for {what} (last: {last})")]
     Timeout {

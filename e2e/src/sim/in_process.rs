@@ -91,14 +91,26 @@ impl InProcessOperator {
             .unwrap_or(0)
     }
 
-    /// Waits until `/readyz` answers 200 (leader, ledger synced).
+    /// Waits until `/readyz` answers 200 (leader, ledger synced, extender listening); fails
+    /// if the extender's port is closed once it says so.
     pub async fn wait_ready(&self, timeout: Duration) -> Result<(), ClusterError> {
         wait_for(
             "operator ready (leader, ledger synced)",
             timeout,
             || async { Ok::<_, std::io::Error>((self.readyz().await == 200).then_some(())) },
         )
-        .await
+        .await?;
+        let port = self.extender_port;
+        match tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
+            Ok(_) => Ok(()),
+            Err(source) => Err(ClusterError::ReadyButClosed {
+                name: "in-process operator".into(),
+                port,
+                source,
+                log: "(the test's own output)".into(),
+                tail: String::new(),
+            }),
+        }
     }
 
     /// The `/metrics` text (empty when it does not answer).

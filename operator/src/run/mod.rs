@@ -348,6 +348,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         ext_app,
     )
     .map_err(RunError::ExtenderThread)?;
+    health.extender_listens();
     let extender_stopped = extender_stopped.shared();
     tasks.spawn({
         let stopped = extender_stopped.clone();
@@ -559,11 +560,22 @@ async fn warmz_handler(State(ctx): State<Arc<Context>>) -> (StatusCode, String) 
     (StatusCode::OK, format!("{role}; caches synced\n"))
 }
 
-/// Whether this replica serves the extender: the leader, with its ledger index synced and,
-/// when it keeps the extender Service's endpoint, that endpoint naming it.
+/// Whether this replica serves the extender: the leader, with its ledger index synced, its
+/// extender listening and, when it keeps the extender Service's endpoint, that endpoint naming
+/// it.
 async fn readyz_handler(State(ctx): State<Arc<Context>>) -> (StatusCode, String) {
     if let Some(starting) = still_starting(&ctx) {
         return starting;
+    }
+    // The index is listed before the other caches a decision reads, and the extender opens
+    // only after them: a caller sent here in between would find its port closed.
+    if ctx.may_write() && !ctx.health.is_extender_listening() {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "leader; the extender does not listen yet: waiting for the GpuNode, GpuConfig, \
+             ResourceQuota and NumaPolicy lists\n"
+                .into(),
+        );
     }
     if let Some(problem) = ctx
         .may_write()
@@ -727,6 +739,7 @@ mod tests {
             let role = if leader { "leader" } else { "standby" };
             assert!(body.starts_with(role), "{body}");
             // Only the leader serves the extender.
+            ctx.health.extender_listens();
             let serving = readyz_handler(State(ctx)).await.0;
             assert_eq!(serving == StatusCode::OK, leader);
         }
@@ -755,6 +768,11 @@ mod tests {
     #[tokio::test]
     async fn a_leader_the_extender_service_does_not_reach_is_not_ready_and_says_why() {
         let ctx = context(synced_index(), true);
+        // Its index is listed, the other caches not yet: the extender's port is still closed.
+        let (code, body) = readyz_handler(State(ctx.clone())).await;
+        assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+        assert!(body.contains("does not listen yet"), "{body}");
+        ctx.health.extender_listens();
         assert_eq!(readyz_handler(State(ctx.clone())).await.0, StatusCode::OK);
         ctx.health.keeps_endpoint();
         let (code, body) = readyz_handler(State(ctx.clone())).await;

@@ -11,14 +11,14 @@
 //!
 //! `/warmz` is true on every replica whose caches are listed and whose fit views are built, the
 //! standby too: the pods' readiness, so a rollout can count a new standby as available.
-//! `/readyz` is true only on the leader with a synced ledger index: the one that may write and
-//! that the extender Service reaches (its endpoint is the leader's,
+//! `/readyz` is true only on the leader with a synced ledger index whose extender listens: the
+//! one that may write and that the extender Service reaches (its endpoint is the leader's,
 //! `controllers::extender_endpoint`; a leader whose endpoint is not current is not ready, and
 //! says why). The handlers that answer them are in `run`.
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use prometheus_client::metrics::counter::Counter;
@@ -73,6 +73,9 @@ pub struct Health {
     /// What start-up is waiting on before it lists anything (the serving certificate while the
     /// API server does not serve it), for `/warmz` and `/readyz` to name.
     starting: Mutex<Option<String>>,
+    /// Whether the extender (and webhook) listener accepts connections: it opens only once
+    /// every cache a decision reads is listed, which may be after the ledger index is.
+    extender_listening: AtomicBool,
 }
 
 impl Default for Health {
@@ -93,6 +96,7 @@ impl Health {
             terms: AtomicU64::default(),
             endpoint: Mutex::default(),
             starting: Mutex::default(),
+            extender_listening: AtomicBool::new(false),
         }
     }
 
@@ -249,6 +253,16 @@ impl Health {
     /// Start-up is waiting on `what` (`None`: no longer).
     pub fn starting_waits_on(&self, what: Option<String>) {
         *self.starting.lock().unwrap_or_else(|e| e.into_inner()) = what;
+    }
+
+    /// The extender's listener is open: a caller is answered from now on.
+    pub fn extender_listens(&self) {
+        self.extender_listening.store(true, Ordering::Release);
+    }
+
+    /// Whether the extender's listener is open yet.
+    pub fn is_extender_listening(&self) -> bool {
+        self.extender_listening.load(Ordering::Acquire)
     }
 
     /// What start-up is waiting on, if anything: why this replica is neither warm nor ready
