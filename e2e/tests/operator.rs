@@ -597,12 +597,9 @@ async fn with_two_replicas_only_the_leader_writes_and_the_other_takes_over() {
     let a = Operator::start(&cp, port, true, "replica-a");
     a.wait_ready(WAIT).await.expect("operator becomes ready");
     let b = Operator::start(&cp, free_port(), true, "replica-b");
-    // B has started its election (its metrics answer) but does not lead.
-    wait_for("replica-b serving", WAIT, || async {
-        Ok::<_, std::io::Error>((b.readyz().await == 503).then_some(()))
-    })
-    .await
-    .unwrap();
+    // B is warm (every cache listed, its extender listening) but does not lead.
+    b.wait_warm(WAIT).await.expect("replica-b warm");
+    assert_eq!(b.readyz().await, 503, "a standby says it is not ready");
     let leases: Api<Lease> = Api::namespaced(client.clone(), LEASE_NS);
     let holder = |l: Lease| l.spec.and_then(|s| s.holder_identity).unwrap_or_default();
     assert_eq!(

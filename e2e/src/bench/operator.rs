@@ -131,6 +131,7 @@ impl ChildOperator {
                         Ok(_) => Ok(ready),
                         Err(source) => Err(ClusterError::ReadyButClosed {
                             name: self.options.identity.clone(),
+                            probe: "/readyz".into(),
                             port,
                             source,
                             log: self.log.clone(),

@@ -82,10 +82,12 @@ pub enum ClusterError {
     },
     /// An operator said it was ready while its extender's port was closed: a caller sent to
     /// it then (the scheduler, a Service) would have been refused.
-    #[error("{name} answered /readyz 200 but its extender on 127.0.0.1:{port} refused a connection ({source}); last lines of {}:\n{tail}", log.display())]
+    #[error("{name} answered {probe} 200 but its extender on 127.0.0.1:{port} refused a connection ({source}); last lines of {}:\n{tail}", log.display())]
     ReadyButClosed {
         /// Component name.
         name: String,
+        /// The probe that said it serves (`/readyz`, `/warmz`).
+        probe: String,
         /// The extender's port.
         port: u16,
         /// The connection's error.

@@ -85,7 +85,16 @@ impl InProcessOperator {
 
     /// `/readyz`'s status code, 0 when it does not answer.
     pub async fn readyz(&self) -> u16 {
-        crate::http::get(self.metrics_port, "/readyz")
+        self.probe("/readyz").await
+    }
+
+    /// `/warmz`'s status code, 0 when it does not answer.
+    pub async fn warmz(&self) -> u16 {
+        self.probe("/warmz").await
+    }
+
+    async fn probe(&self, path: &str) -> u16 {
+        crate::http::get(self.metrics_port, path)
             .await
             .map(|(code, _)| code)
             .unwrap_or(0)
@@ -94,17 +103,28 @@ impl InProcessOperator {
     /// Waits until `/readyz` answers 200 (leader, ledger synced, extender listening); fails
     /// if the extender's port is closed once it says so.
     pub async fn wait_ready(&self, timeout: Duration) -> Result<(), ClusterError> {
-        wait_for(
-            "operator ready (leader, ledger synced)",
-            timeout,
-            || async { Ok::<_, std::io::Error>((self.readyz().await == 200).then_some(())) },
-        )
+        self.wait_answering("/readyz", timeout).await
+    }
+
+    /// Waits until `/warmz` answers 200 (leader or standby, every cache listed, fit views
+    /// built); fails if the extender's port is closed once it says so.
+    pub async fn wait_warm(&self, timeout: Duration) -> Result<(), ClusterError> {
+        self.wait_answering("/warmz", timeout).await
+    }
+
+    /// Waits until `path` answers 200, then checks the extender's port is open: both probes
+    /// claim the extender answers.
+    async fn wait_answering(&self, path: &str, timeout: Duration) -> Result<(), ClusterError> {
+        wait_for(format!("operator {path} 200"), timeout, || async {
+            Ok::<_, std::io::Error>((self.probe(path).await == 200).then_some(()))
+        })
         .await?;
         let port = self.extender_port;
         match tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
             Ok(_) => Ok(()),
             Err(source) => Err(ClusterError::ReadyButClosed {
                 name: "in-process operator".into(),
+                probe: path.into(),
                 port,
                 source,
                 log: "(the test's own output)".into(),
