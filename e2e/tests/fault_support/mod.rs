@@ -645,12 +645,13 @@ pub async fn no_repairs_needed(client: &Client) {
     );
 }
 
-/// POSTs `body` to the extender on `127.0.0.1:port` and returns the answer's body.
+/// POSTs `body` to the extender on `127.0.0.1:port` and returns the answer's body. Call it
+/// only once the operator says its extender listens (`/readyz` or `/warmz` 200).
 pub async fn post_json(port: u16, path: &str, body: &str) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
         .await
-        .unwrap();
+        .unwrap_or_else(|e| panic!("the extender on 127.0.0.1:{port} (POST {path}): {e}"));
     let req = format!(
         "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
