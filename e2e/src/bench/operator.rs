@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use rustix::process::{Pid, Signal};
 
-use crate::cluster::ClusterError;
 use crate::cluster::process::{ProcessGroup, TAIL_LINES, is_alive, tail};
+use crate::cluster::{ClusterError, extender_port_open};
 
 /// Where `gpuledger-operator` is ([`crate::sim::binaries::locate`]). `make test` and
 /// `make bench` build it first.
@@ -126,18 +126,10 @@ impl ChildOperator {
             match self.readyz().await {
                 Some(200) => {
                     let ready = self.started.elapsed();
-                    let port = self.options.extender_port;
-                    return match tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
-                        Ok(_) => Ok(ready),
-                        Err(source) => Err(ClusterError::ReadyButClosed {
-                            name: self.options.identity.clone(),
-                            probe: "/readyz".into(),
-                            port,
-                            source,
-                            log: self.log.clone(),
-                            tail: tail(&self.log, TAIL_LINES),
-                        }),
-                    };
+                    let o = &self.options;
+                    extender_port_open(&o.identity, "/readyz", o.extender_port, Some(&self.log))
+                        .await?;
+                    return Ok(ready);
                 }
                 Some(code) => last = format!("HTTP {code}"),
                 None => {}

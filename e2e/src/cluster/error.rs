@@ -82,7 +82,9 @@ pub enum ClusterError {
     },
     /// An operator said it was ready while its extender's port was closed: a caller sent to
     /// it then (the scheduler, a Service) would have been refused.
-    #[error("{name} answered {probe} 200 but its extender on 127.0.0.1:{port} refused a connection ({source}); last lines of {}:\n{tail}", log.display())]
+    #[error(
+        "{name} answered {probe} 200 but its extender on 127.0.0.1:{port} refused a connection ({source}); {log}"
+    )]
     ReadyButClosed {
         /// Component name.
         name: String,
@@ -93,10 +95,8 @@ pub enum ClusterError {
         /// The connection's error.
         #[source]
         source: std::io::Error,
-        /// Its log file.
-        log: PathBuf,
-        /// The end of that log.
-        tail: String,
+        /// Where its log is, and the end of it.
+        log: String,
     },
     /// A [`wait_for`](crate::cluster::wait_for) condition did not hold in time.
     #[error("timed out after {timeout:?} waiting for {what} (last: {last})")]

@@ -42,4 +42,4 @@ pub use fault_proxy::{FaultAction, FaultProxy, FaultRule, RuleId};
 pub use nodes::{FakeGpuNode, FakeNode};
 pub use pods::{delete_bound_pod, mark_pod_finished, mark_pod_running};
 pub use ports::free_port;
-pub use wait::{wait_for, wait_reservation};
+pub use wait::{extender_port_open, wait_for, wait_reservation};

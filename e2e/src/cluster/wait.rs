@@ -4,11 +4,13 @@
 
 use std::fmt::Display;
 use std::future::Future;
+use std::path::Path;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
 use crate::cluster::ClusterError;
+use crate::cluster::process::{TAIL_LINES, tail};
 
 /// First pause between probes; it doubles up to [`MAX_INTERVAL`].
 const FIRST_INTERVAL: Duration = Duration::from_millis(100);
@@ -54,6 +56,34 @@ where
     }
 }
 
+/// Checks that the operator `name`, which has just said through `probe` that its extender
+/// serves, has the extender's port open; the error carries the end of `log` (`None`: it runs
+/// in the test's own process).
+pub async fn extender_port_open(
+    name: &str,
+    probe: &str,
+    port: u16,
+    log: Option<&Path>,
+) -> Result<(), ClusterError> {
+    match tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
+        Ok(_) => Ok(()),
+        Err(source) => Err(ClusterError::ReadyButClosed {
+            name: name.to_string(),
+            probe: probe.to_string(),
+            port,
+            source,
+            log: match log {
+                Some(path) => format!(
+                    "last lines of {}:\n{}",
+                    path.display(),
+                    tail(path, TAIL_LINES)
+                ),
+                None => "its log is the test's own output".to_string(),
+            },
+        }),
+    }
+}
+
 /// Waits until the GpuReservation of pod `ns/pod` exists and satisfies `pred`; returns it.
 pub async fn wait_reservation(
     client: &kube::Client,
@@ -80,6 +110,25 @@ pub async fn wait_reservation(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_closed_extender_port_is_named_with_the_probe_that_claimed_it() {
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0))
+            .await
+            .unwrap();
+        let port = listener.local_addr().unwrap().port();
+        extender_port_open("op", "/readyz", port, None)
+            .await
+            .expect("a listening port is open");
+        drop(listener);
+        let err = extender_port_open("op", "/warmz", port, None)
+            .await
+            .unwrap_err();
+        let msg = err.to_string();
+        assert!(matches!(err, ClusterError::ReadyButClosed { .. }), "{msg}");
+        assert!(msg.contains("op answered /warmz 200"), "{msg}");
+        assert!(msg.contains(&format!("127.0.0.1:{port}")), "{msg}");
+    }
 
     #[tokio::test]
     async fn returns_the_value_once_ready() {

@@ -15,7 +15,7 @@ use gpuledger_operator::run::RunError;
 use gpuledger_operator::run::config::RunConfig;
 use tokio::task::JoinHandle;
 
-use crate::cluster::{ClusterError, wait_for};
+use crate::cluster::{ClusterError, extender_port_open, wait_for};
 
 /// The flags a test operator runs with unless the test changes them: the extender and the
 /// telemetry server on loopback ports, no TLS, no leader election, the production defaults for
@@ -119,18 +119,7 @@ impl InProcessOperator {
             Ok::<_, std::io::Error>((self.probe(path).await == 200).then_some(()))
         })
         .await?;
-        let port = self.extender_port;
-        match tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
-            Ok(_) => Ok(()),
-            Err(source) => Err(ClusterError::ReadyButClosed {
-                name: "in-process operator".into(),
-                probe: path.into(),
-                port,
-                source,
-                log: "(the test's own output)".into(),
-                tail: String::new(),
-            }),
-        }
+        extender_port_open("in-process operator", path, self.extender_port, None).await
     }
 
     /// The `/metrics` text (empty when it does not answer).
