@@ -8,7 +8,8 @@
 //! about 40 ms on Linux, twice a whole round trip here. Measured with `cargo bench -p
 //! gpuledger-e2e --bench refit`: one-at-a-time refits went from p50 58 ms / p99 81 ms to p50
 //! 18 ms / p99 42 ms with this connector. Everything else is what kube's builder sets up: the
-//! kubeconfig's timeouts, retries of throttled requests, authentication and extra headers.
+//! kubeconfig's timeouts, retries of throttled requests (with a shorter longest wait between
+//! them: [`retry`]), authentication and extra headers.
 
 use std::path::{Path, PathBuf};
 
@@ -16,11 +17,11 @@ use hyper_timeout::TimeoutConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use kube::client::ConfigExt;
-use kube::client::retry::RetryPolicy;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use tower::retry::RetryLayer;
 
 pub mod failure;
+pub mod retry;
 pub mod watch_backoff;
 pub mod writes;
 
@@ -54,11 +55,14 @@ pub enum ClientError {
     /// The client could not be constructed (TLS setup, credentials …).
     #[error("building the Kubernetes client: {0}")]
     Build(#[from] kube::Error),
+    /// The retry policy's waits are not a valid backoff ([`retry`]).
+    #[error("building the Kubernetes client's retry policy: {0}")]
+    RetryPolicy(#[from] tower::retry::backoff::InvalidBackoff),
 }
 
 /// A client for the cluster `kubeconfig` points at (in-cluster or `$KUBECONFIG` when `None`).
 pub async fn client(kubeconfig: Option<&Path>) -> Result<kube::Client, ClientError> {
-    Ok(client_for(config(kubeconfig).await?)?)
+    client_for(config(kubeconfig).await?)
 }
 
 /// [`client`], and the count of its writes in flight ([`writes`]); each write runs to its
@@ -93,14 +97,14 @@ async fn config(kubeconfig: Option<&Path>) -> Result<kube::Config, ClientError> 
 }
 
 /// A client for `config`, its TCP connections with `TCP_NODELAY` set.
-pub fn client_for(config: kube::Config) -> Result<kube::Client, kube::Error> {
+pub fn client_for(config: kube::Config) -> Result<kube::Client, ClientError> {
     build(config, None)
 }
 
 fn build(
     config: kube::Config,
     writes: Option<TrackWritesLayer>,
-) -> Result<kube::Client, kube::Error> {
+) -> Result<kube::Client, ClientError> {
     let mut http = HttpConnector::new();
     http.enforce_http(false);
     http.set_nodelay(true);
@@ -112,9 +116,10 @@ fn build(
     timed.set_reset_reader_on_write(config.reset_reader_on_write);
     let http_client =
         hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build(timed);
-    let retry = config
-        .default_retry
-        .then(|| RetryLayer::new(RetryPolicy::server_retry()));
+    let retry = match config.default_retry {
+        true => Some(RetryLayer::new(retry::policy()?)),
+        false => None,
+    };
     let service = tower::ServiceBuilder::new()
         .layer(config.base_uri_layer())
         .option_layer(retry)

@@ -404,6 +404,32 @@ pub async fn client_from_kubeconfig(path: &Path, who: &str) -> Result<Client, Cl
     client_from_kubeconfig_as(path, who, None).await
 }
 
+/// Like [`client_from_kubeconfig`], but a `429` or `503` answer is returned as it came instead
+/// of being tried again after the server's `Retry-After`: for probes that time when the API
+/// server itself starts answering, not when a client's patience ran out.
+pub async fn client_from_kubeconfig_without_retries(
+    path: &Path,
+    who: &str,
+) -> Result<Client, ClusterError> {
+    let mut cfg = config_of(path).await?;
+    cfg.default_retry = false;
+    gpuledger_crds::kubeclient::client_for(cfg).map_err(|source| ClusterError::Client {
+        who: who.to_string(),
+        source,
+    })
+}
+
+async fn config_of(path: &Path) -> Result<kube::Config, ClusterError> {
+    let kubeconfig_err = |source| ClusterError::Kubeconfig {
+        path: path.to_path_buf(),
+        source,
+    };
+    let kc = Kubeconfig::read_from(path).map_err(kubeconfig_err)?;
+    kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+        .await
+        .map_err(kubeconfig_err)
+}
+
 /// Like [`client_from_kubeconfig`]; with `impersonate` (a user and its groups) every request
 /// carries impersonation headers, which the kubeconfig's identity must be allowed to send.
 pub async fn client_from_kubeconfig_as(
@@ -411,14 +437,7 @@ pub async fn client_from_kubeconfig_as(
     who: &str,
     impersonate: Option<(&str, &[&str])>,
 ) -> Result<Client, ClusterError> {
-    let kubeconfig_err = |source| ClusterError::Kubeconfig {
-        path: path.to_path_buf(),
-        source,
-    };
-    let kc = Kubeconfig::read_from(path).map_err(kubeconfig_err)?;
-    let mut cfg = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
-        .await
-        .map_err(kubeconfig_err)?;
+    let mut cfg = config_of(path).await?;
     if let Some((user, groups)) = impersonate {
         cfg.auth_info.impersonate = Some(user.to_string());
         cfg.auth_info.impersonate_groups = Some(groups.iter().map(|g| g.to_string()).collect());
@@ -436,11 +455,14 @@ fn insecure_client(port: u16) -> Result<Client, ClusterError> {
         .parse()
         .map_err(|e: http::uri::InvalidUri| ClusterError::Client {
             who: who.clone(),
-            source: kube::Error::Service(Box::new(e)),
+            source: kube::Error::Service(Box::new(e)).into(),
         })?;
     let mut cfg = kube::Config::new(uri);
     cfg.accept_invalid_certs = true;
-    Client::try_from(cfg).map_err(|source| ClusterError::Client { who, source })
+    Client::try_from(cfg).map_err(|source| ClusterError::Client {
+        who,
+        source: source.into(),
+    })
 }
 
 /// GET `path` and expect the body `ok` (the health endpoints' answer).

@@ -124,7 +124,7 @@ pub enum ClusterError {
         who: String,
         /// Why.
         #[source]
-        source: kube::Error,
+        source: gpuledger_crds::kubeclient::ClientError,
     },
     /// An API call failed.
     #[error("{action}: {source}")]

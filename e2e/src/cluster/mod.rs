@@ -35,7 +35,7 @@ pub use binaries::{Binaries, expected_git_version, k8s_version};
 pub use config::DEFAULT_EXTENDER_URL;
 pub use control_plane::{
     ControlPlane, ControlPlaneOptions, DEFAULT_STARTUP_TIMEOUT, ProcessStat, SchedulerSetup,
-    client_from_kubeconfig, client_from_kubeconfig_as,
+    client_from_kubeconfig, client_from_kubeconfig_as, client_from_kubeconfig_without_retries,
 };
 pub use error::ClusterError;
 pub use fault_proxy::{FaultAction, FaultProxy, FaultRule, RuleId};
