@@ -6,20 +6,20 @@
 //!
 //! Why: a restarted kube-apiserver answers every watch of a custom resource `429 storage is
 //! (re)initializing` with `Retry-After: 1` until it has filled that kind's watch cache from
-//! etcd, which takes longer the more objects there are. Those answers never reach the watch's
-//! own backoff ([`super::watch_backoff`]): the retries inside the client take them. Past its
+//! etcd, which takes longer the more objects there are. Until the client's last try, those
+//! answers never reach the watch's own backoff ([`super::watch_backoff`]). Past its
 //! eighth retry kube's backoff outgrows the server's one second and doubles on (1.3–2.6 s,
 //! 2.6–5 s, … 41–82 s by the fourteenth), so the try that finds the cache filled could come up
-//! to the whole last step after it. Seen with a probe of every request (`make bench`'s scale
-//! group, 20 000 reservations): the reservation watch met 429s every second for about 8 s
-//! after `/readyz`, then waited 1.9 s more before its next try; at 100 000 reservations the
-//! operator heard its 410 and listed again 85 s after the restart with no error surfacing in
-//! between. Capped, the try after the cache is ready comes at most [`LONGEST_WAIT`] late, and
-//! each try is still no sooner than the server asked.
+//! to the whole last step after it. Measured by `make bench`'s scale group at 100 000
+//! reservations (docs/BENCHMARKS.md, "After a kube-apiserver restart"): the server took 35–46 s
+//! after `/readyz` to fill that cache, and the operator's watch was told to list again 24–28 s
+//! after it was filled with kube's policy, 2–3 s with this one (two restarts of three; the
+//! reservations relisted 56.6 s after `/readyz` against 83.8 s, medians). Capped, the try after
+//! the cache is filled comes at most [`LONGEST_WAIT`] late, and each try is still no sooner than
+//! the server asked.
 //!
-//! A cap that low does not hammer a server that sheds load: client-go waits exactly the
-//! server's `Retry-After` (one second for API Priority and Fairness's 429s) on each of its ten
-//! retries, and a client here waits at least that. After the last try the error reaches the
+//! A cap that low does not hammer a server that sheds load: client-go's REST client waits the
+//! server's `Retry-After` on each of its ten retries, and a client here waits at least that. After the last try the error reaches the
 //! caller: a watch then waits out its own backoff and starts again.
 
 use std::time::Duration;
