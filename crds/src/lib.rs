@@ -14,6 +14,8 @@
 pub use gpuledger_fit::alignment;
 pub mod conditions;
 pub mod duration;
+#[cfg(any(test, feature = "flags-doc"))]
+pub mod flags_doc;
 pub mod gpuconfig;
 pub mod gpunode;
 pub mod kstatus;

@@ -171,4 +171,21 @@ mod tests {
         let cli = Cli::try_parse_from(["p", "--node-name=n1", "--refit=false"]).unwrap();
         assert!(!cli.refit);
     }
+
+    /// Every flag has its row in device-plugin/README.md's "## Flags" table, with its
+    /// environment variable and default; every row there names a flag that exists.
+    #[test]
+    fn readme_documents_every_flag() {
+        use clap::CommandFactory;
+        let problems = gpuledger_crds::flags_doc::disagreements(
+            Cli::command(),
+            include_str!("../README.md"),
+            "## Flags",
+        );
+        assert!(
+            problems.is_empty(),
+            "device-plugin/README.md and the flags disagree:\n{}",
+            problems.join("\n")
+        );
+    }
 }

@@ -12,10 +12,11 @@
 //!
 //! [`run`] wires them; [`context`] is what they share; [`events`], [`telemetry`] and
 //! [`watches`] serve all of them; [`certs`] keeps the certificate the webhook and the extender
-//! serve.
+//! serve; [`cli`] is the binary's command line.
 
 pub mod audit;
 pub mod certs;
+pub mod cli;
 pub mod context;
 pub mod controllers;
 pub mod events;

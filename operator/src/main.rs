@@ -3,48 +3,8 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
-
-#[derive(Parser)]
-#[command(name = "gpuledger-operator", version, about = "gpuledger operator")]
-struct Cli {
-    #[command(subcommand)]
-    command: Command,
-}
-
-#[derive(Subcommand)]
-enum Command {
-    /// Run the operator: scheduler extender, reservation ledger and controllers.
-    Run(Box<gpuledger_operator::run::config::RunConfig>),
-    /// Print every gpuledger CRD as YAML, or write one file per CRD into --out-dir.
-    Crds {
-        /// Directory to write `<crd name>.yaml` files into (stdout when absent).
-        #[arg(long)]
-        out_dir: Option<PathBuf>,
-    },
-    /// Check the ledger's invariants on a live cluster: no over-committed GPU, no reservation
-    /// without a live pod, no GPU pod without a reservation, no silent misalignment, no refit left
-    /// pending past its deadline. Exit 0 when clean, 1 with findings, 2 when the cluster could not
-    /// be read.
-    Audit {
-        /// Kubeconfig file; in-cluster config or $KUBECONFIG when absent.
-        #[arg(long, env = "KUBECONFIG")]
-        kubeconfig: Option<PathBuf>,
-        /// Print the report as JSON.
-        #[arg(long)]
-        json: bool,
-        /// Seconds a RefitRequest may stay pending past its deadline before it is reported.
-        #[arg(long, default_value_t = 5)]
-        refit_grace_seconds: i64,
-    },
-    /// Evaluate a JSON fit scenario (nodes, usage, pod, policy, optional allowed set) and print
-    /// where the pod would go and why not elsewhere. Bad input exits with 2.
-    Fit {
-        /// Scenario file, or `-` for stdin.
-        #[arg(long)]
-        input: String,
-    },
-}
+use clap::Parser;
+use gpuledger_operator::cli::{Cli, Command};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
