@@ -7,9 +7,11 @@
 //! HAMi spreads the defaults over two places: its admission webhook mutates the pod (a count of
 //! `defaultGPUNum` when only memory/cores are given; cores 100, i.e. an exclusive GPU, when a
 //! count comes without cores and with no memory or 100 % memory) and its scheduler fills in the
-//! rest (memory 100 % unless a default memory is configured, cores `defaultCores`). gpuledger has
-//! no mutating webhook, so [`parse`] applies both steps at once; the typed request is what HAMi's
-//! scheduler would see after its webhook ran.
+//! rest (memory 100 % unless a default memory is configured, cores `defaultCores`). gpuledger's
+//! pod webhook (`operator/src/webhook/pod.rs`) writes only the first step's count, which the
+//! kubelet needs to allocate the container; [`parse`] applies both steps at once, so a pod the
+//! webhook never saw (a kubelet's mirror pod, one created before the install) reads the same, and
+//! the typed request is what HAMi's scheduler would see after its webhook ran.
 //!
 //! Deliberate differences from HAMi, all about malformed input: HAMi silently ignores a value it
 //! cannot read (a count of `1.5`, `numa-bind: yes`, an unknown policy); here each is an error

@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 
 use crate::cluster::ClusterError;
 
-/// Overrides the directory holding kube-apiserver, kube-scheduler and kube-controller-manager.
+/// Overrides the directory `e2e/k8s/build.sh` builds into: kube-apiserver, kube-scheduler,
+/// kube-controller-manager, helm, `gpuledger-sim-kubelet` and `gpuledger-kstatus`.
 pub const K8S_BIN_ENV: &str = "GPULEDGER_K8S_BIN";
 /// Overrides the cache root that `e2e/k8s/build.sh` builds into.
 pub const CACHE_ENV: &str = "GPULEDGER_CACHE";
