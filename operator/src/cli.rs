@@ -31,14 +31,15 @@ pub enum Command {
     /// pending past its deadline. Exit 0 when clean, 1 with findings, 2 when the cluster could not
     /// be read.
     Audit {
-        /// Kubeconfig file; in-cluster config or $KUBECONFIG when absent.
-        #[arg(long, env = "KUBECONFIG")]
+        /// Kubeconfig file; when absent, $KUBECONFIG (one path or a list) or ~/.kube/config,
+        /// else the in-cluster config.
+        #[arg(long)]
         kubeconfig: Option<PathBuf>,
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
         /// Seconds a RefitRequest may stay pending past its deadline before it is reported.
-        #[arg(long, default_value_t = 5)]
+        #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(i64).range(0..))]
         refit_grace_seconds: i64,
     },
     /// Evaluate a JSON fit scenario (nodes, usage, pod, policy, optional allowed set) and print
@@ -57,6 +58,17 @@ mod tests {
     use gpuledger_crds::flags_doc::disagreements;
 
     const README: &str = include_str!("../README.md");
+
+    #[test]
+    fn audit_refuses_a_negative_grace_naming_the_flag() {
+        use clap::Parser;
+        let err = Cli::try_parse_from(["op", "audit", "--refit-grace-seconds=-1"])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("--refit-grace-seconds"), "{err}");
+        assert!(Cli::try_parse_from(["op", "audit", "--refit-grace-seconds=0"]).is_ok());
+    }
 
     /// Every flag of every subcommand has its row in operator/README.md, under
     /// "### `<subcommand>`", with the flag's environment variable and default; every row there

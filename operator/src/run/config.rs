@@ -38,7 +38,8 @@ fn parse_stall_limit(raw: &str) -> Result<Duration, String> {
 /// `gpuledger-operator run`.
 #[derive(Clone, Debug, clap::Args)]
 pub struct RunConfig {
-    /// Kubeconfig file; in-cluster config or $KUBECONFIG when absent.
+    /// Kubeconfig file; when absent, $KUBECONFIG (one path or a list) or ~/.kube/config, else
+    /// the in-cluster config.
     #[arg(long, env = "GPULEDGER_KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
     /// Address of the scheduler extender (HTTP, or HTTPS with --tls-cert/--tls-key).
@@ -59,12 +60,13 @@ pub struct RunConfig {
     #[arg(long, env = "GPULEDGER_SELF_SIGNED_TLS", conflicts_with = "tls_cert")]
     pub self_signed_tls: Option<String>,
     /// DNS names and IP addresses of that certificate, comma-separated (default: the operator
-    /// Service's names, `gpuledger-operator.<namespace>.svc` and its shorter forms).
+    /// Service's names, `gpuledger-operator.<namespace>.svc` and its shorter forms). Only with
+    /// --self-signed-tls: a certificate from --tls-cert carries its own names.
     #[arg(long, env = "GPULEDGER_TLS_NAMES", value_delimiter = ',')]
     pub tls_names: Vec<String>,
-    /// PEM CA whose client certificates may call the extender's filter, prioritize and bind,
-    /// with --tls-cert. With --self-signed-tls it is the operator's own CA, which signs
-    /// gpuledger-scheduler's client certificate in the same Secret.
+    /// PEM CA whose client certificates may call the extender's filter, prioritize and bind;
+    /// only with --tls-cert. With --self-signed-tls the operator's own CA plays this part (it
+    /// signs gpuledger-scheduler's client certificate in the same Secret), so no flag is needed.
     #[arg(long, env = "GPULEDGER_EXTENDER_CLIENT_CA", requires = "tls_cert")]
     pub extender_client_ca: Option<PathBuf>,
     /// Common names of the client certificates that may call filter, prioritize and bind,
@@ -82,7 +84,8 @@ pub struct RunConfig {
     #[arg(long, env = "GPULEDGER_EXTENDER_ANONYMOUS_CALLERS")]
     pub extender_anonymous_callers: bool,
     /// Mutating and validating webhook configurations (one name) whose caBundle the operator
-    /// keeps equal to its CA, with --self-signed-tls; empty: none.
+    /// keeps equal to its CA; only with --self-signed-tls (with --tls-cert the caBundle is the
+    /// installer's to keep); empty: none.
     #[arg(long, env = "GPULEDGER_WEBHOOK_CONFIGURATION", default_value = "")]
     pub webhook_configuration: String,
     /// Address of /metrics, /healthz and /readyz.
@@ -173,6 +176,15 @@ pub enum ConfigError {
          only the scheduler can reach the port"
     )]
     TlsWithoutCallers,
+    /// A flag that only the operator's own certificate reads, without --self-signed-tls.
+    #[error(
+        "{flag} is read only with --self-signed-tls (with --tls-cert the certificate and the \
+         webhooks' caBundle are the installer's to keep): remove it, or use --self-signed-tls"
+    )]
+    SelfSignedOnly {
+        /// The flag given.
+        flag: &'static str,
+    },
 }
 
 impl RunConfig {
@@ -187,6 +199,26 @@ impl RunConfig {
             return Err(ConfigError::TlsWithoutCallers);
         }
         Ok(self.tls_cert.is_some() || self.self_signed_tls.is_some())
+    }
+
+    /// Refuses the flags of the operator's own certificate without --self-signed-tls, where
+    /// they would be ignored without a word. (Checked here rather than by clap: clap waives a
+    /// required flag when one it conflicts with, --tls-cert, is given.)
+    pub fn check_self_signed_only(&self) -> Result<(), ConfigError> {
+        if self.self_signed_tls.is_some() {
+            return Ok(());
+        }
+        if !self.tls_names.is_empty() {
+            return Err(ConfigError::SelfSignedOnly {
+                flag: "--tls-names",
+            });
+        }
+        if !self.webhook_configuration.is_empty() {
+            return Err(ConfigError::SelfSignedOnly {
+                flag: "--webhook-configuration",
+            });
+        }
+        Ok(())
     }
 
     /// The Service endpoint this replica keeps while it leads, `None` without
@@ -300,6 +332,43 @@ mod tests {
     fn rejects_bad_alignment_and_lonely_tls_flags() {
         assert!(Cli::try_parse_from(["x", "--default-alignment", "always"]).is_err());
         assert!(Cli::try_parse_from(["x", "--tls-cert", "c.pem"]).is_err());
+    }
+
+    #[test]
+    fn flags_of_the_own_certificate_are_refused_without_it() {
+        // Over plain HTTP and with a certificate from files alike: ignored without a word
+        // before, so a typo'd install would run with a certificate missing the names it meant.
+        for (lonely, flag) in [
+            ("--tls-names=a.example", "--tls-names"),
+            (
+                "--webhook-configuration=gpuledger-pods",
+                "--webhook-configuration",
+            ),
+        ] {
+            for tls in [&[][..], &["--tls-cert=c", "--tls-key=k"][..]] {
+                let mut args = vec!["x", lonely];
+                args.extend_from_slice(tls);
+                let cli = Cli::try_parse_from(args).unwrap();
+                let err = cli.run.check_self_signed_only().unwrap_err();
+                assert_eq!(
+                    err,
+                    ConfigError::SelfSignedOnly { flag },
+                    "{lonely} {tls:?}"
+                );
+                assert!(err.to_string().contains("--self-signed-tls"), "{err}");
+            }
+        }
+        let together = Cli::try_parse_from([
+            "x",
+            "--self-signed-tls=s",
+            "--tls-names=a.example,10.0.0.1",
+            "--webhook-configuration=gpuledger-pods",
+        ])
+        .unwrap();
+        assert_eq!(together.run.check_self_signed_only(), Ok(()));
+        assert_eq!(together.run.tls_names, ["a.example", "10.0.0.1"]);
+        let plain = Cli::try_parse_from(["x"]).unwrap();
+        assert_eq!(plain.run.check_self_signed_only(), Ok(()));
         let cli = Cli::try_parse_from(["x", "--default-alignment", "Strict"]).unwrap();
         assert_eq!(cli.run.default_alignment, Alignment::Strict);
     }

@@ -95,6 +95,7 @@ async fn ensure_namespace(client: &Client, ns: &str) {
 /// Runs the operator until `shutdown` completes or an essential task ends.
 pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Result<(), RunError> {
     let extender_endpoint = config.extender_endpoint()?;
+    config.check_self_signed_only()?;
     let callers_certified = config.callers_certified()?;
     let tls_from_files = match (&config.tls_cert, &config.tls_key) {
         (Some(cert), Some(key)) => {
