@@ -404,9 +404,9 @@ pub async fn client_from_kubeconfig(path: &Path, who: &str) -> Result<Client, Cl
     client_from_kubeconfig_as(path, who, None).await
 }
 
-/// Like [`client_from_kubeconfig`], but a `429` or `503` answer is returned as it came instead
-/// of being tried again after the server's `Retry-After`: for probes that time when the API
-/// server itself starts answering, not when a client's patience ran out.
+/// Like [`client_from_kubeconfig`], but a `429`, `503` or `504` answer is returned as it came
+/// instead of being tried again after the server's `Retry-After`: for probes that time when the
+/// API server itself starts answering, not when a client's patience ran out.
 pub async fn client_from_kubeconfig_without_retries(
     path: &Path,
     who: &str,
