@@ -238,41 +238,44 @@ mod tests {
 
     #[test]
     fn every_drift_is_named() {
-        let missing = GOOD.replace("| `--node` | `DEMO_NODE` | (required) | the node |\n", "");
-        assert_eq!(
-            check(&missing),
-            ["demo `--node`: no row under \"## Flags\""]
-        );
-        let default = GOOD.replace("`3s`", "`5s`");
-        assert_eq!(
-            check(&default),
-            ["demo `--wait`: default cell is \"`5s`\", the default is `3s`"]
-        );
-        let env = GOOD.replace("| — |", "| `DEMO_JSON` |");
-        assert_eq!(
-            check(&env),
-            ["demo `--json`: env cell is \"`DEMO_JSON`\", the flag reads no environment variable"]
-        );
-        let renamed = GOOD.replace("`DEMO_WAIT` |", "`DEMO_WAITING` |");
-        assert_eq!(
-            check(&renamed),
-            ["demo `--wait`: env cell is \"`DEMO_WAITING`\", the flag reads `DEMO_WAIT`"]
-        );
-        let optional = GOOD.replace("(required)", "none");
-        assert_eq!(
-            check(&optional),
-            ["demo `--node`: default cell is \"none\", the flag is required"]
-        );
-        let stale = GOOD.replace("## Next\n", "");
-        assert_eq!(
-            check(&stale),
-            ["demo: the row `--stale` names no flag of the command"]
-        );
-        let twice = GOOD.replace("| `--json` |", "| `--json` | — | `false` | |\n| `--json` |");
-        assert_eq!(check(&twice), ["demo `--json`: 2 rows, one expected"]);
-        assert_eq!(
-            check("# demo\n"),
-            ["demo: no section \"## Flags\" with a flag table in the document"]
-        );
+        // Each edit of the matching table, and the one disagreement it must produce.
+        let drifts = [
+            (
+                GOOD.replace("| `--node` | `DEMO_NODE` | (required) | the node |\n", ""),
+                "demo `--node`: no row under \"## Flags\"",
+            ),
+            (
+                GOOD.replace("`3s`", "`5s`"),
+                "demo `--wait`: default cell is \"`5s`\", the default is `3s`",
+            ),
+            (
+                GOOD.replace("| — |", "| `DEMO_JSON` |"),
+                "demo `--json`: env cell is \"`DEMO_JSON`\", the flag reads no environment variable",
+            ),
+            (
+                GOOD.replace("`DEMO_WAIT` |", "`DEMO_WAITING` |"),
+                "demo `--wait`: env cell is \"`DEMO_WAITING`\", the flag reads `DEMO_WAIT`",
+            ),
+            (
+                GOOD.replace("(required)", "none"),
+                "demo `--node`: default cell is \"none\", the flag is required",
+            ),
+            (
+                GOOD.replace("## Next\n", ""),
+                "demo: the row `--stale` names no flag of the command",
+            ),
+            (
+                GOOD.replace("| `--json` |", "| `--json` | — | `false` | |\n| `--json` |"),
+                "demo `--json`: 2 rows, one expected",
+            ),
+            (
+                "# demo\n".to_string(),
+                "demo: no section \"## Flags\" with a flag table in the document",
+            ),
+        ];
+        for (doc, expected) in drifts {
+            assert_ne!(doc, GOOD, "the edit must apply: {expected}");
+            assert_eq!(check(&doc), [expected]);
+        }
     }
 }
