@@ -19,8 +19,9 @@
 //! the server asked.
 //!
 //! A cap that low does not hammer a server that sheds load: client-go's REST client waits the
-//! server's `Retry-After` on each of its ten retries, and a client here waits at least that. After the last try the error reaches the
-//! caller: a watch then waits out its own backoff and starts again.
+//! server's `Retry-After` on each of its ten retries, and a client here waits at least that.
+//! After the last try the error reaches the caller: a watch then waits out its own backoff and
+//! starts again.
 
 use std::time::Duration;
 
