@@ -15,8 +15,10 @@ use crate::plugin::PluginOptions;
 #[derive(Debug, Clone, Parser)]
 #[command(name = "gpuledger-device-plugin", version, about)]
 pub struct Cli {
-    /// Kubeconfig file; in-cluster configuration when absent.
-    #[arg(long, env = "KUBECONFIG")]
+    /// Kubeconfig file; when absent, $KUBECONFIG (one path or a list) or ~/.kube/config, else
+    /// the in-cluster config. Not bound to $KUBECONFIG itself: that may be a list of files,
+    /// which this flag, naming one file, would read as a single path.
+    #[arg(long, env = "GPULEDGER_KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
     /// Name of this node.
     #[arg(long, env = "NODE_NAME")]

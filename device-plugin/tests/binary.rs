@@ -157,3 +157,53 @@ fn binary_refuses_a_missing_node_name_and_a_bad_devices_file() {
         String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     assert!(text.contains("/nonexistent/devices.yaml"), "{text}");
 }
+
+/// `$KUBECONFIG` may name several files (`a:b`, as kubectl reads it). The plugin once bound its
+/// `--kubeconfig` flag to that variable, so a list was read as one path that does not exist and
+/// the plugin exited at start. Without the flag it must take the list as kubectl does: start,
+/// serve its socket and exit cleanly on SIGTERM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn binary_reads_a_kubeconfig_list_from_the_environment() {
+    let tmp = tempfile::tempdir().unwrap();
+    let first = kubeconfig(tmp.path());
+    let second = tmp.path().join("second-kubeconfig");
+    std::fs::write(&second, "apiVersion: v1\nkind: Config\n").unwrap();
+    let list = std::env::join_paths([&first, &second]).unwrap();
+    let dir = tmp.path().join("device-plugins");
+    // Its log goes to standard output.
+    let log = tmp.path().join("plugin.log");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_gpuledger-device-plugin"))
+        .env("KUBECONFIG", &list)
+        .env_remove("GPULEDGER_KUBECONFIG")
+        .args(["--node-name=node-list", "--refit=false", "--metrics-addr="])
+        .arg("--devices-from")
+        .arg(SAMPLE)
+        .arg("--device-plugin-dir")
+        .arg(&dir)
+        .stdout(std::fs::File::create(&log).unwrap())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let socket = dir.join(PLUGIN_SOCKET);
+    for _ in 0..1200 {
+        if socket.exists() {
+            break;
+        }
+        if let Some(exit) = child.try_wait().unwrap() {
+            let err = std::fs::read_to_string(&log).unwrap_or_default();
+            panic!("exited at start ({exit:?}) with KUBECONFIG={list:?}: {err}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(socket.exists(), "the plugin socket never appeared");
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let exit = tokio::task::spawn_blocking(move || child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(exit.success(), "{exit:?}");
+}
