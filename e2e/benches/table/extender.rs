@@ -7,10 +7,8 @@
 //! filter's latency row), and 1000 more, all created at once (throughput, and the filter under
 //! that burst).
 //!
-//! [`overload`] runs the same two phases on a fresh cluster whose kube-apiserver is stopped for
-//! 100 ms of every 200 ms ([`Throttle`]): the API server is the bottleneck, as on a slower
-//! machine. A burst must then degrade (its throughput at least half the steady phase's), not
-//! collapse into a retry storm; bind attempts per pod say how close to one try each pod got.
+//! `overload.rs` runs the same two phases with kube-apiserver slowed, on the cluster this file
+//! sets up.
 //!
 //! After every burst the ledger audit runs, and the operator's repair count is read: a finding,
 //! or a pod that bind left without a reservation (which the repair sweep then booked), fails
@@ -30,8 +28,7 @@ use gpuledger_e2e::bench::fleet::{Share, run_parallel};
 use gpuledger_e2e::bench::go_runtime::{self, GoRuntime};
 use gpuledger_e2e::bench::ledger_floor::{self, Body};
 use gpuledger_e2e::bench::{
-    ChildOperator, Fleet, GpuShape, OperatorOptions, Row, Throttle, TimingProxy, gpu_pod,
-    spawn_allocator,
+    ChildOperator, Fleet, GpuShape, OperatorOptions, Row, TimingProxy, gpu_pod, spawn_allocator,
 };
 use gpuledger_e2e::cluster::config::ClientRate;
 use gpuledger_e2e::cluster::{ControlPlane, ControlPlaneOptions, apply_path, ensure_namespace};
@@ -57,7 +54,7 @@ pub(crate) const SCHEDULER_CLIENT_RATE: ClientRate = ClientRate {
     burst: 2000,
 };
 /// How long the 1000 pods may take to be bound before the run is cut short.
-const SCHEDULING_LIMIT: Duration = Duration::from_secs(900);
+pub(crate) const SCHEDULING_LIMIT: Duration = Duration::from_secs(900);
 
 /// Set to a file name, the GPU burst writes an 8-second CPU profile of kube-apiserver taken
 /// from its start there (`go tool pprof -top <kube-apiserver binary> <file>` reads it): where
@@ -130,7 +127,7 @@ pub(crate) async fn log_filter_histograms(op: &ChildOperator, phase: &str) {
 
 /// Logs the API server's busiest request kinds of the run (its `apiserver_request_total`), to
 /// see what the burst costs it.
-async fn log_api_requests(client: &Client) {
+pub(crate) async fn log_api_requests(client: &Client) {
     let counts = api_requests::by_kind_and_code(client).await;
     if counts.is_empty() {
         return eprintln!("[bench] API server metrics: not readable");
@@ -187,11 +184,11 @@ pub(crate) async fn settled(client: &Client, nodes: usize) -> Result<(), String>
 }
 
 /// The 1000-node cluster every phase runs on; dropping it stops everything.
-struct Bench {
-    cp: ControlPlane,
-    proxy: TimingProxy,
-    fleet: Fleet,
-    op: ChildOperator,
+pub(crate) struct Bench {
+    pub(crate) cp: ControlPlane,
+    pub(crate) proxy: TimingProxy,
+    pub(crate) fleet: Fleet,
+    pub(crate) op: ChildOperator,
     operator_port: u16,
     allocator: tokio::task::JoinHandle<()>,
     _logs: tempfile::TempDir,
@@ -230,7 +227,7 @@ pub(crate) async fn scheduling_cluster(
     Ok((proxy, cp))
 }
 
-async fn start_bench() -> Result<Bench, String> {
+pub(crate) async fn start_bench() -> Result<Bench, String> {
     let nodes = crate::scaled(1000);
     let operator_port = free_port();
     let (proxy, cp) = scheduling_cluster(operator_port).await?;
@@ -407,12 +404,17 @@ pub(crate) struct Phase {
 }
 
 impl Phase {
+    /// The phase with its bind calls as counted at the proxy.
+    pub(crate) fn with_binds(self, binds: usize) -> Phase {
+        Phase { binds, ..self }
+    }
+
     pub(crate) fn throughput(&self) -> f64 {
         self.bound.len() as f64 / self.wall.as_secs_f64().max(f64::EPSILON)
     }
 
     /// Bind calls kube-scheduler made per pod bound (1.0: every pod bound at its first try).
-    fn binds_per_pod(&self) -> f64 {
+    pub(crate) fn binds_per_pod(&self) -> f64 {
         self.binds as f64 / self.bound.len().max(1) as f64
     }
 
@@ -502,10 +504,7 @@ async fn run() -> Result<Vec<Row>, String> {
     }
     let filter = b.proxy.take_ms("/filter");
     let bind = b.proxy.take_ms("/bind");
-    let burst = Phase {
-        binds: bind.len(),
-        ..burst
-    };
+    let burst = burst.with_binds(bind.len());
     let names_note = names_range(&b.proxy.take_filter_sizes());
     log_filter_histograms(&b.op, "steady + burst").await;
     // The invariants right after the burst (docs/ARCHITECTURE.md §4): no over-commit, no orphan, no bound
@@ -637,125 +636,9 @@ async fn run() -> Result<Vec<Row>, String> {
     ])
 }
 
-/// How the overload run slows kube-apiserver: stopped this long of every [`THROTTLE_PERIOD`].
-const THROTTLE_PAUSED: Duration = Duration::from_millis(100);
-const THROTTLE_PERIOD: Duration = Duration::from_millis(200);
-
-/// The rows of the overload run.
-pub async fn overload() -> Vec<Row> {
-    match run_overload().await {
-        Ok(rows) => rows,
-        Err(e) => vec![Row::run_failed(
-            "overload: scheduling",
-            "1000 nodes, API server slowed",
-            &e,
-        )],
-    }
-}
-
-/// Stops `cp`'s kube-apiserver [`THROTTLE_PAUSED`] of every [`THROTTLE_PERIOD`] until the
-/// returned throttle is dropped; with the words the rows use for it.
-pub(crate) fn slow_apiserver(cp: &ControlPlane) -> Result<(Throttle, String), String> {
-    let apiserver = cp
-        .process_stats()
-        .into_iter()
-        .find(|p| p.name == "kube-apiserver")
-        .ok_or("no kube-apiserver process")?
-        .pid;
-    let throttle = Throttle::start(apiserver, THROTTLE_PAUSED, THROTTLE_PERIOD)
-        .map_err(|e| format!("throttle: {e}"))?;
-    let slowed = format!(
-        "kube-apiserver stopped {} ms of every {} ms",
-        THROTTLE_PAUSED.as_millis(),
-        THROTTLE_PERIOD.as_millis()
-    );
-    Ok((throttle, slowed))
-}
-
-async fn run_overload() -> Result<Vec<Row>, String> {
-    let b = start_bench().await?;
-    let client = b.cp.client();
-    let nodes = b.fleet.names.len();
-    let pods = crate::scaled(1000);
-    let steady = crate::scaled(STEADY_PODS);
-    let (throttle, slowed) = slow_apiserver(&b.cp)?;
-    eprintln!("[bench] overload: {slowed}; {steady} GPU pods at {STEADY_RATE} pods/s");
-    // Prefixes must not be prefixes of each other: the watch counts pods by prefix.
-    let sustained = paced(&client, "ovsteady", steady, STEADY_RATE).await?;
-    let sustained = Phase {
-        binds: b.proxy.take_ms("/bind").len(),
-        ..sustained
-    };
-    log_filter_histograms(&b.op, "overload steady").await;
-    eprintln!("[bench] overload: creating {pods} GPU pods at once");
-    let burst = schedule(&client, "ovburst", pods).await;
-    drop(throttle);
-    let burst = Phase {
-        binds: b.proxy.take_ms("/bind").len(),
-        ..burst?
-    };
-    b.proxy.take_ms("/filter");
-    log_filter_histograms(&b.op, "overload steady + burst").await;
-    let (ledger, failure) = ledger_verdict(&client, &b.op).await;
-    log_api_requests(&client).await;
-    keep_operator_log(&b.op, "overload");
-
-    let ratio = burst.throughput() / sustained.throughput().max(f64::EPSILON);
-    let met = if ratio >= 0.5 { "met" } else { "NOT met" };
-    let mut burst_row = Row::measured(
-        "overload: burst throughput",
-        format!(
-            "{} of {pods} GPU pods created at once -> Bound, {nodes} nodes, {slowed}",
-            burst.bound.len()
-        ),
-        "pods/s",
-        &[burst.throughput()],
-        format!(
-            "one run, {:.1} s first create to last Bound; {ledger}",
-            burst.wall.as_secs_f64()
-        ),
-    );
-    if burst.bound.len() < pods {
-        burst_row = burst_row.failing(format!(
-            "only {} of {pods} pods bound within {SCHEDULING_LIMIT:?}",
-            burst.bound.len()
-        ));
-    }
-    if let Some(why) = failure {
-        burst_row = burst_row.failing(why);
-    }
-    Ok(vec![
-        Row::measured(
-            "overload: steady throughput",
-            format!("{steady} GPU pods created at {STEADY_RATE}/s -> Bound, {slowed}"),
-            "pods/s",
-            &[sustained.throughput()],
-            format!(
-                "first create to last Bound, {:.1} s",
-                sustained.wall.as_secs_f64()
-            ),
-        ),
-        burst_row,
-        Row::measured(
-            "overload: burst / steady",
-            "the two throughputs above, same run",
-            "ratio",
-            &[ratio],
-            format!("target >= 0.5: {met}"),
-        ),
-        Row::measured(
-            "overload: bind calls per pod",
-            "kube-scheduler's bind calls per pod bound (steady, burst)",
-            "calls",
-            &[sustained.binds_per_pod(), burst.binds_per_pod()],
-            "1.0: every pod bound at its first try",
-        ),
-    ])
-}
-
 /// Pods of the steady phase, and their rate: about a third of what the burst below reaches.
-const STEADY_PODS: usize = 400;
-const STEADY_RATE: u32 = 20;
+pub(crate) const STEADY_PODS: usize = 400;
+pub(crate) const STEADY_RATE: u32 = 20;
 
 fn names_range(sizes: &[usize]) -> String {
     match (sizes.iter().min(), sizes.iter().max()) {

@@ -42,8 +42,9 @@ use kube::api::{Api, DeleteParams, PostParams};
 
 use crate::extender::{
     BurstCost, CostMeter, NS, SCHEDULER_CLIENT_RATE, keep_operator_log, ledger_verdict, metric_sum,
-    plain_pod, schedule, schedule_pods, settled, slow_apiserver,
+    plain_pod, schedule, schedule_pods, settled,
 };
+use crate::overload::slow_apiserver;
 
 /// The rows; a failed run is one row saying why, failing `make bench`.
 pub async fn as_installed() -> Vec<Row> {

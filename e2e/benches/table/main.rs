@@ -20,15 +20,17 @@
 //!   nodes with 4 reservations each (20 000 at 5000; `GPULEDGER_SCALE_PER_NODE=20` for 100 000):
 //!   cold start (spawn to `/readyz` 200, peak RSS, three starts) beside its floor (listing
 //!   everything), steady RSS per 10 000 reservations and the all-nodes filter at each size, and
-//!   the filter through kube-scheduler at 5000 nodes;
+//!   the filter through kube-scheduler at 5000 nodes; leader handovers at each size
+//!   (`scale/handover.rs`) and kube-apiserver restarted under the operator (`scale/restart.rs`);
 //!
 //! - as installed (`installed.rs`): the baseline comparison again on a cluster set up as
 //!   `config/` and the chart set it up (pod webhooks, admission policies, the chart's
 //!   gpuledger-scheduler, the extender over mutual TLS, the operator as its ServiceAccount);
 //!
-//! - overload: the same cluster with kube-apiserver stopped for 100 ms of every 200 ms (a
-//!   machine on which the API server is the bottleneck), 400 pods at a steady 20/s and then
-//!   1000 at once: the throughput of each, their ratio (target ≥ 0.5), bind attempts per pod.
+//! - overload (`overload.rs`): the same cluster with kube-apiserver stopped for 100 ms of every
+//!   200 ms (a machine on which the API server is the bottleneck), 400 pods at a steady 20/s
+//!   and then 1000 at once: the throughput of each, their ratio (target ≥ 0.5), bind attempts
+//!   per pod.
 //!
 //! Every run of scheduling ends with the ledger audit: findings, or a pod the repair sweep had
 //! to book because bind left it without a reservation, fail the row, and `make bench` exits
@@ -43,6 +45,7 @@
 mod extender;
 mod fit;
 mod installed;
+mod overload;
 mod refit;
 mod scale;
 
@@ -89,7 +92,7 @@ fn main() {
     }
     if wanted("overload") {
         eprintln!("[bench] 1000-node cluster, API server slowed: steady pods, then a burst ...");
-        rows.extend(rt.block_on(extender::overload()));
+        rows.extend(rt.block_on(overload::overload()));
     }
     if wanted("refit") {
         rows.extend(refit::round_trip());
