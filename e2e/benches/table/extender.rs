@@ -23,9 +23,7 @@ use futures::StreamExt;
 use gpuledger_crds::GpuNode;
 use gpuledger_crds::names::DEFAULT_NAMESPACE;
 use gpuledger_e2e::bench::api_requests;
-use gpuledger_e2e::bench::cpu::{self, CpuReading};
 use gpuledger_e2e::bench::fleet::{Share, run_parallel};
-use gpuledger_e2e::bench::go_runtime::{self, GoRuntime};
 use gpuledger_e2e::bench::ledger_floor::{self, Body};
 use gpuledger_e2e::bench::{
     ChildOperator, Fleet, GpuShape, OperatorOptions, Row, TimingProxy, gpu_pod, spawn_allocator,
@@ -38,8 +36,9 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, PostParams};
 use kube::runtime::watcher;
 use kube::{Client, ResourceExt};
-use serde_json::json;
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+
+use crate::cost::CostMeter;
+use crate::direct::direct_filter;
 
 pub(crate) const NS: &str = "default";
 
@@ -322,76 +321,6 @@ pub(crate) fn keep_operator_log(op: &ChildOperator, run: &str) {
     match std::fs::create_dir_all(&dir).and_then(|()| std::fs::copy(op.log(), &to)) {
         Ok(_) => eprintln!("[bench] operator log: {}", to.display()),
         Err(e) => eprintln!("[bench] could not keep the operator log: {e}"),
-    }
-}
-
-/// The readings taken before a burst, to tell what it cost per pod.
-pub(crate) struct CostMeter {
-    requests: BTreeMap<String, f64>,
-    runtime: Option<GoRuntime>,
-    cpu: CpuReading,
-    since: Instant,
-}
-
-/// What a burst cost per pod: each process's CPU, the cores kept busy, the API server's
-/// requests and what they cost its Go runtime.
-pub(crate) struct BurstCost {
-    cpu: Vec<(String, f64)>,
-    busy: f64,
-    /// Requests per pod in all.
-    pub(crate) requests: f64,
-    /// The six busiest request kinds, for a row's note.
-    pub(crate) busiest: String,
-    /// Every request kind, for the log.
-    pub(crate) every_kind: String,
-    /// [`runtime_note`]'s words, empty when the Go metrics were unreadable.
-    pub(crate) runtime: String,
-}
-
-impl CostMeter {
-    /// Reads the API server's counters and the CPU time of `processes` (name, pid) before a
-    /// burst.
-    pub(crate) async fn start(client: &Client, processes: &[(String, u32)]) -> Self {
-        CostMeter {
-            requests: api_requests::by_kind(client).await,
-            runtime: go_runtime::read(client).await,
-            cpu: CpuReading::of(processes),
-            since: Instant::now(),
-        }
-    }
-
-    /// What the burst of `pods` since [`Self::start`] cost each pod (`processes` as given then).
-    pub(crate) async fn finish(
-        self,
-        client: &Client,
-        processes: &[(String, u32)],
-        pods: usize,
-    ) -> BurstCost {
-        let cpu = self.cpu.per_unit_ms(&CpuReading::of(processes), pods);
-        let busy = cpu::cores_busy(&cpu, pods, self.since.elapsed());
-        let runtime = runtime_note(go_runtime::per_unit(
-            self.runtime,
-            go_runtime::read(client).await,
-            pods,
-            "pod",
-        ));
-        let after = api_requests::by_kind(client).await;
-        let (requests, busiest) = api_requests::per_unit(&self.requests, &after, pods);
-        BurstCost {
-            busy,
-            requests,
-            busiest,
-            every_kind: api_requests::per_unit_all(&self.requests, &after, pods),
-            runtime,
-            cpu,
-        }
-    }
-}
-
-impl BurstCost {
-    /// `14.12 ms (kube-apiserver 8.41, ...), 2.0 cores busy`.
-    pub(crate) fn cpu_note(&self) -> String {
-        format!("{}, {:.1} cores busy", cpu::describe(&self.cpu), self.busy)
     }
 }
 
@@ -866,102 +795,4 @@ async fn schedule_with_floor(
         phase.wall = phase.wall.max(written.saturating_duration_since(started));
     }
     Ok(phase)
-}
-
-/// What [`direct_filter`] timed, in ms.
-pub(crate) struct DirectFilter {
-    /// The connection's first call: not a sample (the first ten warm the connection), but the
-    /// call that builds whatever fit views the operator has not built yet.
-    pub(crate) first_ms: f64,
-    pub(crate) samples: Vec<f64>,
-}
-
-/// Ten warm-up calls, then `calls` filter requests naming every node, straight to the operator
-/// on one kept-alive connection, each timed from the first byte sent to the last byte received.
-pub(crate) async fn direct_filter(
-    port: u16,
-    nodes: &[String],
-    calls: usize,
-) -> Result<DirectFilter, String> {
-    let body = json!({
-        "Pod": {
-            "metadata": {"name": "probe", "namespace": NS, "uid": "probe-uid"},
-            "spec": {"containers": [{"name": "main", "resources": {"limits": {
-                "nvidia.com/gpu": "1", "nvidia.com/gpumem": "8192", "nvidia.com/gpucores": "20"}}}]},
-        },
-        "Nodes": null,
-        "NodeNames": nodes,
-    })
-    .to_string();
-    let request = format!(
-        "POST /filter HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    let conn = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .map_err(|e| e.to_string())?;
-    // As kube-scheduler's client (Go sets TCP_NODELAY on every TCP connection). Without it, the
-    // tail of a request sent in several segments can be held back by Nagle until the operator
-    // acknowledges the first ones, and the row would time that wait.
-    conn.set_nodelay(true).map_err(|e| e.to_string())?;
-    // Buffered, as Go's HTTP client reads its answers: the head is not one system call a byte.
-    let mut conn = tokio::io::BufReader::new(conn);
-    let mut samples = Vec::with_capacity(calls);
-    let mut first_ms = 0.0;
-    for i in 0..calls + 10 {
-        let t = Instant::now();
-        conn.get_mut()
-            .write_all(request.as_bytes())
-            .await
-            .map_err(|e| e.to_string())?;
-        let answer = read_answer(&mut conn).await?;
-        let ms = t.elapsed().as_secs_f64() * 1000.0;
-        if i == 0 {
-            first_ms = ms;
-        }
-        if i >= 10 {
-            samples.push(ms);
-        }
-        if i == 0 && !answer.contains("\"NodeNames\"") {
-            return Err(format!("unexpected filter answer: {answer:.200}"));
-        }
-    }
-    Ok(DirectFilter { first_ms, samples })
-}
-
-/// Reads one HTTP answer with a Content-Length body; returns the body.
-async fn read_answer(
-    conn: &mut tokio::io::BufReader<tokio::net::TcpStream>,
-) -> Result<String, String> {
-    let mut head = Vec::new();
-    while !head.ends_with(b"\r\n\r\n") {
-        let n = conn
-            .read_until(b'\n', &mut head)
-            .await
-            .map_err(|e| e.to_string())?;
-        if n == 0 {
-            return Err("connection closed".into());
-        }
-    }
-    let head = String::from_utf8_lossy(&head).to_string();
-    let len: usize = head
-        .lines()
-        .filter_map(|l| l.split_once(':'))
-        .find(|(k, _)| k.eq_ignore_ascii_case("content-length"))
-        .and_then(|(_, v)| v.trim().parse().ok())
-        .ok_or("answer without Content-Length")?;
-    let mut body = vec![0u8; len];
-    conn.read_exact(&mut body)
-        .await
-        .map_err(|e| e.to_string())?;
-    Ok(String::from_utf8_lossy(&body).to_string())
-}
-
-/// `; kube-apiserver: <figures>` for a row's note, or nothing when its metrics could not be read.
-fn runtime_note(figures: String) -> String {
-    if figures.is_empty() {
-        figures
-    } else {
-        format!("; kube-apiserver: {figures}")
-    }
 }

@@ -40,9 +40,10 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::Client;
 use kube::api::{Api, DeleteParams, PostParams};
 
+use crate::cost::{BurstCost, CostMeter};
 use crate::extender::{
-    BurstCost, CostMeter, NS, SCHEDULER_CLIENT_RATE, keep_operator_log, ledger_verdict, metric_sum,
-    plain_pod, schedule, schedule_pods, settled,
+    NS, SCHEDULER_CLIENT_RATE, keep_operator_log, ledger_verdict, metric_sum, plain_pod, schedule,
+    schedule_pods, settled,
 };
 use crate::overload::slow_apiserver;
 

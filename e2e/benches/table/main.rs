@@ -42,6 +42,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod cost;
+mod direct;
 mod extender;
 mod fit;
 mod installed;

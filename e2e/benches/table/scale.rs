@@ -42,8 +42,9 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::Client;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams};
 
+use crate::direct::direct_filter;
 use crate::extender::{
-    direct_filter, keep_operator_log, log_filter_histograms, paced, scheduling_cluster, settled,
+    keep_operator_log, log_filter_histograms, paced, scheduling_cluster, settled,
 };
 
 mod handover;

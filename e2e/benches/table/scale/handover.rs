@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use gpuledger_e2e::bench::{ChildOperator, OperatorOptions};
 
 use super::{HANDOVERS, free_port};
-use crate::extender::direct_filter;
+use crate::direct::direct_filter;
 
 /// What [`handovers`] timed, one figure per handover.
 pub(crate) struct Handovers {

@@ -13,7 +13,7 @@ use kube::Client;
 use kube::api::{Api, WatchParams};
 
 use super::{FILTER_TARGET_MS, SizeFigures, verdict};
-use crate::extender::direct_filter;
+use crate::direct::direct_filter;
 
 /// kube-apiserver restarts under the running operator at the largest size.
 const RESTARTS: usize = 3;
