@@ -24,6 +24,8 @@ pub(crate) struct Restarts {
     away_s: Vec<f64>,
     /// The API server ready again to its new watch cache of reservations accepting a watch.
     cache_s: Vec<f64>,
+    /// The `Retry-After` of the server's last 429 before its cache served (0 when none).
+    retry_after_s: Vec<f64>,
     /// The API server ready again to the operator's next reservation list applied.
     relisted_s: Vec<f64>,
     /// How long the end of that list held the ledger index's lock.
@@ -53,6 +55,7 @@ pub(crate) async fn restarts(
     let mut out = Restarts {
         away_s: Vec::new(),
         cache_s: Vec::new(),
+        retry_after_s: Vec::new(),
         relisted_s: Vec::new(),
         held_ms: Vec::new(),
         changed: 0.0,
@@ -86,10 +89,11 @@ pub(crate) async fn restarts(
         let held_ms = (after.held_s - before.held_s) / lists * 1000.0;
         let filter = direct_filter(port, names, 50).await?;
         eprintln!(
-            "[bench] scale: kube-apiserver restart {i}: away {:.2} s, its watch cache of reservations accepted a watch {:.2} s after it was back ({} answers 429, {} answers 503 before), the operator's list applied {relisted:.2} s after it was back ({lists} list(s), the end held the index {held_ms:.1} ms, {} changed); filter after it p99 {:.2} ms",
+            "[bench] scale: kube-apiserver restart {i}: away {:.2} s, its watch cache of reservations accepted a watch {:.2} s after it was back ({} answers 429, the last asking to be tried again after {} s, {} answers 503 before), the operator's list applied {relisted:.2} s after it was back ({lists} list(s), the end held the index {held_ms:.1} ms, {} changed); filter after it p99 {:.2} ms",
             away.as_secs_f64(),
             cache.after_s,
             cache.too_many,
+            cache.last_retry_after_s,
             cache.unavailable,
             after.changed - before.changed,
             Summary::of(&filter.samples)
@@ -98,6 +102,7 @@ pub(crate) async fn restarts(
         );
         out.away_s.push(away.as_secs_f64());
         out.cache_s.push(cache.after_s);
+        out.retry_after_s.push(f64::from(cache.last_retry_after_s));
         out.relisted_s.push(relisted);
         out.held_ms.push(held_ms);
         out.changed += after.changed - before.changed;
@@ -113,6 +118,10 @@ struct CacheServing {
     after_s: f64,
     /// `429 storage is (re)initializing` answers: the cache still being filled from etcd.
     too_many: usize,
+    /// The `Retry-After` of the last of those: kube-apiserver asks for more the longer the
+    /// cache has been filling (1 s at first, up to 30 s), and a client that honours it, as ours
+    /// and client-go do, may ask again up to that long after the cache is filled.
+    last_retry_after_s: u32,
     /// `503` answers: the custom resources' storage not built yet.
     unavailable: usize,
 }
@@ -131,17 +140,21 @@ async fn cache_serving(
     let params = WatchParams::default()
         .labels("gpuledger.io/bench-probe=none")
         .timeout(1);
-    let (mut too_many, mut unavailable) = (0, 0);
+    let (mut too_many, mut unavailable, mut last_retry_after_s) = (0, 0, 0);
     loop {
         match api.watch(&params, "0").await {
             Ok(_) => {
                 return Ok(CacheServing {
                     after_s: back.elapsed().as_secs_f64(),
                     too_many,
+                    last_retry_after_s,
                     unavailable,
                 });
             }
-            Err(kube::Error::Api(s)) if s.code == 429 => too_many += 1,
+            Err(kube::Error::Api(s)) if s.code == 429 => {
+                too_many += 1;
+                last_retry_after_s = s.details.as_ref().map_or(0, |d| d.retry_after_seconds);
+            }
             Err(kube::Error::Api(s)) if s.code == 503 => unavailable += 1,
             // Anything else (a connection refused, a reset) is the server not answering yet.
             Err(_) => {}
@@ -190,10 +203,17 @@ pub(crate) fn restart_rows(f: &SizeFigures, restarts: Result<Restarts, String>) 
             workload.clone(),
             "s",
             &r.cache_s,
-            "no target; /readyz 200 again -> the new watch cache of reservations accepts a watch \
-             (probed every 100 ms by a client that does not retry; until then the server answers \
-             429 storage is (re)initializing while it fills the cache from etcd): the floor \
-             under the relist below",
+            format!(
+                "no target; /readyz 200 again -> the new watch cache of reservations accepts a \
+                 watch (probed every 100 ms by a client that does not retry; until then the \
+                 server answers 429 storage is (re)initializing while it fills the cache from \
+                 etcd): the floor under the relist below; the Retry-After of its last 429: {} s",
+                r.retry_after_s
+                    .iter()
+                    .map(|s| format!("{s:.0}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
         ),
         Row::measured(
             "kube-apiserver restart: operator relisted",
@@ -203,7 +223,8 @@ pub(crate) fn restart_rows(f: &SizeFigures, restarts: Result<Restarts, String>) 
             format!(
                 "no target; /readyz 200 again -> the operator's reservation list applied (its \
                  watch cannot resume across the new watch cache): the cache above, the client's \
-                 next try after it (at most 2 s: crds/src/kubeclient/retry.rs) and the list; the \
+                 next try after it (no sooner than the server's Retry-After above; the client's \
+                 own waits at most 2 s: crds/src/kubeclient/retry.rs) and the list; the \
                  API server was away {:.2} s (median; SIGTERM, SIGKILL 1 s later, its \
                  start); {:.0} reservations changed over {RESTARTS} lists (nothing was written \
                  meanwhile)",
