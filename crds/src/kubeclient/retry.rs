@@ -5,18 +5,20 @@
 //! wait is longer than [`LONGEST_WAIT`], where kube lets the backoff grow to 1000 s.
 //!
 //! Why: a restarted kube-apiserver answers every watch of a custom resource `429 storage is
-//! (re)initializing` with `Retry-After: 1` until it has filled that kind's watch cache from
-//! etcd, which takes longer the more objects there are. Until the client's last try, those
-//! answers never reach the watch's own backoff ([`super::watch_backoff`]). Past its
-//! eighth retry kube's backoff outgrows the server's one second and doubles on (1.3–2.6 s,
-//! 2.6–5 s, … 41–82 s by the fourteenth), so the try that finds the cache filled could come up
-//! to the whole last step after it. Measured by `make bench`'s scale group at 100 000
-//! reservations (docs/BENCHMARKS.md, "After a kube-apiserver restart"): the server took 35–46 s
-//! after `/readyz` to fill that cache, and the operator's watch was told to list again 24–28 s
-//! after it was filled with kube's policy, 2–3 s with this one (two restarts of three; the
-//! reservations relisted 56.6 s after `/readyz` against 83.8 s, medians). Capped, the try after
-//! the cache is filled comes at most [`LONGEST_WAIT`] late, and each try is still no sooner than
-//! the server asked.
+//! (re)initializing` until it has filled that kind's watch cache from etcd, which takes longer
+//! the more objects there are. Until the client's last try, those answers never reach the
+//! watch's own backoff ([`super::watch_backoff`]). The server's `Retry-After` grows with how
+//! long the cache has been filling (kube-apiserver's cacher asks for e^(0.06 × seconds), whole
+//! seconds from 1 to 30: 1 s for the first 11 s, 3 s at 20 s, 11 s at 40 s, 22 s at 52 s).
+//! Past its eighth retry kube's backoff outgrows a one-second ask and doubles on (1.3–2.6 s,
+//! 2.6–5 s, … 41–82 s by the fourteenth), so the try that finds the cache filled could come a
+//! whole step of its own after it. Capped, the client's own wait is at most [`LONGEST_WAIT`],
+//! and each try is still no sooner than the server asked: a cache filled within about 11 s (as
+//! at 20 000 reservations on two cores, docs/BENCHMARKS.md, "After a kube-apiserver restart")
+//! is heard within 2 s of being filled. A longer fill is heard up to the server's last
+//! `Retry-After` after it (at 100 000 reservations here the fill took 35–46 s, and one restart
+//! of three heard it 22 s late), as by every client that honours the header; what the cap
+//! removes there is only the client's own steps beyond the server's ask.
 //!
 //! A cap that low does not hammer a server that sheds load: client-go's REST client waits the
 //! server's `Retry-After` on each of its ten retries, and a client here waits at least that.
