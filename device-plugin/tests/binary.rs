@@ -55,12 +55,25 @@ fn kubeconfig(dir: &Path) -> std::path::PathBuf {
     path
 }
 
+/// Sends `child` SIGTERM, as the kubelet does to a stopping pod, and waits for its exit.
+async fn terminate(mut child: std::process::Child) -> std::process::ExitStatus {
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    tokio::task::spawn_blocking(move || child.wait())
+        .await
+        .unwrap()
+        .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn binary_serves_list_and_watch_and_metrics_and_exits_cleanly_on_sigterm() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("device-plugins");
     let port = free_port();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_gpuledger-device-plugin"))
+    let child = Command::new(env!("CARGO_BIN_EXE_gpuledger-device-plugin"))
         .arg("--kubeconfig")
         .arg(kubeconfig(tmp.path()))
         .args([
@@ -114,15 +127,7 @@ async fn binary_serves_list_and_watch_and_metrics_and_exits_cleanly_on_sigterm()
     );
     assert!(http_get(port, "/healthz").unwrap().ends_with("ok"));
 
-    let status = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let exit = tokio::task::spawn_blocking(move || child.wait())
-        .await
-        .unwrap()
-        .unwrap();
+    let exit = terminate(child).await;
     assert!(exit.success(), "{exit:?}");
     assert!(!socket.exists(), "the socket is removed on SIGTERM");
     // The ListAndWatch stream ended with the server.
@@ -196,14 +201,6 @@ async fn binary_reads_a_kubeconfig_list_from_the_environment() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(socket.exists(), "the plugin socket never appeared");
-    let status = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let exit = tokio::task::spawn_blocking(move || child.wait())
-        .await
-        .unwrap()
-        .unwrap();
+    let exit = terminate(child).await;
     assert!(exit.success(), "{exit:?}");
 }
