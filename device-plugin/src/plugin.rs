@@ -137,9 +137,18 @@ async fn refresh_loop(
 ) {
     let mut xids_open = true;
     let mut settings_open = true;
+    // One clock for the whole loop, not a fresh sleep per pass: an event that wakes the loop
+    // without running discovery (an XID on the ignored list) must not push the next periodic
+    // discovery back, or a workload raising such XIDs more often than the interval would keep
+    // GPU-lost and recovery changes from ever reaching the kubelet.
+    let mut every = tokio::time::interval_at(
+        tokio::time::Instant::now() + inputs.interval,
+        inputs.interval,
+    );
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
-            _ = tokio::time::sleep(inputs.interval) => {}
+            _ = every.tick() => {}
             changed = inputs.settings.changed(), if settings_open => {
                 // The configuration watch ended: the last settings stay.
                 settings_open = changed.is_ok();
@@ -281,4 +290,70 @@ pub async fn run(
     tasks.abort_all();
     config_watch.abort();
     result.map_err(PluginError::from)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use gpuledger_crds::GpuDevice;
+
+    use super::*;
+    use crate::discovery::gpu;
+
+    /// Counts its discoveries; always the same one GPU.
+    struct Counting(AtomicUsize);
+
+    impl Discovery for Counting {
+        fn discover(&self) -> Result<Vec<GpuDevice>, DiscoveryError> {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            Ok(vec![gpu("GPU-a", 0, Some(0))])
+        }
+        fn describe(&self) -> String {
+            "counting".to_string()
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn ignored_xids_do_not_hold_back_the_periodic_discovery() {
+        let counting = Arc::new(Counting(AtomicUsize::new(0)));
+        let discovery: Arc<dyn Discovery> = counting.clone();
+        let (_settings_tx, settings) = watch::channel(NodeSettings::from_flags(10));
+        let (xid_tx, xids) = mpsc::unbounded_channel();
+        let first = Inventory::configured(vec![gpu("GPU-a", 0, Some(0))], &settings.borrow());
+        let (tx, _rx) = watch::channel(first);
+        let (stop_tx, stop) = watch::channel(false);
+        let looping = tokio::spawn(refresh_loop(
+            RefreshInputs {
+                discovery,
+                settings,
+                interval: Duration::from_secs(10),
+                xids,
+                health: HealthTracker::new(XidPolicy::default()),
+            },
+            tx,
+            Arc::new(Metrics::default()),
+            stop,
+        ));
+        // An application XID (13, on the default ignored list) every second for 35 s: under a
+        // 10 s interval, discovery still runs at 10, 20 and 30 s.
+        for _ in 0..35 {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            xid_tx
+                .send(XidEvent {
+                    uuid: "GPU-a".to_string(),
+                    xid: 13,
+                })
+                .unwrap();
+        }
+        // Let the blocking discoveries finish before counting.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        stop_tx.send(true).unwrap();
+        looping.await.unwrap();
+        let runs = counting.0.load(Ordering::SeqCst);
+        assert!(
+            runs >= 3,
+            "discovery ran {runs} times in 35 s under a 10 s interval"
+        );
+    }
 }
