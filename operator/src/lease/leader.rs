@@ -14,7 +14,7 @@
 //! replica took over. A ledger with two writers is exactly what leader election is for.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
@@ -22,6 +22,7 @@ use k8s_openapi::jiff::Timestamp;
 use kube::Client;
 use kube::api::{Api, PostParams};
 use tokio::sync::Notify;
+use tokio::time::Instant;
 
 use crate::telemetry::{Health, Metrics};
 use gpuledger_crds::protocol::lease::expired;
@@ -97,6 +98,44 @@ pub async fn try_acquire_or_renew(
     }
 }
 
+/// This replica's standing between rounds.
+#[derive(Debug, Default)]
+struct Term {
+    /// While leading: when the last successful round started, which is when the renewal time
+    /// it wrote was read (others count the Lease's [`LEASE_SECONDS`] from that time).
+    renewed_at: Option<Instant>,
+}
+
+/// One round, bounded. A leader's round may last only what is left of its [`RENEW_DEADLINE`]:
+/// a renewal that hangs (a dead connection, an API server that never answers, 429s each asking
+/// for a long wait) would otherwise keep this replica leading long after its Lease expired for
+/// everyone else and a standby took it, two writers on one ledger. A follower's round is bounded
+/// too, so that a hung call cannot stop it from trying again. Whether this replica leads now.
+async fn elect(api: &Api<Lease>, namespace: &str, identity: &str, term: &mut Term) -> bool {
+    let started = Instant::now();
+    let bound = term.renewed_at.map_or(RENEW_DEADLINE, |t| {
+        RENEW_DEADLINE.saturating_sub(started - t)
+    });
+    let round = tokio::time::timeout(bound, try_acquire_or_renew(api, namespace, identity)).await;
+    term.renewed_at = match round {
+        Ok(Ok(Round::Leading)) => Some(started),
+        Ok(Ok(Round::Following)) => None,
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "leader election round failed");
+            // Keep leading only while the last renewal is within the deadline.
+            term.renewed_at.filter(|t| t.elapsed() < RENEW_DEADLINE)
+        }
+        Err(_) => {
+            tracing::warn!(
+                waited = ?bound,
+                "leader election round unanswered; not leading until a round succeeds"
+            );
+            None
+        }
+    };
+    term.renewed_at.is_some()
+}
+
 /// Runs the election forever, publishing leadership in `health` (and the `leader` gauge).
 pub async fn run(
     client: Client,
@@ -107,23 +146,9 @@ pub async fn run(
     freed: Arc<Notify>,
 ) {
     let api: Api<Lease> = Api::namespaced(client, &namespace);
-    let mut last_renewal: Option<Instant> = None;
+    let mut term = Term::default();
     loop {
-        let leading = match try_acquire_or_renew(&api, &namespace, &identity).await {
-            Ok(Round::Leading) => {
-                last_renewal = Some(Instant::now());
-                true
-            }
-            Ok(Round::Following) => {
-                last_renewal = None;
-                false
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "leader election round failed");
-                // Keep leading only while the last renewal is within the deadline.
-                last_renewal.is_some_and(|t| t.elapsed() < RENEW_DEADLINE)
-            }
-        };
+        let leading = elect(&api, &namespace, &identity, &mut term).await;
         if leading != health.is_leader() {
             tracing::info!(identity = %identity, leading, "leadership changed");
         }
@@ -256,6 +281,44 @@ mod tests {
         let freed = release(&leases(client), "replica-a").await;
         api.finish().await;
         assert!(!freed.unwrap());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_leader_whose_renewal_hangs_steps_down_before_its_lease_expires() {
+        const LEASES: &str = "/apis/coordination.k8s.io/v1/namespaces/gpuledger-system/leases";
+        let (client, api) = scripted(vec![
+            // t = 0: no Lease yet, created: leading, renewal time 0.
+            expect(Method::GET, LEASE_PATH).reply(404, status(404, "NotFound", "not found")),
+            expect(Method::POST, LEASES).reply(201, held("replica-a", "1")),
+            // t = 2: the renewal's read is never answered.
+            expect(Method::GET, LEASE_PATH).never_reply(),
+        ]);
+        let health = Arc::new(Health::default());
+        let election = tokio::spawn(run(
+            client,
+            "gpuledger-system".into(),
+            "replica-a".into(),
+            health.clone(),
+            Arc::new(Metrics::new()),
+            Arc::new(Notify::new()),
+        ));
+        let start = Instant::now();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(
+            health.is_leader(),
+            "the first round should have won the Lease"
+        );
+        // A standby may take the Lease once LEASE_SECONDS have passed since the renewal time
+        // written at 0; before then (and by RENEW_DEADLINE at the latest) this replica must no
+        // longer act as leader, though its renewal is still waiting for an answer.
+        tokio::time::sleep_until(start + RENEW_DEADLINE + Duration::from_millis(100)).await;
+        let leading_at_deadline = health.is_leader();
+        election.abort();
+        api.finish().await;
+        assert!(
+            !leading_at_deadline,
+            "still leading {RENEW_DEADLINE:?} after the last renewal, with the renewal unanswered"
+        );
     }
 
     #[test]
