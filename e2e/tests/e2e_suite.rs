@@ -77,6 +77,14 @@ async fn gpuledger_end_to_end() {
         ("a terminating pod keeps its GPUs until it stops", |c| {
             Box::pin(node_scenarios::terminating_pod_keeps_its_gpus(c))
         }),
+        (
+            "a running pod's forced-away reservation is booked again and held",
+            |c| {
+                Box::pin(scenarios::forced_away_reservation_is_booked_again_and_held(
+                    c,
+                ))
+            },
+        ),
         ("pod deletion cleans the ledger", |c| {
             Box::pin(scenarios::deletion_cleans_the_ledger(c))
         }),

@@ -296,3 +296,52 @@ pub async fn topology_aware_takes_the_nvlink_pair(cluster: &SimCluster) {
     assert_eq!(got, [gpu(6), gpu(7)], "the NVLink pair");
     cleanup(cluster, &["sharer", "pair"]).await;
 }
+
+/// A running pod's reservation forced away by an admin (the finalizer taken off): the repair
+/// sweep books the pod again, and the new reservation is `Allocated`, holding the GPUs for as
+/// long as the pod runs. The kubelet allocated long before it existed, so no Allocate will
+/// record it; left to wait for one it would time out to `Failed` and free GPUs in use.
+pub async fn forced_away_reservation_is_booked_again_and_held(cluster: &SimCluster) {
+    use gpuledger_crds::names::reservation_name;
+    use kube::ResourceExt;
+    use kube::api::{DeleteParams, Patch, PatchParams};
+
+    let name = "forced";
+    let pod = GpuPod::new(NS, name)
+        .gpu_container("main", 1, 8192, 25)
+        .cpu_numa(1);
+    let seen = run_pod(cluster, pod).await;
+    assert!(seen.admission.admitted().is_some(), "{:?}", seen.admission);
+    let first = allocated(cluster, name).await;
+    let client = cluster.cp.client();
+    let ledger: Api<GpuReservation> = Api::namespaced(client.clone(), NS);
+    let key = reservation_name(name);
+    ledger.delete(&key, &DeleteParams::default()).await.unwrap();
+    ledger
+        .patch(
+            &key,
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({ "metadata": { "finalizers": null } })),
+        )
+        .await
+        .unwrap();
+    let again = wait_reservation(&client, NS, name, "booked again, Allocated", WAIT, |r| {
+        r.uid() != first.uid()
+            && r.spec.pod_uid == first.spec.pod_uid
+            && phase(r) == ReservationPhase::Allocated
+    })
+    .await
+    .unwrap();
+    assert_eq!(again.spec.node_name, first.spec.node_name);
+    assert!(
+        again
+            .status
+            .as_ref()
+            .is_none_or(|s| s.allocation.is_empty()),
+        "no Allocate came for the new reservation: {again:?}"
+    );
+    wait_event(&client, NS, name, "GpuReservationRepaired", WAIT)
+        .await
+        .unwrap();
+    cleanup(cluster, &[name]).await;
+}

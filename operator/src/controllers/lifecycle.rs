@@ -102,6 +102,15 @@ pub fn fully_allocated(r: &GpuReservation) -> bool {
             .all(|c| allocated.contains(&c.index))
 }
 
+/// Whether `r`'s pod has its GPUs: every container's allocation recorded by the device plugin,
+/// or the kubelet already running the pod's containers, which it does only after Allocate. The
+/// second is how a reservation written for a pod that was already running (the repair sweep's,
+/// after its first was forced away) is known to be in use: no Allocate will come to record it,
+/// and timing it out to `Failed` would free GPUs the pod holds.
+fn allocated(r: &GpuReservation, pod: &PodFacts) -> bool {
+    fully_allocated(r) || pod.containers_started
+}
+
 /// Describes every container whose allocated GPUs differ from its reserved ones, naming both
 /// sets; `None` when they agree.
 pub fn misalignment(r: &GpuReservation) -> Option<String> {
@@ -209,7 +218,7 @@ fn phase_step(
     match phase {
         ReservationPhase::Reserved => match bound_to {
             // The kubelet allocated before the Allocating write was due: straight on.
-            Some(_) if fully_allocated(r) => Step::Phase {
+            Some(_) if allocated(r, pod) => Step::Phase {
                 phase: ReservationPhase::Allocated,
                 free_lease: false,
             },
@@ -246,7 +255,7 @@ fn phase_step(
             }
         },
         ReservationPhase::Allocating => {
-            if fully_allocated(r) {
+            if allocated(r, pod) {
                 return Step::Phase {
                     phase: ReservationPhase::Allocated,
                     free_lease: false,
@@ -667,6 +676,30 @@ pub(crate) mod tests {
                 "{phase:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_pod_whose_containers_run_holds_its_gpus_without_a_record() {
+        // A reservation written for a pod already running (the repair sweep's): the kubelet
+        // allocated long ago, so no record will come. Past the timeout it stays in use.
+        use k8s_openapi::api::core::v1::{ContainerState, ContainerStateRunning, ContainerStatus};
+        let mut p = pod("uid-1", Some("n1"), "Running");
+        p.status.as_mut().unwrap().container_statuses = Some(vec![ContainerStatus {
+            name: "main".into(),
+            state: Some(ContainerState {
+                running: Some(ContainerStateRunning::default()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }]);
+        let allocated = Step::Phase {
+            phase: ReservationPhase::Allocated,
+            free_lease: false,
+        };
+        let r = reservation(Some(ReservationPhase::Allocating), 100);
+        assert_eq!(step(&r, Some(&p), t(400), TIMEOUT), allocated);
+        let r = reservation(None, 0);
+        assert_eq!(step(&r, Some(&p), t(1), TIMEOUT), allocated);
     }
 
     #[test]

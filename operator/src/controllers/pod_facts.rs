@@ -41,6 +41,10 @@ pub struct PodFacts {
     pub terminating: bool,
     /// It has init containers and every one terminated with exit code 0.
     pub init_done: bool,
+    /// The kubelet has created one of its containers (a status running or terminated). It does
+    /// so only after admitting the pod, and admission calls Allocate for every GPU container
+    /// first: from here on the pod's GPUs are in use whether or not an allocation was recorded.
+    pub containers_started: bool,
     /// It holds GPU capacity once bound ([`pod_wants_gpus`], as the extender decides).
     pub wants_gpus: bool,
     /// When the API server recorded it scheduled: the `PodScheduled` condition's last
@@ -67,6 +71,7 @@ impl PodFacts {
             finished: pod_finished(pod),
             terminating: pod_terminating(pod),
             init_done: init_containers_done(pod),
+            containers_started: containers_started(pod),
             wants_gpus: pod_wants_gpus(pod, config),
             scheduled_at: scheduled_at(pod),
         }
@@ -84,6 +89,22 @@ fn scheduled_at(pod: &Pod) -> Option<Timestamp> {
         .last_transition_time
         .as_ref()
         .map(|t| t.0)
+}
+
+/// Whether the kubelet has created any container of `pod`, init or app: one with a state (or
+/// last state) running or terminated.
+fn containers_started(pod: &Pod) -> bool {
+    let Some(status) = pod.status.as_ref() else {
+        return false;
+    };
+    let created = |st: Option<&k8s_openapi::api::core::v1::ContainerState>| {
+        st.is_some_and(|st| st.running.is_some() || st.terminated.is_some())
+    };
+    [&status.init_container_statuses, &status.container_statuses]
+        .into_iter()
+        .flatten()
+        .flatten()
+        .any(|c| created(c.state.as_ref()) || created(c.last_state.as_ref()))
 }
 
 /// Whether every init container of `pod` has terminated with exit code 0.
@@ -475,6 +496,32 @@ pub(crate) mod tests {
             "its containers may still hold GPUs"
         );
         assert!(of(&deleting).terminating);
+    }
+
+    #[test]
+    fn containers_count_as_started_once_the_kubelet_created_one() {
+        use k8s_openapi::api::core::v1::{ContainerState, ContainerStateWaiting, ContainerStatus};
+        let mut p = pod("a", "u1", Some("n1"), "Pending");
+        assert!(!of(&p).containers_started, "no status yet");
+        let waiting = ContainerStatus {
+            name: "main".into(),
+            state: Some(ContainerState {
+                waiting: Some(ContainerStateWaiting::default()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        p.status.as_mut().unwrap().container_statuses = Some(vec![waiting.clone()]);
+        assert!(!of(&p).containers_started, "waiting: not created yet");
+        // An init container that ran is enough: admission came first.
+        p.status.as_mut().unwrap().init_container_statuses = Some(vec![terminated(0)]);
+        assert!(of(&p).containers_started);
+        // A container waiting to be restarted after it ran once.
+        p.status.as_mut().unwrap().init_container_statuses = None;
+        let mut restarting = waiting;
+        restarting.last_state = terminated(1).state;
+        p.status.as_mut().unwrap().container_statuses = Some(vec![restarting]);
+        assert!(of(&p).containers_started);
     }
 
     #[test]
