@@ -60,6 +60,15 @@ pub enum LedgerError {
         /// Pod name.
         pod: String,
     },
+    /// The reservation changed between the read and the allocation record (a refit committed,
+    /// or another status write): nothing was recorded.
+    #[error("GpuReservation {namespace}/{pod} changed while it was being allocated")]
+    Changed {
+        /// Pod namespace.
+        namespace: String,
+        /// Pod name.
+        pod: String,
+    },
     /// The API server refused or could not be reached.
     #[error("{action}: {source}")]
     Kube {
@@ -82,7 +91,9 @@ impl LedgerError {
             LedgerError::BadHolder { .. }
             | LedgerError::Mismatch { .. }
             | LedgerError::NothingPending { .. } => tonic::Status::failed_precondition(msg),
-            LedgerError::Kube { .. } => tonic::Status::unavailable(msg),
+            LedgerError::Changed { .. } | LedgerError::Kube { .. } => {
+                tonic::Status::unavailable(msg)
+            }
         }
     }
 }
@@ -226,6 +237,19 @@ impl Ledger {
                 reservation.spec.node_name, self.node
             )));
         }
+        // The operator gave it up (Failed: the kubelet did not allocate in time; Released: the
+        // pod finished): its GPUs are free in the ledger and may already be booked by another
+        // pod. A kubelet admitting the pod only now must be refused, not handed them.
+        let phase = reservation
+            .status
+            .as_ref()
+            .and_then(|s| s.phase)
+            .unwrap_or_default();
+        if !phase.holds_capacity() {
+            return Err(mismatch(format!(
+                "it is {phase:?} and holds no GPUs any more"
+            )));
+        }
         Ok(Pending {
             namespace: ns.to_string(),
             pod: pod.to_string(),
@@ -240,6 +264,12 @@ impl Ledger {
     /// between). A merge patch rather than a server-side apply, as the operator's status writes:
     /// kube-apiserver parses an apply body with its YAML parser and tracks every field's
     /// manager, several times the cost of the write itself. Returns the updated reservation.
+    ///
+    /// The patch carries the resourceVersion [`Ledger::pending`] read: the container is handed
+    /// the GPUs of that version, so the record must land on it. A refit committed in between (a
+    /// late one, after the plugin stopped waiting) would otherwise leave the ledger holding the
+    /// new GPUs while the container sees the old ones, with nothing to tell. Any change since the
+    /// read is [`LedgerError::Changed`]: read again and decide again.
     pub async fn record_allocation(
         &self,
         pending: &Pending,
@@ -252,19 +282,28 @@ impl Ledger {
             .name
             .clone()
             .unwrap_or_default();
-        let body = serde_json::json!({ "status": { "allocation": allocation } });
+        let body = serde_json::json!({
+            "metadata": { "resourceVersion": pending.reservation.metadata.resource_version },
+            "status": { "allocation": allocation },
+        });
         let params = PatchParams {
             field_manager: Some(DEVICE_PLUGIN_MANAGER.to_string()),
             ..PatchParams::default()
         };
         api.patch_status(&name, &params, &Patch::Merge(body))
             .await
-            .map_err(|source| LedgerError::Kube {
-                action: format!(
-                    "recording the allocation in GpuReservation {}/{name}",
-                    pending.namespace
-                ),
-                source,
+            .map_err(|source| match source {
+                kube::Error::Api(s) if s.code == 409 => LedgerError::Changed {
+                    namespace: pending.namespace.clone(),
+                    pod: pending.pod.clone(),
+                },
+                source => LedgerError::Kube {
+                    action: format!(
+                        "recording the allocation in GpuReservation {}/{name}",
+                        pending.namespace
+                    ),
+                    source,
+                },
             })
     }
 

@@ -20,6 +20,25 @@ use crate::metrics::Metrics;
 use crate::preferred::{SelectError, check_known, physical_gpus, select_replicas};
 use crate::refit::{RefitContext, RefitHook, RefitOutcome};
 
+/// How many times one Allocate reads the reservation and tries to record on it, when it keeps
+/// changing between the read and the record (each change is another writer's status or spec
+/// write landing in that moment: rare, and never for long).
+const ALLOCATE_TRIES: u32 = 5;
+
+/// Why one try of an Allocate did not answer.
+enum Recorded {
+    /// The reservation changed after it was read; nothing was recorded.
+    Changed(LedgerError),
+    /// The kubelet gets this.
+    Refused(Status),
+}
+
+impl From<Status> for Recorded {
+    fn from(s: Status) -> Self {
+        Recorded::Refused(s)
+    }
+}
+
 /// Settings of the service.
 #[derive(Debug, Clone)]
 pub struct ServiceConfig {
@@ -288,14 +307,24 @@ impl api::device_plugin_server::DevicePlugin for DevicePluginService {
         let metrics = &self.shared.metrics;
         let _admission = self.shared.admission.lock().await;
         let inventory = self.shared.inventory.borrow().clone();
-        let pending = match self.pending("Allocate").await {
-            Ok(p) => p,
-            Err(s) => {
-                Metrics::count(&metrics.allocations, "error");
-                return Err(s);
+        let mut tries = 0;
+        let result = loop {
+            tries += 1;
+            let pending = match self.pending("Allocate").await {
+                Ok(p) => p,
+                Err(s) => break Err(s),
+            };
+            match self.allocate_for(&inventory, &pending, &request).await {
+                // The reservation changed after it was read (its record carries the version
+                // read): what was about to be handed out may no longer be what it holds.
+                Err(Recorded::Changed(e)) if tries < ALLOCATE_TRIES => {
+                    tracing::info!(pod = %pod_ref(&pending), error = %e, "reading the reservation again");
+                }
+                Err(Recorded::Changed(e)) => break Err(e.to_status()),
+                Err(Recorded::Refused(s)) => break Err(s),
+                Ok(answer) => break Ok(answer),
             }
         };
-        let result = self.allocate_for(&inventory, &pending, &request).await;
         Metrics::count(
             &metrics.allocations,
             if result.is_ok() { "ok" } else { "error" },
@@ -335,7 +364,7 @@ impl DevicePluginService {
         inventory: &Inventory,
         pending: &Pending,
         request: &api::AllocateRequest,
-    ) -> Result<api::AllocateResponse, Status> {
+    ) -> Result<api::AllocateResponse, Recorded> {
         let containers = pending.unallocated();
         let mut recorded = pending.recorded();
         let mut container_responses = Vec::new();
@@ -358,7 +387,7 @@ impl DevicePluginService {
                     reserved: container.devices.len(),
                     requested: req.devices_ids.len(),
                 };
-                return Err(Status::failed_precondition(context(&e)));
+                return Err(Status::failed_precondition(context(&e)).into());
             }
             if let Some(dir) = hami_dir {
                 let cache = container_cache_dir(dir, &pending.uid, container.index);
@@ -389,12 +418,16 @@ impl DevicePluginService {
                 allocated_at: now(),
             });
         }
-        let updated = self
+        let updated = match self
             .shared
             .ledger
             .record_allocation(pending, &recorded)
             .await
-            .map_err(|e| e.to_status())?;
+        {
+            Ok(updated) => updated,
+            Err(e @ LedgerError::Changed { .. }) => return Err(Recorded::Changed(e)),
+            Err(e) => return Err(Recorded::Refused(e.to_status())),
+        };
         tracing::info!(pod = %pod_ref(pending), containers = container_responses.len(), "allocated");
         if let Some(check) = self.shared.config.kubelet_check.clone() {
             let replicas: Vec<String> = request

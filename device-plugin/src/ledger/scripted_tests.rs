@@ -1,6 +1,7 @@
 //! The ledger's API calls against a scripted API server (see [`crate::testing::scripted_api`]):
 //! which requests each path makes, and which error or outcome each answer turns into.
 
+use gpuledger_crds::ReservationPhase;
 use http::Method;
 use serde_json::json;
 
@@ -161,6 +162,26 @@ async fn a_reservation_for_another_node_is_a_mismatch() {
     );
 }
 
+#[tokio::test]
+async fn a_reservation_that_holds_no_gpus_any_more_is_a_mismatch() {
+    for given_up in [ReservationPhase::Failed, ReservationPhase::Released] {
+        let mut r = reservation("pod-uid", NODE, &[]);
+        r.status.get_or_insert_with(Default::default).phase = Some(given_up);
+        let (client, api) = scripted(vec![
+            expect(Method::GET, LEASE).reply(200, lease(Some(HOLDER), "41")),
+            expect(Method::GET, RESERVATION).reply(200, json_of(&r)),
+        ]);
+        let got = ledger(client).pending().await;
+        api.finish().await;
+        let e = got.unwrap_err();
+        let LedgerError::Mismatch { problem, .. } = &e else {
+            panic!("{given_up:?}: {e:?}")
+        };
+        assert!(problem.contains(&format!("{given_up:?}")), "{problem}");
+        assert_eq!(e.to_status().code(), tonic::Code::FailedPrecondition);
+    }
+}
+
 /// A failing API server must not read as "nothing to admit": the kubelet gets Unavailable
 /// (retry), not NotFound.
 #[tokio::test]
@@ -203,10 +224,14 @@ async fn record_allocation_writes_the_whole_list_to_the_status_subresource() {
         expect(Method::PATCH, format!("{RESERVATION}/status"))
             .query("fieldManager", "gpuledger-device-plugin")
             .header("content-type", "application/merge-patch+json")
-            // The whole body: the list, and nothing of the operator's fields or the metadata.
+            // The whole body: the list, on the version read, and nothing of the operator's
+            // fields.
             .body_field(
                 "",
-                json!({"status": {"allocation": serde_json::to_value(&list).unwrap()}}),
+                json!({
+                    "metadata": {"resourceVersion": "7"},
+                    "status": {"allocation": serde_json::to_value(&list).unwrap()},
+                }),
             )
             .reply(200, json_of(&updated)),
     ]);
@@ -220,7 +245,8 @@ async fn record_allocation_writes_the_whole_list_to_the_status_subresource() {
 }
 
 #[tokio::test]
-async fn a_conflicting_allocation_record_is_a_kube_error() {
+async fn a_conflicting_allocation_record_is_changed() {
+    // The reservation is no longer at the version read: nothing recorded, read it again.
     let (client, api) = scripted(vec![
         expect(Method::PATCH, format!("{RESERVATION}/status"))
             .reply(409, status(409, "Conflict", "the object has been modified")),
@@ -230,11 +256,10 @@ async fn a_conflicting_allocation_record_is_a_kube_error() {
         .await;
     api.finish().await;
     let e = got.unwrap_err();
-    assert_eq!(api_code(&e), Some(409), "{e:?}");
-    assert!(
-        e.to_string()
-            .starts_with("recording the allocation in GpuReservation ml/train"),
-        "{e}"
+    assert!(matches!(e, LedgerError::Changed { .. }), "{e:?}");
+    assert_eq!(
+        e.to_string(),
+        "GpuReservation ml/train changed while it was being allocated"
     );
     assert_eq!(e.to_status().code(), tonic::Code::Unavailable);
 }

@@ -117,13 +117,67 @@ async fn allocate_of_an_earlier_container_keeps_the_lease() {
 #[tokio::test]
 async fn allocate_whose_record_fails_is_unavailable_and_keeps_the_lease() {
     let mut steps = reads(&[0]);
-    steps.push(record().reply(409, status(409, "Conflict", "the object has been modified")));
+    steps.push(record().reply(500, status(500, "InternalError", "etcd timeout")));
     let (client, api) = scripted(steps);
     let got = service(client).allocate(allocate_one(&["GPU-1-0"])).await;
     api.finish().await;
     let s = got.unwrap_err();
     assert_eq!(s.code(), Code::Unavailable);
     assert!(s.message().contains("recording the allocation"), "{s:?}");
+}
+
+/// A refit committed between Allocate's read and its record (a late one, after the plugin
+/// stopped waiting for it): the record, made on the version read, is refused, and the
+/// container is handed the GPU the ledger now holds, recorded on the version that holds it.
+#[tokio::test]
+async fn a_reservation_moved_before_the_record_is_read_again_and_its_new_gpu_handed_out() {
+    let mut moved = reservation("pod-uid", NODE, &[0]);
+    moved.spec.containers[1].devices[0].uuid = "GPU-0".into();
+    moved.metadata.resource_version = Some("9".into());
+    moved.metadata.generation = Some(2);
+    let mut steps = reads(&[0]);
+    steps.push(
+        record()
+            .body_field("/metadata/resourceVersion", json!("7"))
+            .reply(409, status(409, "Conflict", "the object has been modified")),
+    );
+    steps.push(expect(Method::GET, LEASE).reply(200, lease(Some(HOLDER), "41")));
+    steps.push(expect(Method::GET, RESERVATION).reply(200, json_of(&moved)));
+    steps.push(
+        record()
+            .body_field("/metadata/resourceVersion", json!("9"))
+            .body_field("/status/allocation/1/devices", json!(["GPU-0"]))
+            .reply(200, json_of(&reservation("pod-uid", NODE, &[0, 1]))),
+    );
+    steps.push(delete_lease("41").reply(200, lease(Some(HOLDER), "41")));
+    let (client, api) = scripted(steps);
+    // The kubelet chose a replica of GPU-0 itself (the plugin had told it to choose).
+    let got = service(client).allocate(allocate_one(&["GPU-0-1"])).await;
+    api.finish().await;
+    let answer = got.unwrap().into_inner();
+    assert_eq!(
+        answer.container_responses[0].envs["NVIDIA_VISIBLE_DEVICES"],
+        "GPU-0"
+    );
+}
+
+/// A reservation that keeps changing under every try is not admitted, and says why.
+#[tokio::test]
+async fn a_reservation_changing_under_every_try_is_unavailable() {
+    let mut steps = Vec::new();
+    for _ in 0..super::ALLOCATE_TRIES {
+        steps.extend(reads(&[0]));
+        steps.push(record().reply(409, status(409, "Conflict", "the object has been modified")));
+    }
+    let (client, api) = scripted(steps);
+    let got = service(client).allocate(allocate_one(&["GPU-1-0"])).await;
+    api.finish().await;
+    let s = got.unwrap_err();
+    assert_eq!(s.code(), Code::Unavailable);
+    assert!(
+        s.message().contains("changed while it was being allocated"),
+        "{s:?}"
+    );
 }
 
 /// The allocation stands when only the Lease release fails (the operator frees a stuck Lease
