@@ -21,7 +21,7 @@ use gpuledger_e2e::sim::scheduler::{
     install_webhooks, kind_name, operator_ca, operator_secret_entry, rendered_chart,
 };
 use gpuledger_e2e::sim::{GPULEDGER_SCHEDULER, Quiet, SimCluster, SimClusterOptions};
-use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
+use k8s_openapi::api::core::v1::{Container, EnvVar, Pod, PodSpec};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Client;
@@ -275,6 +275,27 @@ async fn the_charts_scheduler_and_webhooks_place_default_and_refuse_gpu_pods_ove
         .unwrap_err()
         .to_string();
     assert!(err.contains("spec.nodeName"), "{err}");
+    // A namespace user who would switch HAMi-core's limits off in a GPU container (HAMi's
+    // opt-out), or override the memory limit the plugin sets: the container's value would win.
+    for (var, value) in [
+        ("CUDA_DISABLE_CONTROL", "true"),
+        ("CUDA_DEVICE_MEMORY_LIMIT_0", "81920m"),
+    ] {
+        let mut unlimited = GpuPod::new(NS, "unlimited")
+            .gpu_container("main", 1, 1024, 10)
+            .build();
+        unlimited.spec.as_mut().unwrap().containers[0].env = Some(vec![EnvVar {
+            name: var.into(),
+            value: Some(value.into()),
+            ..Default::default()
+        }]);
+        let err = pods
+            .create(&PostParams::default(), &unlimited)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(var) && err.contains("\"main\""), "{err}");
+    }
 
     a_certificate_keeper_that_lost_its_rights_is_counted(&cluster).await;
 

@@ -15,8 +15,13 @@
 //!   HAMi-core reads (HAMi's webhook does the same).
 //!
 //! **Validation** refuses, with the key and value in the message, a pod whose GPU resources or
-//! annotations do not parse (the pod API's own errors), and a GPU pod created with
-//! `spec.nodeName` already set (it would never meet the scheduler's extender).
+//! annotations do not parse (the pod API's own errors), a GPU pod created with
+//! `spec.nodeName` already set (it would never meet the scheduler's extender), and a GPU
+//! container that sets in its `env` what the device plugin sets from the reservation
+//! (`NVIDIA_VISIBLE_DEVICES`, `CUDA_DEVICE_MEMORY_LIMIT*`, `CUDA_DEVICE_SM_LIMIT`, ...) or what
+//! switches HAMi-core off (`CUDA_DISABLE_CONTROL`, `GPU_CORE_UTILIZATION_POLICY`): the
+//! container's own value would win over the plugin's. (`envFrom` is read by the kubelet from
+//! ConfigMaps and Secrets that may change after admission, so it is not checked.)
 
 use gpuledger_crds::podapi::{self, PodApiConfig};
 use gpuledger_crds::protocol::pod::names_gpu_resources;
@@ -115,8 +120,9 @@ fn container_priority(c: &Container) -> Option<u8> {
         .flatten()
 }
 
-/// Sets each `(name, value)` in the container's environment, replacing a value the container
-/// set itself.
+/// Sets each `(name, value)` in the container's environment, replacing every value the
+/// container set itself: the API server accepts a name twice (with a warning) and the last one
+/// wins in the container, so replacing only the first would leave the container's own.
 fn set_env(c: &Container, base: &str, vars: &[(&str, String)]) -> Vec<Value> {
     let var = |(name, value): &(&str, String)| json!({"name": name, "value": value});
     let Some(env) = c.env.as_deref() else {
@@ -126,12 +132,57 @@ fn set_env(c: &Container, base: &str, vars: &[(&str, String)]) -> Vec<Value> {
         let all: Vec<Value> = vars.iter().map(var).collect();
         return vec![json!({"op": "add", "path": format!("{base}/env"), "value": all})];
     };
-    vars.iter()
-        .map(|v| match env.iter().position(|e| e.name == v.0) {
-            Some(k) => json!({"op": "replace", "path": format!("{base}/env/{k}"), "value": var(v)}),
-            None => json!({"op": "add", "path": format!("{base}/env/-"), "value": var(v)}),
-        })
-        .collect()
+    let mut ops = Vec::new();
+    for v in vars {
+        let mut set = false;
+        for (k, _) in env.iter().enumerate().filter(|(_, e)| e.name == v.0) {
+            ops.push(json!({"op": "replace", "path": format!("{base}/env/{k}"), "value": var(v)}));
+            set = true;
+        }
+        if !set {
+            ops.push(json!({"op": "add", "path": format!("{base}/env/-"), "value": var(v)}));
+        }
+    }
+    ops
+}
+
+/// Variables a GPU container may not set itself. The kubelet puts a container's own
+/// environment after the device plugin's Allocate answer, so its value would win: the first
+/// four would show it other GPUs or lift HAMi-core's limits above what the ledger holds, the
+/// last two switch HAMi-core's enforcement off (HAMi honours them as an opt-out; here a GPU
+/// container runs inside what its reservation holds, or not at all).
+const PLUGIN_OWNED_ENV: [&str; 6] = [
+    "NVIDIA_VISIBLE_DEVICES",
+    "CUDA_DEVICE_SM_LIMIT",
+    "CUDA_DEVICE_MEMORY_SHARED_CACHE",
+    "CUDA_OVERSUBSCRIBE",
+    "CUDA_DISABLE_CONTROL",
+    "GPU_CORE_UTILIZATION_POLICY",
+];
+
+/// The per-GPU memory limits, `CUDA_DEVICE_MEMORY_LIMIT_<i>` (and HAMi-core's unsuffixed one).
+const MEMORY_LIMIT_ENV: &str = "CUDA_DEVICE_MEMORY_LIMIT";
+
+fn plugin_owned(name: &str) -> bool {
+    PLUGIN_OWNED_ENV.contains(&name) || name.starts_with(MEMORY_LIMIT_ENV)
+}
+
+/// The first GPU container (init containers first) that sets a [`PLUGIN_OWNED_ENV`] variable
+/// or a memory limit itself, as a refusal.
+fn own_isolation_env(pod: &Pod) -> Option<String> {
+    let spec = pod.spec.as_ref()?;
+    let containers = spec
+        .init_containers
+        .iter()
+        .flatten()
+        .chain(&spec.containers);
+    containers.filter(|c| asks_for_gpus(c)).find_map(|c| {
+        let name = &c.env.iter().flatten().find(|e| plugin_owned(&e.name))?.name;
+        Some(format!(
+            "container {:?} sets {name} itself: in a GPU container the device plugin sets it from the pod's GPU reservation, and a value of the container's own would override it (other GPUs, higher limits, or HAMi-core switched off); remove it",
+            c.name
+        ))
+    })
 }
 
 /// Why `pod` may not be created, or `None`.
@@ -145,6 +196,9 @@ pub fn refusal(pod: &Pod, config: &PodApiConfig) -> Option<String> {
     };
     if let Some(e) = podapi::unallocatable_request(pod, &req) {
         return Some(e.to_string());
+    }
+    if let Some(why) = own_isolation_env(pod) {
+        return Some(why);
     }
     let node = pod.spec.as_ref().and_then(|s| s.node_name.as_deref());
     if let Some(node) = node.filter(|n| !n.is_empty()) {
@@ -341,6 +395,63 @@ mod tests {
             why.contains("nvidia.com/priority") && why.contains("\"5\""),
             "{why}"
         );
+    }
+
+    #[test]
+    fn every_copy_of_a_gpu_less_containers_own_visible_devices_is_replaced() {
+        // The last of two same-named entries is what the container gets.
+        let p = pod(json!({"metadata": {"name": "p"}, "spec": {"containers": [
+            {"name": "main", "resources": {"limits": {"nvidia.com/gpu": "1"}}},
+            {"name": "side", "env": [
+                {"name": "NVIDIA_VISIBLE_DEVICES", "value": "GPU-x"},
+                {"name": "A", "value": "b"},
+                {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}]}}));
+        let out = apply(
+            &p,
+            &mutation(&p, "gpuledger-scheduler", &PodApiConfig::default()),
+        );
+        let env = out["spec"]["containers"][1]["env"].as_array().unwrap();
+        let visible: Vec<&Value> = env
+            .iter()
+            .filter(|e| e["name"] == "NVIDIA_VISIBLE_DEVICES")
+            .map(|e| &e["value"])
+            .collect();
+        assert_eq!(visible, [&json!("none"), &json!("none")], "{env:?}");
+        assert_eq!(env[1], json!({"name": "A", "value": "b"}));
+    }
+
+    #[test]
+    fn a_gpu_container_setting_what_the_plugin_sets_is_refused() {
+        for (name, value) in [
+            ("NVIDIA_VISIBLE_DEVICES", "all"),
+            ("CUDA_DEVICE_MEMORY_LIMIT_0", "81920m"),
+            ("CUDA_DEVICE_MEMORY_LIMIT", "80g"),
+            ("CUDA_DEVICE_SM_LIMIT", "100"),
+            ("CUDA_DISABLE_CONTROL", "true"),
+            ("GPU_CORE_UTILIZATION_POLICY", "disable"),
+        ] {
+            let p = pod(json!({"metadata": {"name": "p"}, "spec": {"containers": [
+                {"name": "main", "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                 "env": [{"name": "A", "value": "b"}, {"name": name, "value": value}]}]}}));
+            let why = refusal(&p, &PodApiConfig::default()).unwrap_or_default();
+            assert!(
+                why.contains("\"main\"") && why.contains(name),
+                "{name}: {why:?}"
+            );
+        }
+        // In an init container too.
+        let p = pod(json!({"metadata": {"name": "p"}, "spec": {
+            "initContainers": [{"name": "warm", "resources": {"limits": {"nvidia.com/gpumem": "1024"}},
+                "env": [{"name": "CUDA_DISABLE_CONTROL", "value": "true"}]}],
+            "containers": [{"name": "main", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}));
+        assert!(refusal(&p, &PodApiConfig::default()).is_some_and(|w| w.contains("warm")));
+        // A GPU-less container's is its own business (the mutation hides every GPU from it),
+        // and so is a GPU container's unrelated variable.
+        let p = pod(json!({"metadata": {"name": "p"}, "spec": {"containers": [
+            {"name": "main", "resources": {"limits": {"nvidia.com/gpu": "1"}},
+             "env": [{"name": "CUDA_VISIBLE_DEVICES", "value": "0"}]},
+            {"name": "side", "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}]}]}}));
+        assert_eq!(refusal(&p, &PodApiConfig::default()), None);
     }
 
     #[test]
