@@ -361,6 +361,26 @@ async fn a_hand_edit_is_reported_a_hand_delete_is_held_and_a_forced_one_is_booke
             .any(|f| matches!(f, Finding::OverCommitted { .. })),
         "the repair over-committed: {findings:?}"
     );
+    // Said once: the sweep keeps trying the pod (it books it as soon as room frees), but a
+    // Warning at every look (every 2 s) would only bury the first. Four looks later, still one.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let missing: Vec<Event> = events
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| {
+            e.reason.as_deref() == Some("GpuReservationMissing")
+                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("whole")
+        })
+        .collect();
+    assert_eq!(missing.len(), 1, "{missing:?}");
+    assert!(
+        missing[0].series.is_none() && missing[0].deprecated_count.unwrap_or(1) <= 1,
+        "the warning was repeated: {:?}",
+        missing[0]
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpuledger_crds::GpuReservation;
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use kube::api::Api;
 
 use super::pod_facts::{PodFacts, PodFactsCache};
@@ -56,8 +56,9 @@ enum Repair {
     NotNeeded,
     /// A reservation was written: its device summary.
     Written(String),
-    /// The pod's request does not fit on its node (or cannot be read): why.
-    Unfit(String),
+    /// The pod's request does not fit on its node (or cannot be read): why, and the pod to
+    /// tell (once: the sweep keeps looking while it is unfit).
+    Unfit(String, ObjectReference),
 }
 
 /// Every this many sweeps, every pod is looked at, whatever changed: the marks are how a look
@@ -215,12 +216,17 @@ pub async fn run(ctx: Arc<Context>, pods: Arc<PodFactsCache>) {
                     tracing::warn!(pod = %key, node = ?facts.node_name, %devices,
                         "bound GPU pod had no reservation on its node; wrote one");
                 }
-                Ok(Repair::Unfit(why)) => {
+                Ok(Repair::Unfit(why, pod)) => {
                     unfit += 1;
                     if reported.insert(facts.uid.clone()) {
                         count(&ctx, crate::telemetry::UNFIT);
                         tracing::error!(pod = %key, node = ?facts.node_name, %why,
                             "bound GPU pod has no reservation and does not fit on its node");
+                        let node = facts.node_name.as_deref().unwrap_or_default();
+                        let note = format!(
+                            "bound to node {node} without a GPU reservation, and it cannot be given one: {why}"
+                        );
+                        ctx.pod_event(&pod, true, "GpuReservationMissing", note);
                     }
                 }
                 Err(e) => {
@@ -288,13 +294,7 @@ async fn repair(
     let (placement, alignment) = match fitted {
         Ok(Some(fitted)) => fitted,
         Ok(None) => return Ok(Repair::NotNeeded),
-        Err(why) => {
-            let note = format!(
-                "bound to node {node} without a GPU reservation, and it cannot be given one: {why}"
-            );
-            ctx.pod_event(&pod_ref(&pod), true, "GpuReservationMissing", note);
-            return Ok(Repair::Unfit(why));
-        }
+        Err(why) => return Ok(Repair::Unfit(why, pod_ref(&pod))),
     };
     let written = ctx
         .ledger
