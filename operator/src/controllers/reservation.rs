@@ -293,6 +293,9 @@ fn error_policy(key: &ReservationKey, e: &ReconcileError, lc: &Lifecycle) -> Rev
 /// The step for reservation `key`: decided on the cached pod facts, and once more on the pod
 /// as the API server has it now when the cached facts call for a deletion
 /// ([`Step::needs_fresh_pod`]).
+/// How soon a reservation whose deletion waited for its pod's bind is decided again.
+const BIND_RUNNING_RECHECK: Duration = Duration::from_secs(1);
+
 async fn decide(
     lc: &Lifecycle,
     key: &ReservationKey,
@@ -306,6 +309,14 @@ async fn decide(
         Timestamp::now(),
         ctx.timing.allocating_timeout,
     );
+    if matches!(step, Step::Delete { .. }) && ctx.ledger.binds.contains(&r.spec.pod_uid) {
+        // The pod's bind is still running here, and it owns its reservation until it ends: it
+        // posts the Binding (once the reservation and Lease exist, however late) or undoes the
+        // reservation itself. "Never bound" is judged from the API server's creation time on
+        // this replica's clock, and a Binding can take longer than that grace when every call
+        // is retried on a loaded API server; deleting now would leave the pod bound without one.
+        return Ok(Step::WaitFor(BIND_RUNNING_RECHECK));
+    }
     if !step.needs_fresh_pod() {
         return Ok(step);
     }
@@ -522,6 +533,46 @@ mod tests {
         );
         assert!(CONFLICT_RETRY >= Duration::from_secs(1));
         assert_eq!(ctx.metrics.conflicts.get(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_reservation_whose_bind_still_runs_is_left_to_the_bind() {
+        use super::super::lifecycle::tests::{pod, reservation};
+        let ctx = Arc::new(context());
+        let lc = Arc::new(Lifecycle {
+            ctx: ctx.clone(),
+            pods: ctx.caches.pods.clone(),
+        });
+        // Reserved long ago (by this replica's clock), its pod still unbound: "never bound".
+        let mut r = reservation(None, 0);
+        let long_ago = Timestamp::now() - k8s_openapi::jiff::SignedDuration::from_secs(120);
+        r.metadata.creation_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            long_ago,
+        ));
+        ctx.ledger
+            .index
+            .apply_event(watcher::Event::Apply(r.clone()));
+        let pods = &lc.pods;
+        pods.apply(&watcher::Event::Init);
+        pods.apply(&watcher::Event::InitApply(pod("uid-1", None, "Pending")));
+        pods.apply(&watcher::Event::InitDone);
+        let key = ReservationKey::of(&r);
+        // Its bind is still on its way to the Binding: no read, no delete (the context's
+        // client reaches no API server, so either would fail this reconcile).
+        let bind = ctx.ledger.binds.enter("uid-1").unwrap();
+        let revisit = reconcile(&key, lc.clone()).await;
+        assert!(
+            matches!(revisit, Ok(Revisit::After(d)) if d < 2 * BIND_RUNNING_RECHECK),
+            "{revisit:?}"
+        );
+        // Once it ended, the reservation is judged again (and here read and deleted: the
+        // unreachable API server is the proof that it tried).
+        drop(bind);
+        let after = reconcile(&key, lc).await;
+        assert!(
+            matches!(after, Err(ReconcileError::ReadPod { .. })),
+            "{after:?}"
+        );
     }
 
     #[tokio::test]

@@ -42,6 +42,11 @@ impl BindsInFlight {
             })
     }
 
+    /// Whether a bind of pod `uid` is running.
+    pub fn contains(&self, uid: &str) -> bool {
+        Self::lock(&self.pods).contains(uid)
+    }
+
     /// How many binds are running.
     pub fn len(&self) -> usize {
         Self::lock(&self.pods).len()
@@ -67,6 +72,7 @@ mod tests {
     fn a_second_bind_of_a_pod_waits_for_the_first_to_end() {
         let binds = BindsInFlight::default();
         let first = binds.enter("uid-1").unwrap();
+        assert!(binds.contains("uid-1") && !binds.contains("uid-2"));
         assert!(binds.enter("uid-1").is_none(), "same pod, still running");
         let other = binds.enter("uid-2");
         assert!(other.is_some(), "another pod is not held up");
