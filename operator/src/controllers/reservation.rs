@@ -388,7 +388,7 @@ pub(super) async fn reconcile(
             Ok(Revisit::OnChange)
         }
         Step::ShrinkInit => {
-            shrink_init(ctx, key).await?;
+            shrink_init(ctx, key, &r).await?;
             Ok(Revisit::OnChange)
         }
         Step::AddFinalizer => {
@@ -480,17 +480,22 @@ async fn free_allocation_lease(ctx: &Context, r: &GpuReservation) -> Result<(), 
     Ok(())
 }
 
-/// Releases the init containers' usage under the node's lock, so it cannot interleave with a
-/// bind or refit deciding on that node's capacity.
-async fn shrink_init(ctx: &Context, key: &ReservationKey) -> Result<(), ReconcileError> {
+/// Releases the init containers' usage of `decided` (the reservation whose pod's init
+/// containers were seen done) under the node's lock, so it cannot interleave with a bind or
+/// refit deciding on that node's capacity.
+async fn shrink_init(
+    ctx: &Context,
+    key: &ReservationKey,
+    decided: &GpuReservation,
+) -> Result<(), ReconcileError> {
+    let _node = ctx.ledger.node_locks.lock(&decided.spec.node_name).await;
     let Some(current) = ctx.ledger.index.get(key) else {
         return Ok(());
     };
-    let _node = ctx.ledger.node_locks.lock(&current.spec.node_name).await;
-    let Some(current) = ctx.ledger.index.get(key) else {
-        return Ok(());
-    };
-    if current.spec.init_released {
+    // Read again after the wait for the lock: the name may now hold another reservation (the
+    // pod deleted and created again under its name, and bound), whose own init containers
+    // have not run. Its change brings a decision of its own.
+    if current.metadata.uid != decided.metadata.uid || current.spec.init_released {
         return Ok(());
     }
     let mut spec = current.spec.clone();
@@ -533,6 +538,27 @@ mod tests {
         );
         assert!(CONFLICT_RETRY >= Duration::from_secs(1));
         assert_eq!(ctx.metrics.conflicts.get(), 1);
+    }
+
+    #[tokio::test]
+    async fn init_usage_is_released_only_on_the_reservation_it_was_decided_for() {
+        use super::super::lifecycle::tests::reservation;
+        let ctx = context();
+        let mut decided = reservation(Some(ReservationPhase::Allocated), 0);
+        decided.metadata.uid = Some("reservation-1".into());
+        // While the decision waited for the node lock, the pod was created again under its
+        // name and bound: a new reservation, whose init containers have not run.
+        let mut recreated = decided.clone();
+        recreated.metadata.uid = Some("reservation-2".into());
+        recreated.spec.pod_uid = "uid-2".into();
+        ctx.ledger
+            .index
+            .apply_event(watcher::Event::Apply(recreated.clone()));
+        // No write (the context reaches no API server: one would fail this).
+        let key = ReservationKey::of(&decided);
+        let shrunk = shrink_init(&ctx, &key, &decided).await;
+        assert!(shrunk.is_ok(), "{shrunk:?}");
+        assert!(!ctx.ledger.index.get(&key).unwrap().spec.init_released);
     }
 
     #[tokio::test]
