@@ -123,7 +123,13 @@ impl KubeletCheck {
         let pod = reservation.spec.pod_name.clone();
         let deadline = tokio::time::Instant::now() + LOOK_FOR;
         let outcome = loop {
-            match self.list().await {
+            // Bounded by the check's own deadline: a server that takes the connection and never
+            // answers would otherwise keep this task, and its connection, for good (one per
+            // Allocate).
+            let listed = tokio::time::timeout_at(deadline, self.list())
+                .await
+                .unwrap_or_else(|_| Err(format!("no answer within {LOOK_FOR:?}")));
+            match listed {
                 Ok(pods) => match verdict(&pods, &replicas, &namespace, &pod) {
                     Verdict::Unseen => {}
                     decided => break decided,
@@ -258,6 +264,40 @@ mod tests {
 
     fn ids(v: &[&str]) -> Vec<String> {
         v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_server_that_never_answers_ends_the_check_at_its_deadline() {
+        use gpuledger_crds::GpuReservationSpec;
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("kubelet.sock");
+        // Takes every connection, reads nothing, answers nothing.
+        let listener = tokio::net::UnixListener::bind(&socket).unwrap();
+        let held = tokio::spawn(async move {
+            let mut open = Vec::new();
+            while let Ok((conn, _)) = listener.accept().await {
+                open.push(conn);
+            }
+        });
+        let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
+        let client = Client::try_from(config).unwrap();
+        let check = KubeletCheck::new(socket, client, "n1");
+        let reservation = GpuReservation::new("train", GpuReservationSpec::default());
+        let metrics = Metrics::default();
+        let ran = tokio::time::timeout(
+            LOOK_FOR * 3,
+            check.run(reservation, ids(&["GPU-a-0"]), &metrics),
+        )
+        .await;
+        held.abort();
+        assert!(ran.is_ok(), "the check was still waiting for an answer");
+        let unseen = metrics
+            .kubelet_checks
+            .get_or_create(&crate::metrics::OutcomeLabel {
+                outcome: crate::metrics::CHECK_UNSEEN.into(),
+            })
+            .get();
+        assert_eq!(unseen, 1);
     }
 
     #[test]
