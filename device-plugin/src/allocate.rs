@@ -65,7 +65,18 @@ pub fn container_response(
     resp
 }
 
-/// Host directory holding one container's HAMi-core cache.
+/// Whether `pod_uid` can name a host directory: what the API server gives a pod (a UUID) is
+/// letters, digits and dashes. The UID comes from the allocation Lease and the reservation,
+/// objects a node does not own alone; one holding `/` or `..` would put the read-write cache
+/// mount anywhere on the host.
+pub fn uid_fits_a_path(pod_uid: &str) -> bool {
+    !pod_uid.is_empty()
+        && pod_uid
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-')
+}
+
+/// Host directory holding one container's HAMi-core cache (for a UID [`uid_fits_a_path`]).
 pub fn container_cache_dir(hami_core_dir: &Path, pod_uid: &str, index: u32) -> PathBuf {
     hami_core_dir
         .join("containers")

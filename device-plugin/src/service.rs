@@ -11,7 +11,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use tokio::sync::{Mutex, watch};
 use tonic::{Request, Response, Status};
 
-use crate::allocate::{container_cache_dir, container_response};
+use crate::allocate::{container_cache_dir, container_response, uid_fits_a_path};
 use crate::api;
 use crate::inventory::Inventory;
 use crate::kubelet_check::KubeletCheck;
@@ -369,6 +369,14 @@ impl DevicePluginService {
         let mut recorded = pending.recorded();
         let mut container_responses = Vec::new();
         let hami_dir = self.shared.config.hami_core_dir.as_deref();
+        if hami_dir.is_some() && !uid_fits_a_path(&pending.uid) {
+            return Err(Status::failed_precondition(format!(
+                "pod {}: UID {:?} (from the allocation Lease and the reservation) is not a pod UID, and would name the host directory of its HAMi-core cache",
+                pod_ref(pending),
+                pending.uid
+            ))
+            .into());
+        }
         for (k, req) in request.container_requests.iter().enumerate() {
             let container = containers.get(k).ok_or_else(|| {
                 LedgerError::NothingPending {

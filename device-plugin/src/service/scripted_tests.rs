@@ -23,6 +23,13 @@ use crate::testing::fixtures::{
 use crate::testing::scripted_api::{Expect, Step, expect, scripted, status};
 
 fn service(client: kube::Client) -> DevicePluginService {
+    service_with(client, None)
+}
+
+fn service_with(
+    client: kube::Client,
+    hami_core_dir: Option<&std::path::Path>,
+) -> DevicePluginService {
     let inventory = Inventory::new(vec![gpu("GPU-0", 0, Some(0)), gpu("GPU-1", 1, Some(0))], 2);
     let (_, inventory) = watch::channel(inventory);
     let shared = Shared::new(
@@ -30,7 +37,7 @@ fn service(client: kube::Client) -> DevicePluginService {
         Ledger::new(client, NODE, LEASE_NS),
         Arc::new(NoRefit),
         ServiceConfig {
-            hami_core_dir: None,
+            hami_core_dir: hami_core_dir.map(std::path::Path::to_path_buf),
             refit_timeout: Duration::from_secs(2),
             kubelet_check: None,
         },
@@ -191,4 +198,29 @@ async fn allocate_succeeds_when_only_the_lease_release_fails() {
     let got = service(client).allocate(allocate_one(&["GPU-1-0"])).await;
     api.finish().await;
     assert!(got.is_ok(), "{got:?}");
+}
+
+/// A UID that would climb out of the HAMi-core cache directory (written into the Lease and
+/// the reservation by someone who may write both): refused before any directory is made or
+/// anything recorded.
+#[tokio::test]
+async fn a_pod_uid_that_is_a_path_is_refused_before_its_cache_directory_is_made() {
+    let hami = tempfile::tempdir().unwrap();
+    // `<hami>/containers/<uid>_1` would be `<hami>/escaped_1`.
+    let uid = "../escaped";
+    let (client, api) = scripted(vec![
+        expect(Method::GET, LEASE).reply(200, lease(Some(&format!("ml/train/{uid}")), "41")),
+        expect(Method::GET, RESERVATION).reply(200, json_of(&reservation(uid, NODE, &[0]))),
+    ]);
+    let got = service_with(client, Some(hami.path()))
+        .allocate(allocate_one(&["GPU-1-0"]))
+        .await;
+    api.finish().await;
+    let s = got.unwrap_err();
+    assert_eq!(s.code(), Code::FailedPrecondition);
+    assert!(s.message().contains(uid), "{s:?}");
+    assert!(
+        !hami.path().join("escaped_1").exists(),
+        "a cache directory was made outside the containers' directory"
+    );
 }
