@@ -3,8 +3,10 @@
 //! deadline one last time, and replace the reservation spec with the resourceVersion the plan
 //! was based on. A conflict means someone wrote the reservation meanwhile (the plugin recording
 //! an allocation, the lifecycle controller moving the phase): we re-read and decide again, still
-//! under the lock, so the retry is as safe as the first try. Every API call made while holding
-//! the lock is bounded, because bind on this node waits for the same lock.
+//! under the lock, so the retry is as safe as the first try. Every read made while holding the
+//! lock is bounded, because bind on this node waits for the same lock; the spec write is not
+//! given up at the bound, since the index must learn where the container is before the lock
+//! is let go.
 
 use std::time::Duration;
 
@@ -22,7 +24,8 @@ use crate::ledger::{ReservationKey, WriteError};
 
 /// Longest a single API call may hold the node's lock (HAMi bounds its patch the same way,
 /// #2817). A call that runs out leaves the request Pending; the next reconcile finds out what
-/// happened from the reservation itself.
+/// happened from the reservation itself. Reads only: the spec write, whose outcome decides what
+/// the node holds, keeps the lock until it is answered (see [`commit`]).
 pub const LOCKED_CALL_BOUND: Duration = Duration::from_secs(2);
 
 /// How often a commit re-decides after losing a resourceVersion race.
@@ -141,9 +144,24 @@ pub async fn commit(
         if expired(spec, Timestamp::now()) {
             return Ok((Answer::expired(), None));
         }
-        let write = ctx.ledger.writer.write_spec(&current, &new_spec);
         let writing = std::time::Instant::now();
-        match bounded("write the reservation's spec", write).await? {
+        let write = ctx.ledger.writer.write_spec(&current, &new_spec);
+        tokio::pin!(write);
+        let written = match tokio::time::timeout(LOCKED_CALL_BOUND, &mut write).await {
+            Ok(written) => written,
+            // The one call under the lock that is not cut off at the bound: a move sent may
+            // still be applied, and until its answer the index holds the container on the GPUs
+            // it leaves. Let go of the lock now and a bind on this node could promise the GPUs
+            // it moves to a second time. So the lock is kept until the answer, whatever it is,
+            // and the answer goes into the index before the lock is let go (binds on this node
+            // wait meanwhile, each up to its own deadline, writing nothing).
+            Err(_) => {
+                tracing::warn!(reservation = %key, node = %spec.node_name,
+                    "the refit's spec write is unanswered past {LOCKED_CALL_BOUND:?}; the node stays locked until it is answered");
+                write.await
+            }
+        };
+        match written {
             Ok(written) => {
                 let answer = Answer::moved(to.clone());
                 let moved = Moved {
@@ -206,6 +224,97 @@ pub(crate) mod tests {
             allowed_devices: vec!["GPU-a".into()],
             deadline: MicroTime(deadline),
         }
+    }
+
+    /// A refit whose spec write gets no answer within the bound keeps the node's lock until it
+    /// does: the move may still be applied, and a bind deciding on the node meanwhile would see
+    /// the container on the GPU it leaves.
+    #[tokio::test(start_paused = true)]
+    async fn an_unanswered_move_keeps_the_node_locked_until_its_answer() {
+        use gpuledger_crds::scripted_api::{expect, scripted};
+        use gpuledger_crds::{
+            ContainerReservation, GpuDevice, GpuNodeSpec, GpuNodeStatus, GpuReservationSpec,
+            ReservedDevice,
+        };
+        use http::Method;
+
+        let gpu = |uuid: &str, index: u32, numa: u32| GpuDevice {
+            uuid: uuid.into(),
+            index,
+            model: "NVIDIA A100".into(),
+            memory_mib: 10000,
+            cores: 100,
+            numa_node: Some(numa),
+            pci_bus_id: None,
+            mig: false,
+            healthy: true,
+            link_scores: Default::default(),
+        };
+        let mut node = GpuNode::new("n1", GpuNodeSpec::default());
+        node.status = Some(GpuNodeStatus {
+            devices: vec![gpu("GPU-a", 0, 0), gpu("GPU-b", 1, 1)],
+            split_count: Some(4),
+            ..Default::default()
+        });
+        let (gpunodes, mut nodes) = reflector::store::<GpuNode>();
+        nodes.apply_watcher_event(&watcher::Event::Apply(node));
+        let (client, api) = scripted(vec![
+            expect(
+                Method::PATCH,
+                "/apis/gpuledger.io/v1alpha1/namespaces/ml/gpureservations/train",
+            )
+            .never_reply(),
+        ]);
+        let index = Arc::new(LedgerIndex::new());
+        index.apply_event(watcher::Event::Init);
+        index.apply_event(watcher::Event::InitDone);
+        let mut r = GpuReservation::new(
+            "train",
+            GpuReservationSpec {
+                pod_name: "train".into(),
+                pod_uid: "uid".into(),
+                node_name: "n1".into(),
+                containers: vec![ContainerReservation {
+                    index: 0,
+                    name: "main".into(),
+                    init: false,
+                    devices: vec![ReservedDevice {
+                        uuid: "GPU-b".into(),
+                        memory_mib: 1000,
+                        cores: 10,
+                        numa_node: Some(1),
+                    }],
+                }],
+                ..Default::default()
+            },
+        );
+        r.metadata.namespace = Some("ml".into());
+        r.metadata.resource_version = Some("5".into());
+        index.apply_event(watcher::Event::Apply(r));
+        let ctx = Arc::new(Context::detached(client, index, gpunodes, true));
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "train", "namespace": "ml", "uid": "uid"},
+            "spec": {"nodeName": "n1", "containers": [{"name": "main", "resources": {"limits": {
+                "nvidia.com/gpu": "1", "nvidia.com/gpumem": "1000"}}}]}
+        }))
+        .unwrap();
+        let deadline = Timestamp::now() + SignedDuration::from_secs(30);
+        let committing = tokio::spawn({
+            let ctx = ctx.clone();
+            async move { commit(&ctx, "ml", &spec(deadline), &pod).await }
+        });
+        tokio::time::sleep(LOCKED_CALL_BOUND + Duration::from_secs(1)).await;
+        let free =
+            tokio::time::timeout(Duration::from_millis(10), ctx.ledger.node_locks.lock("n1"))
+                .await
+                .is_ok();
+        let finished = committing.is_finished();
+        committing.abort();
+        api.finish().await;
+        assert!(
+            !free && !finished,
+            "the node's lock was let go with the move unanswered (commit ended: {finished})"
+        );
     }
 
     #[tokio::test]
