@@ -42,8 +42,9 @@ pub fn restartable(
     })
 }
 
-/// Every `WATCHDOG_EVERY`: restarts the watch when an own write has gone [`ECHO_TIMEOUT`]
-/// without its event, and drops own writes a relist kept that the watch never confirmed.
+/// Every `WATCHDOG_EVERY`: restarts the watch when an own write (or one a relist kept) has gone
+/// [`ECHO_TIMEOUT`] without its event, and drops own writes a relist kept that the watch went
+/// past without confirming.
 pub async fn watchdog(index: Arc<LedgerIndex>, restart: Arc<Notify>, metrics: Arc<Metrics>) {
     let mut tick = tokio::time::interval(WATCHDOG_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

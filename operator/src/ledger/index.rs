@@ -421,6 +421,11 @@ impl Inner {
             };
             if recent && maybe_newer {
                 self.unconfirmed.insert(key.clone(), Instant::now());
+                // Awaited like any own write: if the watch after this list stalls as the one
+                // before did, the watchdog restarts it rather than the key waiting unconfirmed.
+                if let Some(v) = rv(obj) {
+                    self.echoes.insert(v, Instant::now());
+                }
             } else {
                 gone.push(key.clone());
             }
@@ -561,17 +566,31 @@ impl LedgerIndex {
     }
 
     /// Drops the own writes a relist kept that the watch has not confirmed within
-    /// `LOCAL_WRITE_GRACE`: they were deleted before the list was taken. Returns how many.
+    /// `LOCAL_WRITE_GRACE` though it delivered events past their version: they were deleted
+    /// before the list was taken (a watch delivers in order, so a write made after the list
+    /// would have come first). One the watch has not reached yet stays: a watch that stalled
+    /// again says nothing about it, and dropping it would free GPUs it holds (the watchdog
+    /// restarts such a watch, and the next list decides). Returns how many were dropped.
     pub fn expire_unconfirmed(&self, now: Instant) -> usize {
         // Almost always nothing to do: look under the read lock, which filters share.
         if self.read().unconfirmed.is_empty() {
             return 0;
         }
-        let mut inner = self.write();
+        let mut guard = self.write();
+        let inner = &mut *guard;
+        let passed = |key: &ReservationKey| {
+            inner
+                .live
+                .get(key)
+                .and_then(|obj| rv(obj))
+                .is_none_or(|v| v <= inner.watch_seen)
+        };
         let expired: Vec<ReservationKey> = inner
             .unconfirmed
             .iter()
-            .filter(|(_, at)| now.saturating_duration_since(**at) >= LOCAL_WRITE_GRACE)
+            .filter(|(key, at)| {
+                now.saturating_duration_since(**at) >= LOCAL_WRITE_GRACE && passed(key)
+            })
             .map(|(k, _)| k.clone())
             .collect();
         for key in &expired {

@@ -443,6 +443,25 @@ fn an_own_write_kept_through_a_relist_goes_unless_the_watch_confirms_it() {
 }
 
 #[test]
+fn an_own_write_kept_through_a_relist_stays_while_the_watch_has_not_reached_it() {
+    let idx = LedgerIndex::new();
+    idx.record_write(obj("written-after-list", "31", "n1"));
+    idx.apply_event(Event::Init);
+    idx.apply_event(Event::InitDone);
+    // The watch after the list stalls too: nothing comes. Past the grace period the write is
+    // still counted (its GPUs are held), and awaited, so the watchdog restarts the watch.
+    let later = Instant::now() + LOCAL_WRITE_GRACE;
+    assert_eq!(idx.expire_unconfirmed(later), 0);
+    assert!(idx.get(&key("written-after-list")).is_some());
+    assert_eq!(names_on(&idx, "n1"), ["written-after-list"]);
+    assert!(idx.unechoed_for(later).is_some_and(|d| d >= ECHO_TIMEOUT));
+    // Once the watch delivers past its version without it, it was gone before the list.
+    idx.apply_event(Event::Apply(obj("other", "40", "n2")));
+    assert_eq!(idx.expire_unconfirmed(later), 1);
+    assert!(idx.get(&key("written-after-list")).is_none());
+}
+
+#[test]
 fn own_writes_wait_for_their_watch_event() {
     let idx = LedgerIndex::new();
     let start = Instant::now();
