@@ -298,6 +298,12 @@ async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Bound, Bi
         };
         let node_lock = async { Ok(ctx.ledger.node_locks.lock(&args.node).await) };
         let _node = within(deadline, started, args, "the node lock", node_lock).await?;
+        // Again, after the waits: a leader whose renewal went unanswered steps down before a
+        // standby may take over, but a bind already past the first check would otherwise fit
+        // and write on its own view while the next leader decides on the same GPUs.
+        if !ctx.may_write() {
+            return Err(BindError::NotLeader);
+        }
         let placement = ctx
             .fit_on(&pod, &req, &args.node)
             .map_err(|reason| BindError::NoFit {
@@ -724,6 +730,35 @@ mod tests {
         ctx.ledger.index.apply_event(watcher::Event::Apply(booked));
         let read = pod_to_bind(&ctx, &args("u1")).await;
         assert!(matches!(read, Err(BindError::Api { .. })), "{read:?}");
+    }
+
+    #[tokio::test]
+    async fn a_bind_that_waited_while_its_replica_stepped_down_writes_nothing() {
+        let ctx = Arc::new(context());
+        ctx.caches.pods.apply(&watcher::Event::Init);
+        ctx.caches.pods.apply(&watcher::Event::InitDone);
+        ctx.caches
+            .pods
+            .apply(&watcher::Event::Apply(wanting_a_gpu(pod(
+                "p", "u1", None, "Pending",
+            ))));
+        // Another bind or a refit holds the node while this one passes its first check.
+        let held = ctx.ledger.node_locks.lock("n1").await;
+        let binding = tokio::spawn({
+            let ctx = ctx.clone();
+            async move { bind_pod(&ctx, &args("u1")).await }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        ctx.health.set_leader(false);
+        drop(held);
+        let got = binding.await.unwrap();
+        assert!(matches!(got, Err(BindError::NotLeader)), "{:?}", got.err());
+        assert!(
+            ctx.ledger
+                .index
+                .get(&ReservationKey::new("ns", "p"))
+                .is_none()
+        );
     }
 
     /// Waiting for a node's Lease against a scripted API server: the Lease watch decides when
