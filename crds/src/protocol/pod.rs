@@ -1,7 +1,8 @@
 //! What every component must agree on about a pod: whether it is a GPU pod (one the extender
-//! schedules, the lifecycle repairs and the audit checks) and when it stops holding its GPUs.
+//! schedules, the lifecycle repairs and the audit checks), when it stops holding its GPUs, and
+//! which environment variables of a GPU container belong to the device plugin.
 
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Container, Pod};
 
 use crate::podapi::{PodApiConfig, parse_pod};
 use crate::resources::{GPU, GPU_CORES, GPU_MEM, GPU_MEM_PERCENTAGE};
@@ -57,4 +58,80 @@ pub fn names_gpu_resources(pod: &Pod) -> bool {
                 .flat_map(|m| m.keys())
         })
         .any(|k| [GPU, GPU_MEM, GPU_MEM_PERCENTAGE, GPU_CORES].contains(&k.as_str()))
+}
+
+/// Whether `container` names a gpuledger resource in its limits or requests.
+pub fn container_names_gpu_resources(container: &Container) -> bool {
+    container.resources.as_ref().is_some_and(|r| {
+        r.limits
+            .iter()
+            .chain(r.requests.iter())
+            .flat_map(|m| m.keys())
+            .any(|k| [GPU, GPU_MEM, GPU_MEM_PERCENTAGE, GPU_CORES].contains(&k.as_str()))
+    })
+}
+
+/// Variables a GPU container may not set itself. The kubelet puts a container's own
+/// environment after the device plugin's Allocate answer, so its value would win: the first
+/// four would show it other GPUs or lift HAMi-core's limits above what the ledger holds, the
+/// last two switch HAMi-core's enforcement off (HAMi honours them as an opt-out; here a GPU
+/// container runs inside what its reservation holds, or not at all).
+pub const PLUGIN_OWNED_ENV: [&str; 6] = [
+    "NVIDIA_VISIBLE_DEVICES",
+    "CUDA_DEVICE_SM_LIMIT",
+    "CUDA_DEVICE_MEMORY_SHARED_CACHE",
+    "CUDA_OVERSUBSCRIBE",
+    "CUDA_DISABLE_CONTROL",
+    "GPU_CORE_UTILIZATION_POLICY",
+];
+
+/// The per-GPU memory limits, `CUDA_DEVICE_MEMORY_LIMIT_<i>` (and HAMi-core's unsuffixed one).
+pub const MEMORY_LIMIT_ENV: &str = "CUDA_DEVICE_MEMORY_LIMIT";
+
+/// Whether a GPU container's own variable `name` would override the device plugin's.
+pub fn plugin_owned_env(name: &str) -> bool {
+    PLUGIN_OWNED_ENV.contains(&name) || name.starts_with(MEMORY_LIMIT_ENV)
+}
+
+/// The first GPU container of `pod` (init containers first) that sets a variable of the device
+/// plugin's in its `env`, and that variable: the admission webhook refuses such a pod, and the
+/// audit reports one that got in some other way.
+pub fn isolation_overridden(pod: &Pod) -> Option<(&str, &str)> {
+    let spec = pod.spec.as_ref()?;
+    spec.init_containers
+        .iter()
+        .flatten()
+        .chain(&spec.containers)
+        .filter(|c| container_names_gpu_resources(c))
+        .find_map(|c| {
+            let var = c.env.iter().flatten().find(|e| plugin_owned_env(&e.name))?;
+            Some((c.name.as_str(), var.name.as_str()))
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(v: serde_json::Value) -> Pod {
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn only_a_gpu_containers_own_copy_of_a_plugin_variable_overrides_it() {
+        let p = pod(serde_json::json!({"spec": {"containers": [
+            {"name": "side", "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}]},
+            {"name": "main", "resources": {"limits": {"nvidia.com/gpumem": "1024"}},
+             "env": [{"name": "CUDA_VISIBLE_DEVICES", "value": "0"},
+                     {"name": "CUDA_DEVICE_MEMORY_LIMIT_0", "value": "80g"}]}]}}));
+        assert_eq!(
+            isolation_overridden(&p),
+            Some(("main", "CUDA_DEVICE_MEMORY_LIMIT_0"))
+        );
+        for name in PLUGIN_OWNED_ENV {
+            assert!(plugin_owned_env(name), "{name}");
+        }
+        assert!(!plugin_owned_env("CUDA_VISIBLE_DEVICES"));
+        assert!(!plugin_owned_env("LD_LIBRARY_PATH"));
+    }
 }

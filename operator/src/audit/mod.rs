@@ -12,7 +12,7 @@ use std::fmt;
 use gpuledger_crds::conditions::{self, types};
 use gpuledger_crds::names::OPERATOR_MANAGER;
 use gpuledger_crds::podapi::PodApiConfig;
-use gpuledger_crds::protocol::pod::{pod_finished, pod_wants_gpus};
+use gpuledger_crds::protocol::pod::{isolation_overridden, pod_finished, pod_wants_gpus};
 use gpuledger_crds::{
     GpuConfig, GpuNode, GpuReservation, RefitPhase, RefitRequest, ReservationPhase,
 };
@@ -168,6 +168,19 @@ pub enum Finding {
         /// The tightest limit of its quotas.
         limit: u64,
     },
+    /// A bound GPU pod's GPU container sets a variable of the device plugin's itself
+    /// (`NVIDIA_VISIBLE_DEVICES`, a memory limit, `CUDA_DISABLE_CONTROL`, ...): its value wins
+    /// over the plugin's, so the container may see other GPUs or use more than its reservation.
+    /// The admission webhook refuses such pods; this finds one that got in another way.
+    #[serde(rename_all = "camelCase")]
+    IsolationOverridden {
+        /// Pod `ns/name`.
+        pod: String,
+        /// The container.
+        container: String,
+        /// The variable it sets.
+        variable: String,
+    },
     /// A RefitRequest is still pending past its deadline.
     #[serde(rename_all = "camelCase")]
     RefitNotTerminal {
@@ -205,6 +218,14 @@ impl fmt::Display for Finding {
             } => {
                 write!(f, "reservation without a live pod: {reservation}: {detail}")
             }
+            Finding::IsolationOverridden {
+                pod,
+                container,
+                variable,
+            } => write!(
+                f,
+                "isolation overridden: {pod} container {container} sets {variable} itself, over what the device plugin sets from its reservation"
+            ),
             Finding::PodWithoutReservation { pod, node } => write!(
                 f,
                 "pod without reservation: {pod} on {node} asks for nvidia.com/gpu but holds no GpuReservation"
@@ -486,6 +507,13 @@ fn check_pods(snap: &Snapshot, out: &mut Vec<Finding>) {
         }
         let uid = p.metadata.uid.as_deref().unwrap_or("");
         let pod = key(p.metadata.namespace.as_ref(), p.metadata.name.as_ref());
+        if let Some((container, variable)) = isolation_overridden(p) {
+            out.push(Finding::IsolationOverridden {
+                pod: pod.clone(),
+                container: container.to_string(),
+                variable: variable.to_string(),
+            });
+        }
         match reserved.get(uid) {
             None => out.push(Finding::PodWithoutReservation {
                 pod,

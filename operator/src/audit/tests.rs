@@ -5,7 +5,7 @@ use gpuledger_crds::{
     ContainerAllocation, ContainerReservation, GpuDevice, GpuNodeSpec, GpuNodeStatus,
     GpuReservationSpec, GpuReservationStatus, RefitRequestSpec, RefitRequestStatus, ReservedDevice,
 };
-use k8s_openapi::api::core::v1::{Container, PodSpec, PodStatus, ResourceRequirements};
+use k8s_openapi::api::core::v1::{Container, EnvVar, PodSpec, PodStatus, ResourceRequirements};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, Time};
 
@@ -221,6 +221,38 @@ fn bound_gpu_pod_without_reservation_is_reported_but_unbound_is_not() {
             pod: "ns/p2".into(),
             node: "n1".into()
         }]
+    );
+}
+
+#[test]
+fn a_gpu_container_overriding_the_plugins_limits_is_reported() {
+    // Got past the webhook (created while it was switched off, say): the memory limit of its
+    // own wins over the plugin's, and the container may use a whole GPU its reservation shares.
+    let mut snap = clean_snapshot();
+    snap.pods[0].spec.as_mut().unwrap().containers[0].env = Some(vec![EnvVar {
+        name: "CUDA_DEVICE_MEMORY_LIMIT_0".into(),
+        value: Some("40000m".into()),
+        ..Default::default()
+    }]);
+    // A GPU-less container's own is not the plugin's business.
+    snap.pods[3].spec.as_mut().unwrap().containers[0].resources = None;
+    snap.pods[3].spec.as_mut().unwrap().containers[0].env = Some(vec![EnvVar {
+        name: "NVIDIA_VISIBLE_DEVICES".into(),
+        value: Some("none".into()),
+        ..Default::default()
+    }]);
+    let findings = audit(&snap, ts(1000), Options::default());
+    assert_eq!(
+        findings,
+        vec![Finding::IsolationOverridden {
+            pod: "ns/p1".into(),
+            container: "main".into(),
+            variable: "CUDA_DEVICE_MEMORY_LIMIT_0".into(),
+        }]
+    );
+    assert_eq!(
+        findings[0].to_string(),
+        "isolation overridden: ns/p1 container main sets CUDA_DEVICE_MEMORY_LIMIT_0 itself, over what the device plugin sets from its reservation"
     );
 }
 

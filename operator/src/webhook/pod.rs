@@ -24,7 +24,7 @@
 //! ConfigMaps and Secrets that may change after admission, so it is not checked.)
 
 use gpuledger_crds::podapi::{self, PodApiConfig};
-use gpuledger_crds::protocol::pod::names_gpu_resources;
+use gpuledger_crds::protocol::pod::{isolation_overridden, names_gpu_resources};
 use gpuledger_crds::resources::{GPU, GPU_CORES, GPU_MEM, GPU_MEM_PERCENTAGE};
 use k8s_openapi::api::core::v1::{Container, Pod};
 use serde_json::{Value, json};
@@ -146,43 +146,12 @@ fn set_env(c: &Container, base: &str, vars: &[(&str, String)]) -> Vec<Value> {
     ops
 }
 
-/// Variables a GPU container may not set itself. The kubelet puts a container's own
-/// environment after the device plugin's Allocate answer, so its value would win: the first
-/// four would show it other GPUs or lift HAMi-core's limits above what the ledger holds, the
-/// last two switch HAMi-core's enforcement off (HAMi honours them as an opt-out; here a GPU
-/// container runs inside what its reservation holds, or not at all).
-const PLUGIN_OWNED_ENV: [&str; 6] = [
-    "NVIDIA_VISIBLE_DEVICES",
-    "CUDA_DEVICE_SM_LIMIT",
-    "CUDA_DEVICE_MEMORY_SHARED_CACHE",
-    "CUDA_OVERSUBSCRIBE",
-    "CUDA_DISABLE_CONTROL",
-    "GPU_CORE_UTILIZATION_POLICY",
-];
-
-/// The per-GPU memory limits, `CUDA_DEVICE_MEMORY_LIMIT_<i>` (and HAMi-core's unsuffixed one).
-const MEMORY_LIMIT_ENV: &str = "CUDA_DEVICE_MEMORY_LIMIT";
-
-fn plugin_owned(name: &str) -> bool {
-    PLUGIN_OWNED_ENV.contains(&name) || name.starts_with(MEMORY_LIMIT_ENV)
-}
-
-/// The first GPU container (init containers first) that sets a [`PLUGIN_OWNED_ENV`] variable
-/// or a memory limit itself, as a refusal.
+/// The first GPU container that sets a variable of the device plugin's itself, as a refusal.
 fn own_isolation_env(pod: &Pod) -> Option<String> {
-    let spec = pod.spec.as_ref()?;
-    let containers = spec
-        .init_containers
-        .iter()
-        .flatten()
-        .chain(&spec.containers);
-    containers.filter(|c| asks_for_gpus(c)).find_map(|c| {
-        let name = &c.env.iter().flatten().find(|e| plugin_owned(&e.name))?.name;
-        Some(format!(
-            "container {:?} sets {name} itself: in a GPU container the device plugin sets it from the pod's GPU reservation, and a value of the container's own would override it (other GPUs, higher limits, or HAMi-core switched off); remove it",
-            c.name
-        ))
-    })
+    let (container, var) = isolation_overridden(pod)?;
+    Some(format!(
+        "container {container:?} sets {var} itself: in a GPU container the device plugin sets it from the pod's GPU reservation, and a value of the container's own would override it (other GPUs, higher limits, or HAMi-core switched off); remove it"
+    ))
 }
 
 /// Why `pod` may not be created, or `None`.
