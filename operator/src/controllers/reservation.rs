@@ -368,10 +368,14 @@ pub(super) async fn reconcile(
             Ok(Revisit::OnChange)
         }
         Step::Phase { phase, free_lease } => {
-            set_phase(ctx, &r, phase).await?;
+            // The Lease first: once the phase says the reservation holds nothing (`Failed`,
+            // `Released`) no step is due any more, so a Lease left behind by a failed release
+            // would keep the node's next pod waiting until it expired. Freed first, a failed
+            // phase write is decided again, Lease release included (it frees only this pod's).
             if free_lease {
                 free_allocation_lease(ctx, &r).await?;
             }
+            set_phase(ctx, &r, phase).await?;
             if phase == ReservationPhase::Failed {
                 let target = pod_ref_by_name(&key.namespace, &r.spec.pod_name, &r.spec.pod_uid);
                 let note = format!(
@@ -538,6 +542,48 @@ mod tests {
         );
         assert!(CONFLICT_RETRY >= Duration::from_secs(1));
         assert_eq!(ctx.metrics.conflicts.get(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_timed_out_reservation_fails_only_after_its_lease_is_freed() {
+        use super::super::lifecycle::tests::{pod, reservation};
+        use gpuledger_crds::scripted_api::{expect, scripted, status};
+        use http::Method;
+        // Allocating since long before the timeout; the Lease's release fails (the API server
+        // answers 500): the phase stays, so the next try releases it again.
+        let (client, api) = scripted(vec![
+            expect(
+                Method::GET,
+                "/apis/coordination.k8s.io/v1/namespaces/gpuledger-system/leases/gpuledger-alloc-n1",
+            )
+            .reply(500, status(500, "InternalError", "etcd timeout")),
+        ]);
+        let index = Arc::new(crate::ledger::LedgerIndex::new());
+        index.apply_event(watcher::Event::Init);
+        index.apply_event(watcher::Event::InitDone);
+        let mut r = reservation(Some(ReservationPhase::Allocating), 0);
+        let long_ago = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            Timestamp::now() - k8s_openapi::jiff::SignedDuration::from_secs(3600),
+        );
+        r.metadata.creation_timestamp = Some(long_ago.clone());
+        r.status.as_mut().unwrap().phase_since = Some(long_ago);
+        r.metadata.namespace = Some("ns".into());
+        r.metadata.resource_version = Some("3".into());
+        index.apply_event(watcher::Event::Apply(r.clone()));
+        let (gpunodes, _writer) = kube::runtime::reflector::store();
+        let ctx = Arc::new(Context::detached(client, index, gpunodes, true));
+        let lc = Arc::new(Lifecycle {
+            ctx: ctx.clone(),
+            pods: ctx.caches.pods.clone(),
+        });
+        let mut stuck = pod("uid-1", Some("n1"), "Pending");
+        stuck.metadata.namespace = Some("ns".into());
+        lc.pods.apply(&watcher::Event::Init);
+        lc.pods.apply(&watcher::Event::InitApply(stuck));
+        lc.pods.apply(&watcher::Event::InitDone);
+        let got = reconcile(&ReservationKey::of(&r), lc).await;
+        api.finish().await;
+        assert!(got.is_err(), "{got:?}");
     }
 
     #[tokio::test]
