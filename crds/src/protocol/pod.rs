@@ -50,14 +50,7 @@ pub fn names_gpu_resources(pod: &Pod) -> bool {
         .iter()
         .flatten()
         .chain(spec.containers.iter())
-        .filter_map(|c| c.resources.as_ref())
-        .flat_map(|r| {
-            r.limits
-                .iter()
-                .chain(r.requests.iter())
-                .flat_map(|m| m.keys())
-        })
-        .any(|k| [GPU, GPU_MEM, GPU_MEM_PERCENTAGE, GPU_CORES].contains(&k.as_str()))
+        .any(container_names_gpu_resources)
 }
 
 /// Whether `container` names a gpuledger resource in its limits or requests.

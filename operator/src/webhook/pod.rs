@@ -24,24 +24,21 @@
 //! ConfigMaps and Secrets that may change after admission, so it is not checked.)
 
 use gpuledger_crds::podapi::{self, PodApiConfig};
-use gpuledger_crds::protocol::pod::{isolation_overridden, names_gpu_resources};
-use gpuledger_crds::resources::{GPU, GPU_CORES, GPU_MEM, GPU_MEM_PERCENTAGE};
+use gpuledger_crds::protocol::pod::{
+    container_names_gpu_resources, isolation_overridden, names_gpu_resources,
+};
+use gpuledger_crds::resources::GPU;
 use k8s_openapi::api::core::v1::{Container, Pod};
 use serde_json::{Value, json};
 
 /// The scheduler name the API server gives a pod that names none.
 pub const DEFAULT_SCHEDULER: &str = "default-scheduler";
-const GPU_RESOURCES: [&str; 4] = [GPU, GPU_MEM, GPU_MEM_PERCENTAGE, GPU_CORES];
 
 fn names(container: &Container, key: &str) -> bool {
     container.resources.as_ref().is_some_and(|r| {
         r.limits.as_ref().is_some_and(|l| l.contains_key(key))
             || r.requests.as_ref().is_some_and(|l| l.contains_key(key))
     })
-}
-
-fn asks_for_gpus(container: &Container) -> bool {
-    GPU_RESOURCES.iter().any(|k| names(container, k))
 }
 
 /// A JSON-pointer segment (`/` and `~` escaped).
@@ -77,11 +74,11 @@ pub fn mutation(pod: &Pod, scheduler_name: &str, config: &PodApiConfig) -> Vec<V
     for (list, containers) in lists {
         for (i, c) in containers.iter().enumerate() {
             let base = format!("/spec/{list}/{i}");
-            if asks_for_gpus(c) && !names(c, GPU) && config.default_gpu_num > 0 {
+            if container_names_gpu_resources(c) && !names(c, GPU) && config.default_gpu_num > 0 {
                 ops.extend(default_count(c, &base, config.default_gpu_num));
             }
             let mut vars = Vec::new();
-            if !asks_for_gpus(c) {
+            if !container_names_gpu_resources(c) {
                 vars.push(("NVIDIA_VISIBLE_DEVICES", "none".to_string()));
             }
             // A bad value is refused by the validation; only a readable one is passed on.
