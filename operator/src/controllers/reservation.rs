@@ -523,14 +523,40 @@ mod tests {
         }
     }
 
+    /// The lifecycle controller over `ctx`'s pod cache.
+    fn lifecycle_of(ctx: &Arc<Context>) -> Arc<Lifecycle> {
+        Arc::new(Lifecycle {
+            ctx: ctx.clone(),
+            pods: ctx.caches.pods.clone(),
+        })
+    }
+
+    /// Lists `pods` into the lifecycle's pod cache, which is then synced.
+    fn list_pods(lc: &Lifecycle, pods: Vec<Pod>) {
+        lc.pods.apply(&watcher::Event::Init);
+        for p in pods {
+            lc.pods.apply(&watcher::Event::InitApply(p));
+        }
+        lc.pods.apply(&watcher::Event::InitDone);
+    }
+
+    /// `r` created, and in its phase, an hour ago by this replica's clock (the lifecycle
+    /// tests' fixtures are dated ahead of it).
+    fn an_hour_old(r: &mut GpuReservation) {
+        let then = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            Timestamp::now() - k8s_openapi::jiff::SignedDuration::from_secs(3600),
+        );
+        r.metadata.creation_timestamp = Some(then.clone());
+        if let Some(s) = r.status.as_mut() {
+            s.phase_since = Some(then);
+        }
+    }
+
     #[tokio::test]
     async fn a_lost_race_waits_for_the_winning_version_not_a_short_timer() {
         use super::super::lifecycle::tests::reservation;
         let ctx = Arc::new(context());
-        let lc = Arc::new(Lifecycle {
-            ctx: ctx.clone(),
-            pods: ctx.caches.pods.clone(),
-        });
+        let lc = lifecycle_of(&ctx);
         let key = ReservationKey::of(&reservation(None, 0));
         let lost = ReconcileError::Ledger(WriteError::Conflict {
             key: ReservationKey::new("ml", "p"),
@@ -558,29 +584,18 @@ mod tests {
             )
             .reply(500, status(500, "InternalError", "etcd timeout")),
         ]);
-        let index = Arc::new(crate::ledger::LedgerIndex::new());
-        index.apply_event(watcher::Event::Init);
-        index.apply_event(watcher::Event::InitDone);
+        let index = crate::controllers::refit::commit::tests::synced_index();
         let mut r = reservation(Some(ReservationPhase::Allocating), 0);
-        let long_ago = k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
-            Timestamp::now() - k8s_openapi::jiff::SignedDuration::from_secs(3600),
-        );
-        r.metadata.creation_timestamp = Some(long_ago.clone());
-        r.status.as_mut().unwrap().phase_since = Some(long_ago);
+        an_hour_old(&mut r);
         r.metadata.namespace = Some("ns".into());
         r.metadata.resource_version = Some("3".into());
         index.apply_event(watcher::Event::Apply(r.clone()));
         let (gpunodes, _writer) = kube::runtime::reflector::store();
         let ctx = Arc::new(Context::detached(client, index, gpunodes, true));
-        let lc = Arc::new(Lifecycle {
-            ctx: ctx.clone(),
-            pods: ctx.caches.pods.clone(),
-        });
+        let lc = lifecycle_of(&ctx);
         let mut stuck = pod("uid-1", Some("n1"), "Pending");
         stuck.metadata.namespace = Some("ns".into());
-        lc.pods.apply(&watcher::Event::Init);
-        lc.pods.apply(&watcher::Event::InitApply(stuck));
-        lc.pods.apply(&watcher::Event::InitDone);
+        list_pods(&lc, vec![stuck]);
         let got = reconcile(&ReservationKey::of(&r), lc).await;
         api.finish().await;
         assert!(got.is_err(), "{got:?}");
@@ -611,23 +626,14 @@ mod tests {
     async fn a_reservation_whose_bind_still_runs_is_left_to_the_bind() {
         use super::super::lifecycle::tests::{pod, reservation};
         let ctx = Arc::new(context());
-        let lc = Arc::new(Lifecycle {
-            ctx: ctx.clone(),
-            pods: ctx.caches.pods.clone(),
-        });
+        let lc = lifecycle_of(&ctx);
         // Reserved long ago (by this replica's clock), its pod still unbound: "never bound".
         let mut r = reservation(None, 0);
-        let long_ago = Timestamp::now() - k8s_openapi::jiff::SignedDuration::from_secs(120);
-        r.metadata.creation_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
-            long_ago,
-        ));
+        an_hour_old(&mut r);
         ctx.ledger
             .index
             .apply_event(watcher::Event::Apply(r.clone()));
-        let pods = &lc.pods;
-        pods.apply(&watcher::Event::Init);
-        pods.apply(&watcher::Event::InitApply(pod("uid-1", None, "Pending")));
-        pods.apply(&watcher::Event::InitDone);
+        list_pods(&lc, vec![pod("uid-1", None, "Pending")]);
         let key = ReservationKey::of(&r);
         // Its bind is still on its way to the Binding: no read, no delete (the context's
         // client reaches no API server, so either would fail this reconcile).
@@ -651,10 +657,7 @@ mod tests {
     async fn only_reservations_with_a_step_due_are_queued_when_the_replica_may_decide() {
         use super::super::lifecycle::tests::{allocate, pod, reservation, written};
         let ctx = Arc::new(context());
-        let lc = Lifecycle {
-            ctx: ctx.clone(),
-            pods: ctx.caches.pods.clone(),
-        };
+        let lc = lifecycle_of(&ctx);
         // Allocated, its pod running on its node, its status as the operator writes it.
         let mut settled = written(&reservation(Some(ReservationPhase::Allocated), 0));
         allocate(&mut settled, 0, &["GPU-a"]);
@@ -669,14 +672,7 @@ mod tests {
         for r in [settled, orphan] {
             ctx.ledger.index.apply_event(watcher::Event::Apply(r));
         }
-        let pods = &lc.pods;
-        pods.apply(&watcher::Event::Init);
-        pods.apply(&watcher::Event::InitApply(pod(
-            "uid-1",
-            Some("n1"),
-            "Running",
-        )));
-        pods.apply(&watcher::Event::InitDone);
+        list_pods(&lc, vec![pod("uid-1", Some("n1"), "Running")]);
         let due: Vec<String> = due_now(&lc).iter().map(|k| k.name.to_string()).collect();
         assert_eq!(due, ["q"]);
     }
@@ -684,11 +680,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn every_reservation_is_reconciled_again_each_time_the_replica_may_decide() {
         let ctx = Arc::new(context());
-        let pods = ctx.caches.pods.clone();
-        let lc = Arc::new(Lifecycle {
-            ctx: ctx.clone(),
-            pods: pods.clone(),
-        });
+        let lc = lifecycle_of(&ctx);
+        let pods = lc.pods.clone();
         let listed = Arc::new(Notify::new());
         let mut passes = Box::pin(pass_times(lc, listed.clone()));
         // Leading with the ledger listed, but the pods not listed yet: no pass, even though

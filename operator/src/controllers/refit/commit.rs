@@ -206,11 +206,16 @@ pub(crate) mod tests {
     pub(crate) fn context() -> Context {
         let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
         let client = kube::Client::try_from(config).unwrap();
+        let (gpunodes, _writer) = reflector::store::<GpuNode>();
+        Context::detached(client, synced_index(), gpunodes, true)
+    }
+
+    /// An empty ledger index whose first list is done.
+    pub(crate) fn synced_index() -> Arc<LedgerIndex> {
         let index = Arc::new(LedgerIndex::new());
         index.apply_event(watcher::Event::Init);
         index.apply_event(watcher::Event::InitDone);
-        let (gpunodes, _writer) = reflector::store::<GpuNode>();
-        Context::detached(client, index, gpunodes, true)
+        index
     }
 
     fn spec(deadline: Timestamp) -> RefitRequestSpec {
@@ -232,32 +237,11 @@ pub(crate) mod tests {
     #[tokio::test(start_paused = true)]
     async fn an_unanswered_move_keeps_the_node_locked_until_its_answer() {
         use gpuledger_crds::scripted_api::{expect, scripted};
-        use gpuledger_crds::{
-            ContainerReservation, GpuDevice, GpuNodeSpec, GpuNodeStatus, GpuReservationSpec,
-            ReservedDevice,
-        };
+        use gpuledger_crds::{ContainerReservation, GpuReservationSpec, ReservedDevice};
         use http::Method;
 
-        let gpu = |uuid: &str, index: u32, numa: u32| GpuDevice {
-            uuid: uuid.into(),
-            index,
-            model: "NVIDIA A100".into(),
-            memory_mib: 10000,
-            cores: 100,
-            numa_node: Some(numa),
-            pci_bus_id: None,
-            mig: false,
-            healthy: true,
-            link_scores: Default::default(),
-        };
-        let mut node = GpuNode::new("n1", GpuNodeSpec::default());
-        node.status = Some(GpuNodeStatus {
-            devices: vec![gpu("GPU-a", 0, 0), gpu("GPU-b", 1, 1)],
-            split_count: Some(4),
-            ..Default::default()
-        });
         let (gpunodes, mut nodes) = reflector::store::<GpuNode>();
-        nodes.apply_watcher_event(&watcher::Event::Apply(node));
+        nodes.apply_watcher_event(&watcher::Event::Apply(super::super::plan::tests::node()));
         let (client, api) = scripted(vec![
             expect(
                 Method::PATCH,
@@ -265,9 +249,7 @@ pub(crate) mod tests {
             )
             .never_reply(),
         ]);
-        let index = Arc::new(LedgerIndex::new());
-        index.apply_event(watcher::Event::Init);
-        index.apply_event(watcher::Event::InitDone);
+        let index = synced_index();
         let mut r = GpuReservation::new(
             "train",
             GpuReservationSpec {
@@ -279,7 +261,7 @@ pub(crate) mod tests {
                     name: "main".into(),
                     init: false,
                     devices: vec![ReservedDevice {
-                        uuid: "GPU-b".into(),
+                        uuid: "GPU-2".into(),
                         memory_mib: 1000,
                         cores: 10,
                         numa_node: Some(1),
@@ -299,9 +281,12 @@ pub(crate) mod tests {
         }))
         .unwrap();
         let deadline = Timestamp::now() + SignedDuration::from_secs(30);
+        // The container is on GPU-2 (NUMA 1); the kubelet allows only GPU-0 (NUMA 0).
+        let mut request = spec(deadline);
+        request.allowed_devices = vec!["GPU-0".into()];
         let committing = tokio::spawn({
             let ctx = ctx.clone();
-            async move { commit(&ctx, "ml", &spec(deadline), &pod).await }
+            async move { commit(&ctx, "ml", &request, &pod).await }
         });
         tokio::time::sleep(LOCKED_CALL_BOUND + Duration::from_secs(1)).await;
         let free =

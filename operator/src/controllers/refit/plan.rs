@@ -64,7 +64,7 @@ pub fn plan(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::ledger::usage::DeviceUsage;
     use gpuledger_crds::{ContainerReservation, GpuDevice, GpuNodeSpec, GpuNodeStatus};
@@ -84,7 +84,8 @@ mod tests {
         }
     }
 
-    fn node() -> GpuNode {
+    /// GpuNode n1: GPU-0 and GPU-1 on NUMA 0, GPU-2 and GPU-3 on NUMA 1, split four ways.
+    pub(crate) fn node() -> GpuNode {
         let mut n = GpuNode::new("n1", GpuNodeSpec::default());
         n.status = Some(GpuNodeStatus {
             devices: vec![gpu(0, 0), gpu(1, 0), gpu(2, 1), gpu(3, 1)],
