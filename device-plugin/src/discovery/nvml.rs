@@ -48,7 +48,7 @@ impl NvmlGpu {
         Some(GpuDevice {
             uuid,
             index: self.index,
-            model: self.name.unwrap_or_else(|| "NVIDIA-unknown".to_string()),
+            model: gpu_type(self.name.as_deref()),
             memory_mib: self.memory_total_bytes.unwrap_or(0) / (1024 * 1024),
             cores: 100,
             numa_node,
@@ -59,6 +59,18 @@ impl NvmlGpu {
             // Filled by discovery once every GPU is known (`link_scores`).
             link_scores: Default::default(),
         })
+    }
+}
+
+/// The GPU type published for a GPU NVML names `name`: HAMi's, which is the name with `NVIDIA-`
+/// put in front unless it already starts with `NVIDIA`. Older and workstation GPUs are named
+/// without it (`Tesla T4`, `Quadro RTX 6000`), and a pod's `nvidia.com/use-gputype:
+/// NVIDIA-Tesla T4` (or `nouse-gputype: NVIDIA`) is matched against HAMi's form.
+fn gpu_type(name: Option<&str>) -> String {
+    match name {
+        Some(name) if name.starts_with("NVIDIA") => name.to_string(),
+        Some(name) => format!("NVIDIA-{name}"),
+        None => "NVIDIA-unknown".to_string(),
     }
 }
 
@@ -325,6 +337,7 @@ fn watch_critical_xids(nvml: &Nvml, events: &XidSender) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gpuledger_crds::podapi::DeviceFilters;
 
     fn raw() -> NvmlGpu {
         NvmlGpu {
@@ -362,6 +375,36 @@ mod tests {
         assert!(!gpu.mig);
         assert!(gpu.healthy);
         assert_eq!(gpu.cores, 100);
+    }
+
+    #[test]
+    fn the_published_type_is_hamis_nvidia_prefixed_name() {
+        let type_of = |name: Option<&str>| {
+            let gpu = NvmlGpu {
+                name: name.map(str::to_string),
+                ..raw()
+            };
+            gpu.into_device(|_| None).unwrap().model
+        };
+        assert_eq!(
+            type_of(Some("NVIDIA A100-SXM4-80GB")),
+            "NVIDIA A100-SXM4-80GB"
+        );
+        assert_eq!(type_of(Some("Tesla T4")), "NVIDIA-Tesla T4");
+        assert_eq!(type_of(Some("Quadro RTX 6000")), "NVIDIA-Quadro RTX 6000");
+        assert_eq!(type_of(None), "NVIDIA-unknown");
+        // So a pod naming HAMi's type of a T4, or excluding every NVIDIA GPU, means it here too.
+        let t4 = type_of(Some("Tesla T4"));
+        let use_types = DeviceFilters {
+            use_types: vec!["NVIDIA-Tesla T4".into()],
+            ..DeviceFilters::default()
+        };
+        assert!(use_types.allows_model(&t4));
+        let nouse_types = DeviceFilters {
+            nouse_types: vec!["NVIDIA".into()],
+            ..DeviceFilters::default()
+        };
+        assert!(!nouse_types.allows_model(&t4));
     }
 
     #[test]
