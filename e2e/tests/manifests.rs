@@ -160,7 +160,12 @@ async fn manifests_apply_with_server_side_dry_run_and_agree() {
             "--set",
             "webhook.certManagerCertificate=gpuledger-serving",
         ],
-        &["--set", "scheduler.enabled=false"],
+        &[
+            "--set",
+            "scheduler.enabled=false",
+            "--set",
+            "scheduler.name=default-scheduler",
+        ],
         &["--set", "devicePlugin.podResourcesCheck=false"],
         &["--set", "devicePlugin.health.recovery=10m"],
         &[
@@ -174,6 +179,52 @@ async fn manifests_apply_with_server_side_dry_run_and_agree() {
         eprintln!("chart {values:?}: {} objects", objects(&rendered).len());
         assert_every_object_reported(&rendered, &report);
     }
+
+    // The webhook sends GPU pods to the scheduler the chart names: its own by default, or the
+    // admin's scheduler with the extender merged in; without a name for that one the chart does
+    // not render (GPU pods would be sent to a scheduler that is not installed).
+    let scheduler_flag = |values: &[&str]| {
+        container_args(&objects(&helm_template(values))["Deployment/gpuledger-operator"])
+            .into_iter()
+            .filter(|a| a.starts_with("--scheduler-name="))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        scheduler_flag(&[]),
+        ["--scheduler-name=gpuledger-scheduler"]
+    );
+    assert_eq!(
+        scheduler_flag(&["--set", "scheduler.name=gpu-scheduler"]),
+        ["--scheduler-name=gpu-scheduler"]
+    );
+    assert_eq!(
+        scheduler_flag(&[
+            "--set",
+            "scheduler.enabled=false",
+            "--set",
+            "scheduler.name=default-scheduler"
+        ]),
+        ["--scheduler-name=default-scheduler"]
+    );
+    let unnamed = run(
+        &helm(),
+        &[
+            "template",
+            "gpuledger",
+            "charts/gpuledger",
+            "--kube-version",
+            k8s_version(),
+            "--set",
+            "scheduler.enabled=false",
+        ],
+        None,
+    );
+    assert!(!unnamed.status.success());
+    assert!(
+        String::from_utf8_lossy(&unnamed.stderr).contains("set scheduler.name to the scheduler"),
+        "{}",
+        String::from_utf8_lossy(&unnamed.stderr)
+    );
 
     // The device configuration: the cluster-wide GpuConfig by default, per-node ones on request,
     // and a per-node entry that picks no node is refused at render time (it would be a second

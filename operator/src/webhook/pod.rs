@@ -9,8 +9,10 @@
 //!   `nvidia.com/gpu: <defaultGPUNum>` (the cluster-wide GpuConfig's; 1 unless set, none when 0),
 //!   so the scheduler, the kubelet, the plugin and the ledger all see the same request (without
 //!   it the kubelet would never allocate the container);
-//! - containers that ask for no GPU get `NVIDIA_VISIBLE_DEVICES=none`, as HAMi's webhook does,
-//!   so the NVIDIA runtime shows them none of the node's GPUs;
+//! - containers that get no GPU get `NVIDIA_VISIBLE_DEVICES=none`, as HAMi's webhook does,
+//!   so the NVIDIA runtime shows them none of the node's GPUs (whatever their image's `ENV`
+//!   says): those that name no GPU resource, and those whose request comes to no GPU
+//!   (`nvidia.com/gpu: 0`), which the kubelet never allocates and the plugin never answers;
 //! - a container naming `nvidia.com/priority` gets `CUDA_TASK_PRIORITY` with that value, which
 //!   HAMi-core reads (HAMi's webhook does the same).
 //!
@@ -56,6 +58,18 @@ pub fn mutation(pod: &Pod, scheduler_name: &str, config: &PodApiConfig) -> Vec<V
         return Vec::new();
     }
     let mut ops = Vec::new();
+    let init = spec.init_containers.as_deref().unwrap_or_default();
+    // Which containers will get GPUs from the plugin, init then app containers as the pod API
+    // reads them; for a pod the validation refuses, whether they name a GPU resource.
+    let gets_gpus: Vec<bool> = match podapi::parse_pod(pod, config) {
+        Ok(req) => req.containers.iter().map(|c| c.gpu.is_some()).collect(),
+        Err(_) => init
+            .iter()
+            .chain(&spec.containers)
+            .map(container_names_gpu_resources)
+            .collect(),
+    };
+    let mut gets_gpus = gets_gpus.into_iter();
     match spec.scheduler_name.as_deref() {
         None => {
             ops.push(json!({"op": "add", "path": "/spec/schedulerName", "value": scheduler_name}))
@@ -65,10 +79,7 @@ pub fn mutation(pod: &Pod, scheduler_name: &str, config: &PodApiConfig) -> Vec<V
         Some(_) => {}
     }
     let lists = [
-        (
-            "initContainers",
-            spec.init_containers.as_deref().unwrap_or_default(),
-        ),
+        ("initContainers", init),
         ("containers", spec.containers.as_slice()),
     ];
     for (list, containers) in lists {
@@ -78,7 +89,7 @@ pub fn mutation(pod: &Pod, scheduler_name: &str, config: &PodApiConfig) -> Vec<V
                 ops.extend(default_count(c, &base, config.default_gpu_num));
             }
             let mut vars = Vec::new();
-            if !container_names_gpu_resources(c) {
+            if !gets_gpus.next().unwrap_or(false) {
                 vars.push(("NVIDIA_VISIBLE_DEVICES", "none".to_string()));
             }
             // A bad value is refused by the validation; only a readable one is passed on.
@@ -274,6 +285,38 @@ mod tests {
         assert_eq!(
             side[1],
             json!({"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"})
+        );
+    }
+
+    #[test]
+    fn a_container_whose_request_comes_to_no_gpu_sees_none() {
+        // `nvidia.com/gpu: 0` names a GPU resource but gets no GPU: the kubelet never calls the
+        // plugin for it, so only this keeps a CUDA image's `NVIDIA_VISIBLE_DEVICES=all` from
+        // showing it every GPU of the node, outside the ledger and HAMi-core.
+        let p = pod(json!({"metadata": {"name": "p"}, "spec": {"containers": [
+            {"name": "main", "resources": {"limits": {"nvidia.com/gpu": "1"}}},
+            {"name": "zero", "resources": {"limits": {"nvidia.com/gpu": "0",
+                                                      "nvidia.com/gpumem": "1024"}}}]}}));
+        let out = apply(
+            &p,
+            &mutation(&p, "gpuledger-scheduler", &PodApiConfig::default()),
+        );
+        assert!(out["spec"]["containers"][0]["env"].is_null());
+        assert_eq!(
+            out["spec"]["containers"][1]["env"],
+            json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}])
+        );
+        // Memory alone with no default count comes to no GPU either.
+        let config = PodApiConfig {
+            default_gpu_num: 0,
+            ..PodApiConfig::default()
+        };
+        let p = pod(json!({"metadata": {"name": "p"}, "spec": {"containers": [
+            {"name": "mem", "resources": {"limits": {"nvidia.com/gpumem": "1024"}}}]}}));
+        let out = apply(&p, &mutation(&p, "gpuledger-scheduler", &config));
+        assert_eq!(
+            out["spec"]["containers"][0]["env"],
+            json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}])
         );
     }
 
