@@ -275,11 +275,11 @@ impl GpuPolicy {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ScoringWeights {
     /// Weight of the share of the GPU's slots (its split count) in use.
-    pub slot: u32,
+    pub slot: u64,
     /// Weight of the share of its cores in use.
-    pub core: u32,
+    pub core: u64,
     /// Weight of the share of its memory in use.
-    pub memory: u32,
+    pub memory: u64,
 }
 
 impl Default for ScoringWeights {
@@ -294,7 +294,8 @@ impl Default for ScoringWeights {
 
 impl ScoringWeights {
     /// Parses `slot=<a>,core=<b>,memory=<c>` (any order, spaces around parts allowed): all three
-    /// named once, non-negative integers, at least one positive.
+    /// named once, non-negative integers of HAMi's range (a signed 64-bit integer), at least one
+    /// positive.
     pub fn parse(raw: &str) -> Result<Self, PodApiError> {
         let invalid = || PodApiError::InvalidAnnotation {
             key: DEVICE_SCORING_WEIGHTS.to_string(),
@@ -304,7 +305,8 @@ impl ScoringWeights {
         let (mut slot, mut core, mut memory) = (None, None, None);
         for part in raw.split(',') {
             let (k, v) = part.split_once('=').ok_or_else(invalid)?;
-            let v: u32 = v.trim().parse().map_err(|_| invalid())?;
+            let v: i64 = v.trim().parse().map_err(|_| invalid())?;
+            let v = u64::try_from(v).map_err(|_| invalid())?;
             let slot_of = match k.trim() {
                 "slot" => &mut slot,
                 "core" => &mut core,
@@ -316,7 +318,8 @@ impl ScoringWeights {
             }
         }
         match (slot, core, memory) {
-            (Some(slot), Some(core), Some(memory)) if slot + core + memory > 0 => {
+            // Compared one by one: their sum can overflow.
+            (Some(slot), Some(core), Some(memory)) if slot > 0 || core > 0 || memory > 0 => {
                 Ok(Self { slot, core, memory })
             }
             _ => Err(invalid()),

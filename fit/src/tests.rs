@@ -683,7 +683,19 @@ fn scoring_weights_must_name_all_three_non_negative_not_all_zero() {
             memory: 3
         }
     );
+    // HAMi's weights are 64-bit: the largest is taken, and weights whose sum would overflow
+    // are not refused as "all 0".
+    let max = i64::MAX as u64;
+    assert_eq!(
+        ScoringWeights::parse(&format!("slot={max},core=4294967295,memory={max}")).unwrap(),
+        ScoringWeights {
+            slot: max,
+            core: 4294967295,
+            memory: max
+        }
+    );
     for bad in [
+        "slot=9223372036854775808,core=1,memory=1",
         "",
         "slot=1,core=1",
         "slot=1,core=1,memory=1,slot=2",
