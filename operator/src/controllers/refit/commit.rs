@@ -108,6 +108,12 @@ pub async fn commit(
     let Ok(_node) = tokio::time::timeout(patience, lock).await else {
         return Ok((Answer::lock_wait_expired(&spec.node_name), None));
     };
+    // Again, after the wait (as a bind does): a leader whose renewal went unanswered steps
+    // down before a standby may take over, and a refit already past the first check would
+    // otherwise move a reservation on its own view while the next leader binds on that node.
+    if !ctx.may_write() {
+        return Err(ReconcileError::NotLeader);
+    }
     for _ in 0..ATTEMPTS {
         let current = ctx.ledger.index.get(&key);
         let container = match validate(namespace, spec, Some(pod), current.as_deref()) {
@@ -231,24 +237,14 @@ pub(crate) mod tests {
         }
     }
 
-    /// A refit whose spec write gets no answer within the bound keeps the node's lock until it
-    /// does: the move may still be applied, and a bind deciding on the node meanwhile would see
-    /// the container on the GPU it leaves.
-    #[tokio::test(start_paused = true)]
-    async fn an_unanswered_move_keeps_the_node_locked_until_its_answer() {
-        use gpuledger_crds::scripted_api::{expect, scripted};
+    /// Over `client`: reservation `train` with its container on GPU-2 (NUMA 1) of
+    /// [`super::super::plan::tests::node`], its pod, and a request (30 s left) allowing only
+    /// GPU-0 (NUMA 0), which moves it.
+    fn a_move(client: kube::Client) -> (Arc<Context>, RefitRequestSpec, Pod) {
         use gpuledger_crds::{ContainerReservation, GpuReservationSpec, ReservedDevice};
-        use http::Method;
 
         let (gpunodes, mut nodes) = reflector::store::<GpuNode>();
         nodes.apply_watcher_event(&watcher::Event::Apply(super::super::plan::tests::node()));
-        let (client, api) = scripted(vec![
-            expect(
-                Method::PATCH,
-                "/apis/gpuledger.io/v1alpha1/namespaces/ml/gpureservations/train",
-            )
-            .never_reply(),
-        ]);
         let index = synced_index();
         let mut r = GpuReservation::new(
             "train",
@@ -281,9 +277,27 @@ pub(crate) mod tests {
         }))
         .unwrap();
         let deadline = Timestamp::now() + SignedDuration::from_secs(30);
-        // The container is on GPU-2 (NUMA 1); the kubelet allows only GPU-0 (NUMA 0).
         let mut request = spec(deadline);
         request.allowed_devices = vec!["GPU-0".into()];
+        (ctx, request, pod)
+    }
+
+    /// A refit whose spec write gets no answer within the bound keeps the node's lock until it
+    /// does: the move may still be applied, and a bind deciding on the node meanwhile would see
+    /// the container on the GPU it leaves.
+    #[tokio::test(start_paused = true)]
+    async fn an_unanswered_move_keeps_the_node_locked_until_its_answer() {
+        use gpuledger_crds::scripted_api::{expect, scripted};
+        use http::Method;
+
+        let (client, api) = scripted(vec![
+            expect(
+                Method::PATCH,
+                "/apis/gpuledger.io/v1alpha1/namespaces/ml/gpureservations/train",
+            )
+            .never_reply(),
+        ]);
+        let (ctx, request, pod) = a_move(client);
         let committing = tokio::spawn({
             let ctx = ctx.clone();
             async move { commit(&ctx, "ml", &request, &pod).await }
@@ -300,6 +314,27 @@ pub(crate) mod tests {
             !free && !finished,
             "the node's lock was let go with the move unanswered (commit ended: {finished})"
         );
+    }
+
+    /// A refit that waited for the node's lock while its replica stepped down writes nothing:
+    /// the next leader may already be binding on that node from an index without the move.
+    #[tokio::test]
+    async fn a_refit_that_waited_while_its_replica_stepped_down_writes_nothing() {
+        use gpuledger_crds::scripted_api::scripted;
+
+        let (client, api) = scripted(vec![]);
+        let (ctx, request, pod) = a_move(client);
+        let held = ctx.ledger.node_locks.lock("n1").await;
+        let committing = tokio::spawn({
+            let ctx = ctx.clone();
+            async move { commit(&ctx, "ml", &request, &pod).await }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        ctx.health.set_leader(false);
+        drop(held);
+        let got = committing.await.unwrap();
+        api.finish().await;
+        assert!(matches!(got, Err(ReconcileError::NotLeader)), "{got:?}");
     }
 
     #[tokio::test]

@@ -169,6 +169,10 @@ pub enum ReconcileError {
     /// The request was answered or deleted since the cache showed it Pending: nothing to do.
     #[error("already answered")]
     AlreadyAnswered,
+    /// This replica stopped leading while the refit waited for the node's lock: nothing was
+    /// written, and the next leader answers.
+    #[error("this replica stepped down before the refit could move the reservation")]
+    NotLeader,
     /// Reading the pod, answering or deleting the request failed.
     #[error("{action} for RefitRequest {request}: {source}")]
     Api {
@@ -279,6 +283,7 @@ fn error_policy(req: Arc<RefitRequest>, e: &ReconcileError, rc: Arc<RefitContext
         ReconcileError::Ledger(w) => w.kind(),
         ReconcileError::LockedCallTimedOut(_) => "locked_call_timeout",
         ReconcileError::AlreadyAnswered => "already_answered",
+        ReconcileError::NotLeader => "not_leader",
         ReconcileError::Api { .. } => "api",
     };
     rc.ctx
@@ -346,6 +351,8 @@ async fn answer_request(
             rc.answers.answered(&uid);
             return Ok(Action::await_change());
         }
+        // Nothing written; as at the top, wait to lead again (the next leader answers).
+        Err(ReconcileError::NotLeader) => return Ok(Action::requeue(Duration::from_secs(2))),
         Err(e) => return Err(e),
     };
     let decided = started.elapsed();
