@@ -80,6 +80,7 @@ pub fn plain_container(c: &Container) -> ContainerResources {
         name: c.name.clone(),
         limits: quantities(res.and_then(|r| r.limits.as_ref())),
         requests: quantities(res.and_then(|r| r.requests.as_ref())),
+        sidecar: c.restart_policy.as_deref() == Some("Always"),
     }
 }
 

@@ -258,6 +258,7 @@ mod tests {
                     .collect(),
                 cpu_ids: vec![],
                 memory: vec![],
+                sidecar: false,
             }],
         }
     }

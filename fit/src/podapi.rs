@@ -103,7 +103,9 @@ pub struct ContainerRequest {
     pub index: u32,
     /// Container name.
     pub name: String,
-    /// Whether it is an init container.
+    /// Whether it is an init container that runs to its end before the app containers start.
+    /// A sidecar (an init container with `restartPolicy: Always`) runs beside them, so it is
+    /// not: it is fitted and counted with them.
     pub init: bool,
     /// Its GPU request; `None` for a container without GPUs.
     pub gpu: Option<GpuRequest>,
@@ -346,6 +348,10 @@ pub struct ContainerResources {
     /// `resources.requests` (read for a key only when limits lack it, as HAMi does).
     #[serde(default)]
     pub requests: BTreeMap<String, String>,
+    /// An init container with `restartPolicy: Always` (a sidecar): it keeps running beside
+    /// the containers after it. Read only in the init containers' list.
+    #[serde(default)]
+    pub sidecar: bool,
 }
 
 /// A pod as plain data (the fit CLI's JSON).
@@ -418,6 +424,16 @@ pub enum PodApiError {
         /// [`MAX_GPU_CONTAINERS`].
         max: usize,
     },
+    /// An init container with GPUs after a sidecar with GPUs: the two run side by side.
+    #[error(
+        "init container {init:?} asks for GPUs after the sidecar {sidecar:?} (restartPolicy: Always), which also does and keeps running beside it; gpuledger does not book the two side by side in this version: give the GPUs to one of them, or put {init:?} before {sidecar:?}"
+    )]
+    GpuInitAfterGpuSidecar {
+        /// The init container.
+        init: String,
+        /// The sidecar before it.
+        sidecar: String,
+    },
     /// An invalid `hami.io/numa-alignment`.
     #[error(transparent)]
     Alignment(#[from] AlignmentError),
@@ -436,12 +452,31 @@ pub fn parse(pod: &PodResources, config: &PodApiConfig) -> Result<PodRequest, Po
         .iter()
         .map(|c| (true, c))
         .chain(pod.containers.iter().map(|c| (false, c)));
-    for (index, (init, c)) in all.enumerate() {
+    // The first sidecar with GPUs, once seen: an init container with GPUs after it would run
+    // beside it, which neither the fit (init containers one at a time, on the node without
+    // the pod) nor the ledger's usage (init containers' peak, or the app containers' sum)
+    // counts; such a pod is refused rather than under-counted.
+    let mut gpu_sidecar: Option<&str> = None;
+    for (index, (listed_init, c)) in all.enumerate() {
+        let sidecar = listed_init && c.sidecar;
+        let gpu = container_request(c, config)?;
+        if gpu.is_some() {
+            match gpu_sidecar {
+                Some(sidecar_name) if listed_init && !sidecar => {
+                    return Err(PodApiError::GpuInitAfterGpuSidecar {
+                        init: c.name.clone(),
+                        sidecar: sidecar_name.to_string(),
+                    });
+                }
+                None if sidecar => gpu_sidecar = Some(c.name.as_str()),
+                _ => {}
+            }
+        }
         containers.push(ContainerRequest {
             index: index as u32,
             name: c.name.clone(),
-            init,
-            gpu: container_request(c, config)?,
+            init: listed_init && !sidecar,
+            gpu,
         });
     }
     let count = containers.iter().filter(|c| c.gpu.is_some()).count();

@@ -57,7 +57,10 @@ pub struct ContainerReservation {
     /// Container name.
     #[cfg_attr(feature = "schema", schemars(length(min = 1, max = 253)))]
     pub name: String,
-    /// Whether it is an init container.
+    /// Whether it is an init container that runs to its end before the app containers start
+    /// (counted as their peak, and released once they are done). A sidecar, an init container
+    /// with `restartPolicy: Always`, runs beside the app containers and is recorded as one of
+    /// them (false).
     #[serde(default)]
     pub init: bool,
     /// The reserved GPUs.

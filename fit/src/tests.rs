@@ -57,6 +57,20 @@ fn limits(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
         .collect()
 }
 
+/// A container asking for `(count, memory MiB, cores)`.
+fn gpu_container(name: &str, (n, m, c): (u32, u64, u32)) -> ContainerResources {
+    ContainerResources {
+        name: name.to_string(),
+        limits: limits(&[
+            ("nvidia.com/gpu", &n.to_string()),
+            ("nvidia.com/gpumem", &m.to_string()),
+            ("nvidia.com/gpucores", &c.to_string()),
+        ]),
+        requests: BTreeMap::new(),
+        sidecar: false,
+    }
+}
+
 /// A pod with one app container per entry of `containers` and one init container per entry of
 /// `init`; each entry is `(count, memory MiB, cores)`.
 fn pod_with(
@@ -64,15 +78,7 @@ fn pod_with(
     init: &[(u32, u64, u32)],
     containers: &[(u32, u64, u32)],
 ) -> PodRequest {
-    let ctr = |prefix: &str, i: usize, (n, m, c): (u32, u64, u32)| ContainerResources {
-        name: format!("{prefix}{i}"),
-        limits: limits(&[
-            ("nvidia.com/gpu", &n.to_string()),
-            ("nvidia.com/gpumem", &m.to_string()),
-            ("nvidia.com/gpucores", &c.to_string()),
-        ]),
-        requests: BTreeMap::new(),
-    };
+    let ctr = |prefix: &str, i: usize, r| gpu_container(&format!("{prefix}{i}"), r);
     let resources = PodResources {
         annotations: limits(annotations),
         init_containers: init
@@ -398,6 +404,7 @@ fn exclusive_requests_need_an_idle_gpu_and_block_later_sharers() {
                 name: "main".into(),
                 limits: limits(&[("nvidia.com/gpu", "1")]),
                 requests: BTreeMap::new(),
+                sidecar: false,
             }],
             ..PodResources::default()
         };
@@ -447,6 +454,7 @@ fn percentage_memory_resolves_per_gpu() {
                 ("nvidia.com/gpucores", "10"),
             ]),
             requests: BTreeMap::new(),
+            sidecar: false,
         }],
         ..PodResources::default()
     };
@@ -499,6 +507,41 @@ fn more_gpus_than_the_node_has_is_node_insufficient_device() {
     );
 }
 
+/// A sidecar (an init container with `restartPolicy: Always`) keeps running beside the app
+/// containers, so it is fitted and counted with them, not as an init container that ends first.
+#[test]
+fn a_sidecar_with_gpus_is_fitted_and_counted_beside_the_app_containers() {
+    let n = node("n", vec![(dev("GPU-a", 0, 40000), used(0, 0, 0))]);
+    let pol = policy(SchedulerPolicy::Spread);
+    let resources = |sidecar: bool| PodResources {
+        init_containers: vec![ContainerResources {
+            sidecar,
+            ..gpu_container("proxy", (1, 30000, 10))
+        }],
+        containers: vec![gpu_container("app0", (1, 30000, 10))],
+        ..PodResources::default()
+    };
+    // A regular init container ends before the app starts: both fit the one GPU.
+    let init = podapi::parse(&resources(false), &PodApiConfig::default()).unwrap();
+    assert!(only(&n, &init, pol).is_ok());
+    // A sidecar does not end: 60000 MiB would run at once on a 40000 MiB GPU.
+    let sidecar = podapi::parse(&resources(true), &PodApiConfig::default()).unwrap();
+    assert!(!sidecar.containers[0].init);
+    assert_eq!(
+        only(&n, &sidecar, pol).unwrap_err().to_string(),
+        "1/1 CardInsufficientMemory"
+    );
+    // On a GPU big enough the reservation counts both, as two sharers, and keeps the sidecar
+    // where the pod has it (first).
+    let big = node("n", vec![(dev("GPU-a", 0, 80000), used(0, 0, 0))]);
+    let p = only(&big, &sidecar, pol).unwrap();
+    assert_eq!(p.containers[0].name, "proxy");
+    assert!(!p.containers[0].init);
+    let shares = placement_shares(&p);
+    let eff = effective_usage(shares.iter().map(|(i, s)| (*i, s.as_slice())), false);
+    assert_eq!(eff[0].usage, used(2, 60000, 20));
+}
+
 #[test]
 fn app_containers_accumulate_but_init_containers_do_not() {
     let n = node("n", vec![(dev("GPU-a", 0, 40000), used(0, 0, 0))]);
@@ -541,6 +584,7 @@ fn gpu_less_containers_keep_their_position_in_the_placement() {
                 name: "main".into(),
                 limits: limits(&[("nvidia.com/gpu", "1"), ("nvidia.com/gpumem", "100")]),
                 requests: BTreeMap::new(),
+                sidecar: false,
             },
         ],
         ..PodResources::default()

@@ -65,8 +65,9 @@ fn container() -> impl Strategy<Value = ContainerResources> {
             quantity_like(),
             0..3,
         ),
+        any::<bool>(),
     )
-        .prop_map(|(name, limits, requests)| ContainerResources {
+        .prop_map(|(name, limits, requests, sidecar)| ContainerResources {
             name,
             limits: limits
                 .into_iter()
@@ -76,6 +77,7 @@ fn container() -> impl Strategy<Value = ContainerResources> {
                 .into_iter()
                 .map(|(k, v)| (k.to_string(), v))
                 .collect(),
+            sidecar,
         })
 }
 
@@ -122,6 +124,8 @@ fn refusal_subject(err: &PodApiError) -> (String, String) {
         PodApiError::MissingGpuCount { key, .. } => (key.clone(), GPU.to_string()),
         // About the pod's shape: the message names the count and the bound.
         PodApiError::TooManyGpuContainers { count, max } => (count.to_string(), max.to_string()),
+        // About the pod's shape: the message names both containers.
+        PodApiError::GpuInitAfterGpuSidecar { init, sidecar } => (init.clone(), sidecar.clone()),
     }
 }
 
@@ -129,7 +133,8 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(2000))]
 
     /// No input panics; a refusal has a message naming the key and the offending value, and
-    /// an accepted pod keeps every container at its position, init containers first.
+    /// an accepted pod keeps every container at its position, init containers first (a sidecar
+    /// among them counted with the app containers).
     #[test]
     fn any_pod_is_read_or_refused_with_a_reason(pod in hostile_pod(), cfg in config()) {
         match parse(&pod, &cfg) {
@@ -138,7 +143,9 @@ proptest! {
                 prop_assert_eq!(req.containers.len(), n);
                 for (i, c) in req.containers.iter().enumerate() {
                     prop_assert_eq!(c.index as usize, i);
-                    prop_assert_eq!(c.init, i < pod.init_containers.len());
+                    // A sidecar is listed with the init containers but runs beside the rest.
+                    let sidecar = pod.init_containers.get(i).is_some_and(|c| c.sidecar);
+                    prop_assert_eq!(c.init, i < pod.init_containers.len() && !sidecar);
                     if let Some(g) = c.gpu {
                         prop_assert!(g.count >= 1);
                         prop_assert!(g.cores <= 100, "cores {} above 100", g.cores);
@@ -174,7 +181,7 @@ proptest! {
             (GPU_CORES.to_string(), cores.to_string()),
         ]);
         let pod = PodResources {
-            containers: vec![ContainerResources { name, limits, requests: BTreeMap::new() }],
+            containers: vec![ContainerResources { name, limits, requests: BTreeMap::new(), sidecar: false }],
             ..Default::default()
         };
         let g = parse(&pod, &PodApiConfig::default()).unwrap().containers[0].gpu.unwrap();
@@ -192,7 +199,7 @@ proptest! {
             (GPU_CORES.to_string(), "10".to_string()),
         ]);
         let pod = PodResources {
-            containers: vec![ContainerResources { name: "c".into(), limits, requests: BTreeMap::new() }],
+            containers: vec![ContainerResources { name: "c".into(), limits, requests: BTreeMap::new(), sidecar: false }],
             ..Default::default()
         };
         let out = parse(&pod, &PodApiConfig::default());
@@ -212,7 +219,7 @@ proptest! {
             limits.insert(GPU.to_string(), "1".to_string());
         }
         let pod = PodResources {
-            containers: vec![ContainerResources { name: "neg".into(), limits, requests: BTreeMap::new() }],
+            containers: vec![ContainerResources { name: "neg".into(), limits, requests: BTreeMap::new(), sidecar: false }],
             ..Default::default()
         };
         let msg = parse(&pod, &PodApiConfig::default()).unwrap_err().to_string();

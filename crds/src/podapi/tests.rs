@@ -11,6 +11,7 @@ fn ctr(name: &str, limits: &[(&str, &str)]) -> ContainerResources {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect(),
         requests: BTreeMap::new(),
+        sidecar: false,
     }
 }
 
@@ -182,4 +183,26 @@ mod finished {
         assert!(!pod_terminating(&pod(Some("n"), "Succeeded", true)));
         assert!(!pod_terminating(&pod(Some("n"), "Running", false)));
     }
+}
+
+/// An init container with `restartPolicy: Always` is a sidecar to the pod API: counted with
+/// the app containers, not as an init container that ends first.
+#[test]
+fn a_kubernetes_sidecar_is_read_as_running_beside_the_app() {
+    let mut pod = k8s_pod(&[(GPU, "1")]);
+    let spec = pod.spec.as_mut().unwrap();
+    spec.init_containers = Some(vec![
+        k8s_ctr("setup", &[(GPU, "1")]),
+        Container {
+            restart_policy: Some("Always".into()),
+            ..k8s_ctr("proxy", &[(GPU, "1")])
+        },
+    ]);
+    let req = parse_pod(&pod, &PodApiConfig::default()).unwrap();
+    let kinds: Vec<(&str, bool)> = req
+        .containers
+        .iter()
+        .map(|c| (c.name.as_str(), c.init))
+        .collect();
+    assert_eq!(kinds, [("setup", true), ("proxy", false), ("main", false)]);
 }

@@ -10,6 +10,7 @@ fn ctr(name: &str, limits: &[(&str, &str)]) -> ContainerResources {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect(),
         requests: BTreeMap::new(),
+        sidecar: false,
     }
 }
 
@@ -500,4 +501,58 @@ fn a_vgpu_mode_without_hami_core_fits_no_gpu_and_is_refused() {
             "{msg}"
         );
     }
+}
+
+/// A sidecar (`restartPolicy: Always` in the init list) runs beside what follows it: it is not
+/// an init container to the fit and the ledger, and an init container with GPUs after a sidecar
+/// with GPUs (the two side by side, which neither counts) is refused, naming both.
+#[test]
+fn sidecars_count_with_the_app_containers_and_no_gpu_init_container_follows_one() {
+    let sidecar = |name: &str, limits: &[(&str, &str)]| ContainerResources {
+        sidecar: true,
+        ..ctr(name, limits)
+    };
+    let gpu = [(GPU, "1")];
+    let read = |init: Vec<ContainerResources>| {
+        parse(
+            &PodResources {
+                init_containers: init,
+                containers: vec![ctr("app", &gpu)],
+                ..PodResources::default()
+            },
+            &PodApiConfig::default(),
+        )
+    };
+    let r = read(vec![ctr("setup", &gpu), sidecar("proxy", &gpu)]).unwrap();
+    let kinds: Vec<(&str, bool)> = r
+        .containers
+        .iter()
+        .map(|c| (c.name.as_str(), c.init))
+        .collect();
+    assert_eq!(kinds, [("setup", true), ("proxy", false), ("app", false)]);
+    // `sidecar` means nothing in the app containers' list.
+    let app_flag = parse(
+        &PodResources {
+            containers: vec![sidecar("app", &gpu)],
+            ..PodResources::default()
+        },
+        &PodApiConfig::default(),
+    )
+    .unwrap();
+    assert!(!app_flag.containers[0].init);
+    // A GPU-less sidecar before a GPU init container is fine; a GPU one is refused.
+    assert!(read(vec![sidecar("proxy", &[]), ctr("setup", &gpu)]).is_ok());
+    let err = read(vec![sidecar("proxy", &gpu), ctr("setup", &gpu)]).unwrap_err();
+    assert_eq!(
+        err,
+        PodApiError::GpuInitAfterGpuSidecar {
+            init: "setup".into(),
+            sidecar: "proxy".into()
+        }
+    );
+    let msg = err.to_string();
+    assert!(
+        msg.contains("\"setup\"") && msg.contains("\"proxy\""),
+        "{msg}"
+    );
 }

@@ -107,14 +107,17 @@ fn containers_started(pod: &Pod) -> bool {
         .any(|c| created(c.state.as_ref()) || created(c.last_state.as_ref()))
 }
 
-/// Whether every init container of `pod` has terminated with exit code 0.
+/// Whether every init container of `pod` that runs to its end has terminated with exit code
+/// 0. Sidecars (`restartPolicy: Always`) are not waited for: they run beside the app
+/// containers, and the ledger counts them with those (never released by this).
 pub fn init_containers_done(pod: &Pod) -> bool {
-    let wanted = pod
+    let mut regular = pod
         .spec
-        .as_ref()
-        .and_then(|s| s.init_containers.as_ref())
-        .map_or(0, Vec::len);
-    if wanted == 0 {
+        .iter()
+        .flat_map(|s| s.init_containers.iter().flatten())
+        .filter(|c| c.restart_policy.as_deref() != Some("Always"))
+        .peekable();
+    if regular.peek().is_none() {
         return false;
     }
     let statuses = pod
@@ -122,13 +125,15 @@ pub fn init_containers_done(pod: &Pod) -> bool {
         .as_ref()
         .and_then(|s| s.init_container_statuses.as_deref())
         .unwrap_or_default();
-    statuses.len() == wanted
-        && statuses.iter().all(|s| {
-            s.state
-                .as_ref()
-                .and_then(|st| st.terminated.as_ref())
-                .is_some_and(|t| t.exit_code == 0)
+    regular.all(|c| {
+        statuses.iter().any(|s| {
+            s.name == c.name
+                && s.state
+                    .as_ref()
+                    .and_then(|st| st.terminated.as_ref())
+                    .is_some_and(|t| t.exit_code == 0)
         })
+    })
 }
 
 /// At most this many pods are kept whole ([`PodFactsCache::pending_gpu_pod`]); past it, bind
@@ -682,21 +687,69 @@ pub(crate) mod tests {
     #[test]
     fn init_done_needs_every_init_container_to_exit_zero() {
         let mut p = pod("a", "u1", Some("n1"), "Running");
+        let named = |name: &str| Container {
+            name: name.into(),
+            ..Container::default()
+        };
         if let Some(spec) = p.spec.as_mut() {
-            spec.init_containers = Some(vec![Container::default(), Container::default()]);
+            spec.init_containers = Some(vec![named("a"), named("b")]);
         }
         let set = |p: &mut Pod, s: Vec<ContainerStatus>| {
             if let Some(st) = p.status.as_mut() {
                 st.init_container_statuses = Some(s);
             }
         };
-        set(&mut p, vec![terminated(0)]);
+        let exited = |name: &str, code| ContainerStatus {
+            name: name.into(),
+            ..terminated(code)
+        };
+        set(&mut p, vec![exited("a", 0)]);
         assert!(!of(&p).init_done, "one of two done");
-        set(&mut p, vec![terminated(0), terminated(1)]);
+        set(&mut p, vec![exited("a", 0), exited("b", 1)]);
         assert!(!of(&p).init_done, "one failed");
-        set(&mut p, vec![terminated(0), terminated(0)]);
+        set(&mut p, vec![exited("a", 0), exited("a", 0)]);
+        assert!(!of(&p).init_done, "one of them twice");
+        set(&mut p, vec![exited("b", 0), exited("a", 0)]);
         assert!(of(&p).init_done);
         assert!(!of(&pod("b", "u2", None, "Running")).init_done, "no init");
+    }
+
+    /// A sidecar (an init container with `restartPolicy: Always`) keeps running: the regular
+    /// init containers are done without it, and a pod whose only init container is a sidecar
+    /// has nothing to release.
+    #[test]
+    fn init_done_does_not_wait_for_a_running_sidecar() {
+        let named = |name: &str, restart: Option<&str>| Container {
+            name: name.into(),
+            restart_policy: restart.map(str::to_string),
+            ..Container::default()
+        };
+        let running = |name: &str| ContainerStatus {
+            name: name.into(),
+            state: Some(ContainerState {
+                running: Some(Default::default()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let mut p = pod("a", "u1", Some("n1"), "Running");
+        let spec = p.spec.as_mut().unwrap();
+        spec.init_containers = Some(vec![named("proxy", Some("Always")), named("init", None)]);
+        let init_exited = ContainerStatus {
+            name: "init".into(),
+            ..terminated(0)
+        };
+        p.status.as_mut().unwrap().init_container_statuses =
+            Some(vec![running("proxy"), init_exited]);
+        assert!(of(&p).init_done);
+        // The regular one still running: not done.
+        p.status.as_mut().unwrap().init_container_statuses =
+            Some(vec![running("proxy"), running("init")]);
+        assert!(!of(&p).init_done);
+        // Only a sidecar: nothing to wait for, and nothing to release.
+        p.spec.as_mut().unwrap().init_containers = Some(vec![named("proxy", Some("Always"))]);
+        p.status.as_mut().unwrap().init_container_statuses = Some(vec![running("proxy")]);
+        assert!(!of(&p).init_done);
     }
 
     /// A look at every pod must let the pod watch write between its chunks: held for the whole
