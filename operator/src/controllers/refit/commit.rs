@@ -59,6 +59,29 @@ async fn bounded<T>(
         .map_err(|_| ReconcileError::LockedCallTimedOut(what))
 }
 
+/// How long [`settle_unclear_write`] waits between reads that failed.
+const SETTLE_RETRY: Duration = Duration::from_millis(500);
+
+/// After a spec write whose outcome is unknown, reads the reservation `key` until a read
+/// succeeds (each read puts what the store holds into the index), while this replica leads:
+/// the caller holds the node's lock, and a bind waiting for it must not decide on a view that
+/// may lack the move. Binds on the node wait meanwhile, each up to its deadline, writing
+/// nothing; a replica that stops leading stops here (it decides nothing more).
+async fn settle_unclear_write(ctx: &Context, key: &ReservationKey) {
+    while ctx.may_write() {
+        match bounded("re-read reservation", ctx.ledger.writer.reread(key)).await {
+            Ok(Ok(_)) => return,
+            Ok(Err(e)) => {
+                tracing::warn!(reservation = %key, error = %e, "reading back a refit's unanswered move; the node stays locked");
+            }
+            Err(e) => {
+                tracing::warn!(reservation = %key, error = %e, "reading back a refit's unanswered move; the node stays locked");
+            }
+        }
+        tokio::time::sleep(SETTLE_RETRY).await;
+    }
+}
+
 /// Whether request `name` is still unanswered on the API server: one linearizable read, for a
 /// request [`super::answers`] cannot vouch for (a reconcile of ours may have answered it
 /// without confirmation). It is made when the reconcile starts (after any earlier reconcile of
@@ -188,7 +211,13 @@ pub async fn commit(
                     None,
                 ));
             }
-            Err(e) => return Err(e.into()),
+            // Sent, and no answer that says whether it was applied (a connection reset after
+            // the request went out, a server error): the move may be in the store. Read the
+            // reservation back into the index before the lock is let go, as for an answer.
+            Err(e) => {
+                settle_unclear_write(ctx, &key).await;
+                return Err(e.into());
+            }
         }
     }
     let reason = format!("reservation {key} kept changing during the refit; not moved");
@@ -241,11 +270,27 @@ pub(crate) mod tests {
     /// [`super::super::plan::tests::node`], its pod, and a request (30 s left) allowing only
     /// GPU-0 (NUMA 0), which moves it.
     fn a_move(client: kube::Client) -> (Arc<Context>, RefitRequestSpec, Pod) {
-        use gpuledger_crds::{ContainerReservation, GpuReservationSpec, ReservedDevice};
-
         let (gpunodes, mut nodes) = reflector::store::<GpuNode>();
         nodes.apply_watcher_event(&watcher::Event::Apply(super::super::plan::tests::node()));
         let index = synced_index();
+        index.apply_event(watcher::Event::Apply(train_on_gpu_2()));
+        let ctx = Arc::new(Context::detached(client, index, gpunodes, true));
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "train", "namespace": "ml", "uid": "uid"},
+            "spec": {"nodeName": "n1", "containers": [{"name": "main", "resources": {"limits": {
+                "nvidia.com/gpu": "1", "nvidia.com/gpumem": "1000"}}}]}
+        }))
+        .unwrap();
+        let deadline = Timestamp::now() + SignedDuration::from_secs(30);
+        let mut request = spec(deadline);
+        request.allowed_devices = vec!["GPU-0".into()];
+        (ctx, request, pod)
+    }
+
+    /// Reservation `ml/train` (version 5): its container `main` on GPU-2.
+    fn train_on_gpu_2() -> GpuReservation {
+        use gpuledger_crds::{ContainerReservation, GpuReservationSpec, ReservedDevice};
+
         let mut r = GpuReservation::new(
             "train",
             GpuReservationSpec {
@@ -268,18 +313,7 @@ pub(crate) mod tests {
         );
         r.metadata.namespace = Some("ml".into());
         r.metadata.resource_version = Some("5".into());
-        index.apply_event(watcher::Event::Apply(r));
-        let ctx = Arc::new(Context::detached(client, index, gpunodes, true));
-        let pod: Pod = serde_json::from_value(serde_json::json!({
-            "metadata": {"name": "train", "namespace": "ml", "uid": "uid"},
-            "spec": {"nodeName": "n1", "containers": [{"name": "main", "resources": {"limits": {
-                "nvidia.com/gpu": "1", "nvidia.com/gpumem": "1000"}}}]}
-        }))
-        .unwrap();
-        let deadline = Timestamp::now() + SignedDuration::from_secs(30);
-        let mut request = spec(deadline);
-        request.allowed_devices = vec!["GPU-0".into()];
-        (ctx, request, pod)
+        r
     }
 
     /// A refit whose spec write gets no answer within the bound keeps the node's lock until it
@@ -314,6 +348,35 @@ pub(crate) mod tests {
             !free && !finished,
             "the node's lock was let go with the move unanswered (commit ended: {finished})"
         );
+    }
+
+    /// A move whose write failed without saying whether it was applied (here a 500; a reset
+    /// connection is the same to the caller) is read back into the index before the node's
+    /// lock is let go: the store may hold the move, and a bind deciding on the old view would
+    /// promise the GPU it moved to a second time. (The first read back fails too: tried again.)
+    #[tokio::test(start_paused = true)]
+    async fn a_move_of_unknown_outcome_is_read_back_before_the_node_is_let_go() {
+        use gpuledger_crds::scripted_api::{expect, scripted, status};
+        use http::Method;
+
+        const PATH: &str = "/apis/gpuledger.io/v1alpha1/namespaces/ml/gpureservations/train";
+        // What the store holds: the move was applied.
+        let mut applied = train_on_gpu_2();
+        applied.spec.containers[0].devices[0].uuid = "GPU-0".into();
+        applied.metadata.resource_version = Some("6".into());
+        let failed = || status(500, "InternalError", "etcd timeout");
+        let (client, api) = scripted(vec![
+            expect(Method::PATCH, PATH).reply(500, failed()),
+            expect(Method::GET, PATH).reply(500, failed()),
+            expect(Method::GET, PATH).reply(200, serde_json::to_value(&applied).unwrap()),
+        ]);
+        let (ctx, request, pod) = a_move(client);
+        let key = ReservationKey::new("ml", "train");
+        let got = commit(&ctx, "ml", &request, &pod).await;
+        api.finish().await;
+        assert!(got.is_err(), "{got:?}");
+        let held = &ctx.ledger.index.get(&key).unwrap().spec.containers[0].devices[0].uuid;
+        assert_eq!(held, "GPU-0", "the index kept the view without the move");
     }
 
     /// A refit that waited for the node's lock while its replica stepped down writes nothing:
