@@ -7,7 +7,10 @@
 //! to-allocate entry was consumed), and a reservation of another pod UID, node or a released one
 //! counts as no reservation at all. The deadline is checked by the controller, not here: a
 //! request whose container already sits on allowed GPUs is answered even when late, because
-//! answering it commits nothing.
+//! answering it commits nothing. Such a container is passed on even once allocated (where HAMi
+//! refuses "nothing pending"): that is how a move we committed shows when its answer was lost
+//! and the kubelet has allocated the container as moved since, and answering it
+//! "unchanged" is true, where a refusal would fail a refit that succeeded.
 
 use gpuledger_crds::names::reservation_name;
 use gpuledger_crds::{ContainerReservation, GpuReservation, RefitRequestSpec};
@@ -159,7 +162,17 @@ pub fn validate<'r>(
         .status
         .as_ref()
         .is_some_and(|s| s.allocation.iter().any(|a| a.index == spec.container_index));
-    if allocated {
+    let on_allowed = |c: &ContainerReservation| {
+        !c.devices.is_empty()
+            && c.devices
+                .iter()
+                .all(|d| spec.allowed_devices.contains(&d.uuid))
+    };
+    let settled = r
+        .spec
+        .container(spec.container_index)
+        .is_some_and(on_allowed);
+    if allocated && !settled {
         return Err(Refusal::loud(format!(
             "container {} of pod {pod_id} was already allocated; nothing pending to refit",
             spec.container_index
@@ -352,6 +365,12 @@ mod tests {
             });
         let f = refused(&request(), Some(&p), Some(&r));
         assert!(f.reason.contains("already allocated"), "{f:?}");
+        // Allocated where the kubelet allows it: a move of ours whose answer was lost, then
+        // allocated as moved. Passed on (the controller answers "unchanged"), not refused.
+        let mut moved = request();
+        moved.allowed_devices = vec!["GPU-a".into()];
+        let c = validate("ns", &moved, Some(&p), Some(&r)).unwrap();
+        assert_eq!(c.devices[0].uuid, "GPU-a");
         let mut s = request();
         s.container_index = 2;
         s.container_name = "side".into();
