@@ -258,7 +258,6 @@ mod tests {
                     .collect(),
                 cpu_ids: vec![],
                 memory: vec![],
-                sidecar: false,
             }],
         }
     }

@@ -32,6 +32,18 @@ pub enum SelectError {
         /// `allocation_size` of the request.
         requested: usize,
     },
+    /// The replicas the kubelet must include (reused from an init container) fill the answer
+    /// with other GPUs, leaving none of this reserved GPU.
+    #[error(
+        "the kubelet must include replicas [{}] of other GPUs, which leave no room for reserved GPU {uuid}",
+        must_include.join(",")
+    )]
+    CrowdedOut {
+        /// The reserved GPU left out.
+        uuid: String,
+        /// The kubelet's must-include IDs.
+        must_include: Vec<String>,
+    },
 }
 
 /// Checks that every ID is one of ours.
@@ -86,6 +98,33 @@ pub fn select_replicas(
     }
     chosen.truncate(allocation_size.max(must_include.len()));
     Ok(chosen)
+}
+
+/// [`select_replicas`] for GPUs a refit has committed the container to: every one of them must
+/// be in the answer, since the reservation already moved there. (Outside a refit a crowded-out
+/// GPU is let through: Allocate then records the container as Misaligned.)
+pub fn select_committed(
+    inventory: &Inventory,
+    reserved: &[&str],
+    available: &[String],
+    must_include: &[String],
+    allocation_size: usize,
+) -> Result<Vec<String>, SelectError> {
+    let chosen = select_replicas(
+        inventory,
+        reserved,
+        available,
+        must_include,
+        allocation_size,
+    )?;
+    let answered = physical_gpus(inventory, &chosen);
+    match reserved.iter().find(|g| !answered.iter().any(|a| a == *g)) {
+        Some(left_out) => Err(SelectError::CrowdedOut {
+            uuid: (*left_out).to_string(),
+            must_include: must_include.to_vec(),
+        }),
+        None => Ok(chosen),
+    }
 }
 
 /// The distinct physical GPUs of some replica IDs, in first-seen order (unknown IDs skipped).
@@ -153,6 +192,35 @@ mod tests {
         let must = ids(&["GPU-c-3"]);
         let got = select_replicas(&inv(), &["GPU-a"], &avail, &must, 1).unwrap();
         assert_eq!(got, ["GPU-c-3"]);
+    }
+
+    /// A refit moved a two-GPU container to GPU-b and GPU-c, but the kubelet must include a
+    /// replica of GPU-a (reused from an init container): the answer would hold GPU-a and GPU-b
+    /// only, so the kubelet would allocate other GPUs than the ledger's. Refused, naming both.
+    #[test]
+    fn a_committed_gpu_crowded_out_by_must_include_is_refused() {
+        let avail = ids(&["GPU-a-1", "GPU-b-0", "GPU-c-0"]);
+        let must = ids(&["GPU-a-1"]);
+        let reserved = ["GPU-b", "GPU-c"];
+        let plain = select_replicas(&inv(), &reserved, &avail, &must, 2).unwrap();
+        assert_eq!(
+            plain,
+            ["GPU-a-1", "GPU-b-0"],
+            "outside a refit: let through"
+        );
+        let err = select_committed(&inv(), &reserved, &avail, &must, 2).unwrap_err();
+        assert_eq!(
+            err,
+            SelectError::CrowdedOut {
+                uuid: "GPU-c".into(),
+                must_include: must.clone()
+            }
+        );
+        assert!(err.to_string().contains("GPU-a-1") && err.to_string().contains("GPU-c"));
+        // Must-include replicas of the committed GPUs themselves are fine.
+        let must = ids(&["GPU-b-0"]);
+        let got = select_committed(&inv(), &reserved, &avail, &must, 2).unwrap();
+        assert_eq!(got, ["GPU-b-0", "GPU-c-0"]);
     }
 
     #[test]

@@ -35,7 +35,7 @@ use tokio::sync::broadcast;
 use super::commits::{Awaited, NodeCommits};
 use super::outcome::{Answer, decide};
 use super::{NoRefit, RefitContext, RefitHook, RefitOutcome};
-use crate::preferred::select_replicas;
+use crate::preferred::select_committed;
 
 /// The refit hook used with `--refit=true`.
 #[derive(Clone)]
@@ -79,7 +79,7 @@ impl RefitHook for RefitClient {
                 };
             let outcome = decide(&pod, &ctx.container.name, ctx.alignment, &answer, |gpus| {
                 let reserved: Vec<&str> = gpus.iter().map(String::as_str).collect();
-                select_replicas(
+                select_committed(
                     &ctx.inventory,
                     &reserved,
                     &ctx.available_device_ids,
