@@ -275,6 +275,21 @@ async fn the_charts_scheduler_and_webhooks_place_default_and_refuse_gpu_pods_ove
         .unwrap_err()
         .to_string();
     assert!(err.contains("spec.nodeName"), "{err}");
+    // A GPU pod naming a scheduler that does not call the extender (a batch scheduler, say):
+    // it would bind the pod with no reservation. (The operator here lists no other scheduler.)
+    let mut elsewhere = GpuPod::new(NS, "elsewhere")
+        .gpu_container("main", 1, 1024, 10)
+        .build();
+    elsewhere.spec.as_mut().unwrap().scheduler_name = Some("volcano".into());
+    let err = pods
+        .create(&PostParams::default(), &elsewhere)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("\"volcano\"") && err.contains("--other-gpu-schedulers"),
+        "{err}"
+    );
     // A namespace user who would switch HAMi-core's limits off in a GPU container (HAMi's
     // opt-out), or override the memory limit the plugin sets: the container's value would win.
     for (var, value) in [

@@ -118,6 +118,8 @@ pub struct Defaults {
     pub alignment: Alignment,
     /// The scheduler the webhook sends GPU pods to (`--scheduler-name`).
     pub scheduler_name: String,
+    /// Other schedulers GPU pods may name (`--other-gpu-schedulers`).
+    pub other_gpu_schedulers: Vec<String>,
 }
 
 /// Patience of each step.
@@ -176,6 +178,7 @@ impl Context {
                 },
                 alignment: Alignment::None,
                 scheduler_name: "gpuledger-scheduler".to_string(),
+                other_gpu_schedulers: Vec::new(),
             },
             timing: Timing {
                 lease_wait: Duration::from_millis(50),

@@ -50,6 +50,7 @@ pub fn test_config(
         refit_ttl: Duration::from_secs(600),
         repair_after: Duration::from_secs(5),
         scheduler_name: "gpuledger-scheduler".into(),
+        other_gpu_schedulers: Vec::new(),
         self_signed_tls: None,
         tls_names: Vec::new(),
         webhook_configuration: String::new(),

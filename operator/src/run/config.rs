@@ -136,6 +136,11 @@ pub struct RunConfig {
         default_value = "gpuledger-scheduler"
     )]
     pub scheduler_name: String,
+    /// Other schedulers GPU pods may name, comma-separated: only ones that call gpuledger's
+    /// extender (another profile of a kube-scheduler that has it). A GPU pod naming any other is
+    /// refused by the webhook: that scheduler would bind it without a reservation.
+    #[arg(long, env = "GPULEDGER_OTHER_GPU_SCHEDULERS", value_delimiter = ',')]
+    pub other_gpu_schedulers: Vec<String>,
     /// How long a bound GPU pod may go without a reservation on its node before the operator
     /// books it (or reports that it cannot): well above how far the reservation watch lags.
     #[arg(long, env = "GPULEDGER_REPAIR_AFTER", default_value = "5s", value_parser = parse_duration)]

@@ -260,6 +260,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
             },
             alignment: config.default_alignment,
             scheduler_name: config.scheduler_name.clone(),
+            other_gpu_schedulers: config.other_gpu_schedulers.clone(),
         },
         timing: Timing {
             lease_wait: config.lease_wait,

@@ -18,7 +18,8 @@
 //!
 //! **Validation** refuses, with the key and value in the message, a pod whose GPU resources or
 //! annotations do not parse (the pod API's own errors), a GPU pod created with
-//! `spec.nodeName` already set (it would never meet the scheduler's extender), and a GPU
+//! `spec.nodeName` already set or naming a scheduler that does not call gpuledger's extender
+//! (either way it would be bound without a reservation), and a GPU
 //! container that sets in its `env` what the device plugin sets from the reservation
 //! (`NVIDIA_VISIBLE_DEVICES`, `CUDA_DEVICE_MEMORY_LIMIT*`, `CUDA_DEVICE_SM_LIMIT`, ...) or what
 //! switches HAMi-core off (`CUDA_DISABLE_CONTROL`, `GPU_CORE_UTILIZATION_POLICY`): the
@@ -162,8 +163,24 @@ fn own_isolation_env(pod: &Pod) -> Option<String> {
     ))
 }
 
-/// Why `pod` may not be created, or `None`.
-pub fn refusal(pod: &Pod, config: &PodApiConfig) -> Option<String> {
+/// The schedulers a GPU pod may name: gpuledger's (`--scheduler-name`) and the others that call
+/// its extender (`--other-gpu-schedulers`).
+pub struct Schedulers<'a> {
+    /// `--scheduler-name`.
+    pub ours: &'a str,
+    /// `--other-gpu-schedulers`.
+    pub others: &'a [String],
+}
+
+impl Schedulers<'_> {
+    fn allow(&self, name: &str) -> bool {
+        name == self.ours || self.others.iter().any(|o| o == name)
+    }
+}
+
+/// Why `pod` may not be created, or `None`. The validating webhook sees the pod after the
+/// mutation, so a pod that named the API server's default scheduler names ours by then.
+pub fn refusal(pod: &Pod, config: &PodApiConfig, schedulers: &Schedulers<'_>) -> Option<String> {
     if !names_gpu_resources(pod) {
         return None;
     }
@@ -183,6 +200,13 @@ pub fn refusal(pod: &Pod, config: &PodApiConfig) -> Option<String> {
             "a GPU pod may not be created with spec.nodeName (here {node:?}): it would run on GPUs the ledger does not book; let gpuledger's scheduler place it (a nodeSelector or node affinity still pins it to a node)"
         ));
     }
+    let named = pod.spec.as_ref().and_then(|s| s.scheduler_name.as_deref());
+    if let Some(name) = named.filter(|n| !schedulers.allow(n)) {
+        return Some(format!(
+            "a GPU pod may not name the scheduler {name:?}: it does not call gpuledger's extender, so it would bind the pod to GPUs the ledger does not book; leave schedulerName out (the webhook sets {:?}) or name one the operator lists in --other-gpu-schedulers",
+            schedulers.ours
+        ));
+    }
     None
 }
 
@@ -192,6 +216,14 @@ mod tests {
 
     fn pod(v: Value) -> Pod {
         serde_json::from_value(v).unwrap()
+    }
+
+    /// gpuledger's scheduler only, as installed.
+    fn ours() -> Schedulers<'static> {
+        Schedulers {
+            ours: "gpuledger-scheduler",
+            others: &[],
+        }
     }
 
     fn gpu_pod() -> Pod {
@@ -334,7 +366,7 @@ mod tests {
         let p = pod(json!({"metadata": {"name": "p"}, "spec": {"nodeName": "n1",
             "containers": [{"name": "web"}]}}));
         assert!(mutation(&p, "gpuledger-scheduler", &PodApiConfig::default()).is_empty());
-        assert_eq!(refusal(&p, &PodApiConfig::default()), None);
+        assert_eq!(refusal(&p, &PodApiConfig::default(), &ours()), None);
     }
 
     #[test]
@@ -360,7 +392,7 @@ mod tests {
             json!({"metadata": {"name": "p", "annotations": {"hami.io/numa-alignment": "sideways"}},
             "spec": {"containers": [{"name": "main", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}),
         );
-        let why = refusal(&p, &PodApiConfig::default()).unwrap();
+        let why = refusal(&p, &PodApiConfig::default(), &ours()).unwrap();
         assert!(
             why.contains("hami.io/numa-alignment") && why.contains("sideways"),
             "{why}"
@@ -395,11 +427,11 @@ mod tests {
                    {"name": "CUDA_TASK_PRIORITY", "value": "1"}]),
             "both variables on a container that had no environment"
         );
-        assert_eq!(refusal(&p, &PodApiConfig::default()), None);
+        assert_eq!(refusal(&p, &PodApiConfig::default(), &ours()), None);
         let bad = pod(json!({"metadata": {"name": "p"}, "spec": {"containers": [
             {"name": "main", "resources": {"limits": {"nvidia.com/gpu": "1", "nvidia.com/priority": "5"}}},
         ]}}));
-        let why = refusal(&bad, &PodApiConfig::default()).unwrap();
+        let why = refusal(&bad, &PodApiConfig::default(), &ours()).unwrap();
         assert!(
             why.contains("nvidia.com/priority") && why.contains("\"5\""),
             "{why}"
@@ -442,7 +474,7 @@ mod tests {
             let p = pod(json!({"metadata": {"name": "p"}, "spec": {"containers": [
                 {"name": "main", "resources": {"limits": {"nvidia.com/gpu": "1"}},
                  "env": [{"name": "A", "value": "b"}, {"name": name, "value": value}]}]}}));
-            let why = refusal(&p, &PodApiConfig::default()).unwrap_or_default();
+            let why = refusal(&p, &PodApiConfig::default(), &ours()).unwrap_or_default();
             assert!(
                 why.contains("\"main\"") && why.contains(name),
                 "{name}: {why:?}"
@@ -453,14 +485,50 @@ mod tests {
             "initContainers": [{"name": "warm", "resources": {"limits": {"nvidia.com/gpumem": "1024"}},
                 "env": [{"name": "CUDA_DISABLE_CONTROL", "value": "true"}]}],
             "containers": [{"name": "main", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}));
-        assert!(refusal(&p, &PodApiConfig::default()).is_some_and(|w| w.contains("warm")));
+        assert!(refusal(&p, &PodApiConfig::default(), &ours()).is_some_and(|w| w.contains("warm")));
         // A GPU-less container's is its own business (the mutation hides every GPU from it),
         // and so is a GPU container's unrelated variable.
         let p = pod(json!({"metadata": {"name": "p"}, "spec": {"containers": [
             {"name": "main", "resources": {"limits": {"nvidia.com/gpu": "1"}},
              "env": [{"name": "CUDA_VISIBLE_DEVICES", "value": "0"}]},
             {"name": "side", "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}]}]}}));
-        assert_eq!(refusal(&p, &PodApiConfig::default()), None);
+        assert_eq!(refusal(&p, &PodApiConfig::default(), &ours()), None);
+    }
+
+    /// A GPU pod naming a scheduler without gpuledger's extender (after the mutation, which
+    /// turns the API server's default into ours) would be bound with no reservation, and in a
+    /// node's admission window could take the GPUs of the pod the node's Lease is for.
+    #[test]
+    fn a_gpu_pod_naming_a_scheduler_without_the_extender_is_refused() {
+        let named = |scheduler: &str| {
+            pod(
+                json!({"metadata": {"name": "p"}, "spec": {"schedulerName": scheduler,
+                "containers": [{"name": "main", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}),
+            )
+        };
+        let cfg = PodApiConfig::default();
+        assert_eq!(refusal(&named("gpuledger-scheduler"), &cfg, &ours()), None);
+        for other in ["volcano", "default-scheduler"] {
+            let why = refusal(&named(other), &cfg, &ours()).unwrap_or_default();
+            assert!(
+                why.contains(&format!("{other:?}")) && why.contains("--other-gpu-schedulers"),
+                "{other}: {why}"
+            );
+        }
+        // Listed by the admin: another profile of a kube-scheduler with the extender.
+        let others = ["gpu-batch".to_string()];
+        let listed = Schedulers {
+            ours: "gpuledger-scheduler",
+            others: &others,
+        };
+        assert_eq!(refusal(&named("gpu-batch"), &cfg, &listed), None);
+        assert!(refusal(&named("volcano"), &cfg, &listed).is_some());
+        // A pod without GPUs may name any scheduler.
+        let plain = pod(
+            json!({"metadata": {"name": "p"}, "spec": {"schedulerName": "volcano",
+            "containers": [{"name": "web"}]}}),
+        );
+        assert_eq!(refusal(&plain, &cfg, &ours()), None);
     }
 
     #[test]
@@ -469,7 +537,7 @@ mod tests {
             json!({"metadata": {"name": "p"}, "spec": {"nodeName": "gpu-1",
             "containers": [{"name": "main", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}),
         );
-        let why = refusal(&p, &PodApiConfig::default()).unwrap();
+        let why = refusal(&p, &PodApiConfig::default(), &ours()).unwrap();
         assert!(
             why.contains("spec.nodeName") && why.contains("gpu-1"),
             "{why}"

@@ -107,7 +107,12 @@ async fn validate_handler(
         Ok(x) => x,
         Err(refused) => return Json(refused),
     };
-    match pod::refusal(&pod, &ctx.defaults.pod_api.get()) {
+    let d = &ctx.defaults;
+    let schedulers = pod::Schedulers {
+        ours: &d.scheduler_name,
+        others: &d.other_gpu_schedulers,
+    };
+    match pod::refusal(&pod, &d.pod_api.get(), &schedulers) {
         None => Json(answer(&uid, Ok(None))),
         Some(why) => {
             tracing::info!(pod = ?pod.metadata.name, %why, "webhook refused a GPU pod");
