@@ -206,6 +206,17 @@ async fn manifests_apply_with_server_side_dry_run_and_agree() {
         ]),
         ["--scheduler-name=default-scheduler"]
     );
+    let others = |values: &[&str]| {
+        container_args(&objects(&helm_template(values))["Deployment/gpuledger-operator"])
+            .into_iter()
+            .filter(|a| a.starts_with("--other-gpu-schedulers"))
+            .collect::<Vec<_>>()
+    };
+    assert!(others(&[]).is_empty());
+    assert_eq!(
+        others(&["--set", "scheduler.otherGpuSchedulers={gpu-batch,gpu-low}"]),
+        ["--other-gpu-schedulers=gpu-batch,gpu-low"]
+    );
     let unnamed = run(
         &helm(),
         &[
