@@ -11,8 +11,9 @@
 //! `--extender-client-ca` may sign certificates for others too). Without it, anything that could
 //! reach the port could `bind` any pod to any node, skipping every check kube-scheduler makes.
 
+use std::collections::HashMap;
 use std::io;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -41,6 +42,11 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How many handshakes may be under way at once; more connections wait in the kernel's backlog
 /// until one ends (at the latest after [`HANDSHAKE_TIMEOUT`]).
 const MAX_PENDING_HANDSHAKES: usize = 256;
+/// How many of those one peer address may hold; its next connection is closed at once. Without
+/// it one pod that opens connections and says nothing, 256 every ten seconds, kept the API
+/// server's webhook calls and kube-scheduler's extender calls waiting in the backlog; with it
+/// such a pod holds a quarter, and the rest stays for the other callers.
+const MAX_PENDING_PER_PEER: usize = MAX_PENDING_HANDSHAKES / 4;
 
 /// Why the TLS configuration could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -240,6 +246,8 @@ pub struct TlsListener {
     tcp: TcpListener,
     acceptor: TlsAcceptor,
     pending: JoinSet<Handshake>,
+    /// Handshakes under way per peer address (entries leave at 0).
+    per_peer: HashMap<IpAddr, usize>,
     failures: Family<ReasonLabels, Counter>,
 }
 
@@ -260,6 +268,8 @@ pub enum HandshakeFailure {
     Closed,
     /// Not finished within `HANDSHAKE_TIMEOUT`.
     TimedOut,
+    /// Closed unheard: its address already had `MAX_PENDING_PER_PEER` handshakes under way.
+    PeerOverLimit,
 }
 
 impl HandshakeFailure {
@@ -284,6 +294,7 @@ impl HandshakeFailure {
             Self::Protocol => "protocol",
             Self::Closed => "closed",
             Self::TimedOut => "timed_out",
+            Self::PeerOverLimit => "peer_over_limit",
         }
     }
 }
@@ -300,6 +311,7 @@ impl TlsListener {
             tcp,
             acceptor,
             pending: JoinSet::new(),
+            per_peer: HashMap::new(),
             failures,
         }
     }
@@ -313,6 +325,14 @@ impl TlsListener {
     }
 
     fn start_handshake(&mut self, tcp: TcpStream, addr: SocketAddr) {
+        let held = self.per_peer.entry(addr.ip()).or_default();
+        if *held >= MAX_PENDING_PER_PEER {
+            // Dropped: closed before a byte is read.
+            self.count(HandshakeFailure::PeerOverLimit);
+            tracing::debug!(peer = %addr, "too many handshakes under way from this address; connection closed");
+            return;
+        }
+        *held += 1;
         if let Err(e) = tcp.set_nodelay(true) {
             tracing::debug!(peer = %addr, error = %e, "could not disable Nagle");
         }
@@ -323,6 +343,17 @@ impl TlsListener {
                 addr,
             )
         });
+    }
+}
+
+impl TlsListener {
+    fn handshake_ended(&mut self, addr: SocketAddr) {
+        if let Some(held) = self.per_peer.get_mut(&addr.ip()) {
+            *held = held.saturating_sub(1);
+            if *held == 0 {
+                self.per_peer.remove(&addr.ip());
+            }
+        }
     }
 }
 
@@ -345,17 +376,27 @@ impl axum::serve::Listener for TlsListener {
                     }
                 },
                 Some(done) = self.pending.join_next() => match done {
-                    Ok((Ok(Ok(tls)), addr)) => return (tls, addr),
-                    Ok((Ok(Err(e)), addr)) => {
-                        let why = HandshakeFailure::of(&e);
-                        self.count(why);
-                        tracing::debug!(peer = %addr, error = %e, reason = why.as_str(), "TLS handshake failed");
+                    Ok((result, addr)) => {
+                        self.handshake_ended(addr);
+                        match result {
+                            Ok(Ok(tls)) => return (tls, addr),
+                            Ok(Err(e)) => {
+                                let why = HandshakeFailure::of(&e);
+                                self.count(why);
+                                tracing::debug!(peer = %addr, error = %e, reason = why.as_str(), "TLS handshake failed");
+                            }
+                            Err(_) => {
+                                self.count(HandshakeFailure::TimedOut);
+                                tracing::debug!(peer = %addr, "TLS handshake timed out");
+                            }
+                        }
                     }
-                    Ok((Err(_), addr)) => {
-                        self.count(HandshakeFailure::TimedOut);
-                        tracing::debug!(peer = %addr, "TLS handshake timed out");
+                    // A handshake task that panicked took its peer's address with it: start
+                    // the count again rather than hold a peer's share for ever.
+                    Err(e) => {
+                        tracing::warn!(error = %e, "TLS handshake task ended abnormally");
+                        self.per_peer.clear();
                     }
-                    Err(e) => tracing::warn!(error = %e, "TLS handshake task ended abnormally"),
                 },
             }
         }
@@ -654,6 +695,45 @@ mod tests {
         assert!(
             matches!(&still_open, Err(e) if e.kind() == io::ErrorKind::WouldBlock),
             "{still_open:?}"
+        );
+    }
+
+    /// One address that opens more connections than the listener handshakes at once, and says
+    /// nothing on any, keeps no other caller waiting: past its share its connections are
+    /// closed unheard (and counted), and the scheduler's call is answered while its first
+    /// silent connections still wait. (127.0.0.2 is the other pod here: all of 127/8 is this
+    /// host's loopback.)
+    #[tokio::test]
+    async fn one_address_holding_every_handshake_holds_no_one_up() {
+        let id = identity_for_localhost();
+        let live = Arc::new(crate::certs::LiveCert::new(&id).unwrap());
+        let (addr, metrics) = serve_guarded(acceptor_resolving(live).unwrap()).await;
+        let mut silent = Vec::new();
+        for _ in 0..=MAX_PENDING_HANDSHAKES {
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            socket.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+            silent.push(socket.connect(addr).await.unwrap());
+        }
+        let scheduler = Some((id.client_cert.as_str(), id.client_key.as_str()));
+        let ok = post(addr, &id.ca, scheduler, "/bind").await.unwrap();
+        assert!(ok.contains("200"), "{ok}");
+        let mut buf = [0u8; 1];
+        let first = silent[0].try_read(&mut buf);
+        assert!(
+            matches!(&first, Err(e) if e.kind() == io::ErrorKind::WouldBlock),
+            "answered only once the silent handshakes timed out: {first:?}"
+        );
+        let last = silent.last_mut().unwrap().read(&mut buf).await;
+        assert!(matches!(last, Ok(0) | Err(_)), "{last:?}");
+        let closed = metrics
+            .extender_handshake_failures
+            .get_or_create(&ReasonLabels {
+                reason: "peer_over_limit".into(),
+            })
+            .get();
+        assert_eq!(
+            closed,
+            (MAX_PENDING_HANDSHAKES + 1 - MAX_PENDING_PER_PEER) as u64
         );
     }
 
