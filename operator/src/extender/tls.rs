@@ -11,12 +11,12 @@
 //! `--extender-client-ca` may sign certificates for others too). Without it, anything that could
 //! reach the port could `bind` any pod to any node, skipping every check kube-scheduler makes.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::extract::connect_info::{ConnectInfo, Connected};
 use axum::extract::{Request, State};
@@ -42,11 +42,16 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How many handshakes may be under way at once; more connections wait in the kernel's backlog
 /// until one ends (at the latest after [`HANDSHAKE_TIMEOUT`]).
 const MAX_PENDING_HANDSHAKES: usize = 256;
-/// How many of those one peer address may hold; its next connection is closed at once. Without
-/// it one pod that opens connections and says nothing, 256 every ten seconds, kept the API
-/// server's webhook calls and kube-scheduler's extender calls waiting in the backlog; with it
-/// such a pod holds a quarter, and the rest stays for the other callers.
+/// How many of those one peer address may hold. Without a share, one pod that opens connections
+/// and says nothing, 256 every ten seconds, kept the API server's webhook calls and
+/// kube-scheduler's extender calls waiting in the backlog; with it such a pod holds a quarter,
+/// and the rest stays for the other callers. A peer's connections past its share are parked,
+/// unread, and handshaken in turn as its own handshakes end: a burst of the API server's
+/// webhook calls waits as before, it is not refused.
 const MAX_PENDING_PER_PEER: usize = MAX_PENDING_HANDSHAKES / 4;
+/// How many connections may be parked, all peers together; past it a peer over its share has
+/// its new connection closed unheard (file descriptors are finite).
+const MAX_PARKED: usize = MAX_PENDING_HANDSHAKES;
 
 /// Why the TLS configuration could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -246,8 +251,11 @@ pub struct TlsListener {
     tcp: TcpListener,
     acceptor: TlsAcceptor,
     pending: JoinSet<Handshake>,
-    /// Handshakes under way per peer address (entries leave at 0).
-    per_peer: HashMap<IpAddr, usize>,
+    /// Handshakes under way, and connections parked, per peer address (entries leave when
+    /// both are empty).
+    per_peer: HashMap<IpAddr, Peer>,
+    /// Connections parked, all peers together.
+    parked: usize,
     failures: Family<ReasonLabels, Counter>,
 }
 
@@ -268,7 +276,8 @@ pub enum HandshakeFailure {
     Closed,
     /// Not finished within `HANDSHAKE_TIMEOUT`.
     TimedOut,
-    /// Closed unheard: its address already had `MAX_PENDING_PER_PEER` handshakes under way.
+    /// Closed unheard: its address already had `MAX_PENDING_PER_PEER` handshakes under way and
+    /// `MAX_PARKED` connections waited already.
     PeerOverLimit,
 }
 
@@ -312,6 +321,7 @@ impl TlsListener {
             acceptor,
             pending: JoinSet::new(),
             per_peer: HashMap::new(),
+            parked: 0,
             failures,
         }
     }
@@ -324,37 +334,74 @@ impl TlsListener {
             .inc();
     }
 
-    fn start_handshake(&mut self, tcp: TcpStream, addr: SocketAddr) {
-        let held = self.per_peer.entry(addr.ip()).or_default();
-        if *held >= MAX_PENDING_PER_PEER {
+    /// A new connection: handshaken now if its peer has room, else parked (or, with every
+    /// parking place taken, closed).
+    fn arrived(&mut self, tcp: TcpStream, addr: SocketAddr) {
+        let peer = self.per_peer.entry(addr.ip()).or_default();
+        if peer.handshaking < MAX_PENDING_PER_PEER {
+            peer.handshaking += 1;
+            self.start_handshake(tcp, addr, HANDSHAKE_TIMEOUT);
+        } else if self.parked < MAX_PARKED {
+            peer.parked.push_back((tcp, addr, Instant::now()));
+            self.parked += 1;
+        } else {
             // Dropped: closed before a byte is read.
             self.count(HandshakeFailure::PeerOverLimit);
-            tracing::debug!(peer = %addr, "too many handshakes under way from this address; connection closed");
-            return;
+            tracing::debug!(peer = %addr, "too many connections waiting from this address; connection closed");
         }
-        *held += 1;
+    }
+
+    /// One of `addr`'s handshakes ended: its next parked connection, if any, takes the place,
+    /// with what is left of its own time (one whose time ran out parked is closed, counted).
+    fn handshake_ended(&mut self, addr: SocketAddr) {
+        let Some(peer) = self.per_peer.get_mut(&addr.ip()) else {
+            return;
+        };
+        peer.handshaking = peer.handshaking.saturating_sub(1);
+        let mut next = None;
+        let mut expired = 0;
+        while let Some((tcp, at, parked_at)) = peer.parked.pop_front() {
+            let left = HANDSHAKE_TIMEOUT.saturating_sub(parked_at.elapsed());
+            if left.is_zero() {
+                expired += 1;
+                continue;
+            }
+            peer.handshaking += 1;
+            next = Some((tcp, at, left));
+            break;
+        }
+        let taken = expired + usize::from(next.is_some());
+        if peer.handshaking == 0 && peer.parked.is_empty() {
+            self.per_peer.remove(&addr.ip());
+        }
+        self.parked = self.parked.saturating_sub(taken);
+        for _ in 0..expired {
+            self.count(HandshakeFailure::TimedOut);
+        }
+        if let Some((tcp, at, left)) = next {
+            self.start_handshake(tcp, at, left);
+        }
+    }
+
+    fn start_handshake(&mut self, tcp: TcpStream, addr: SocketAddr, timeout: Duration) {
         if let Err(e) = tcp.set_nodelay(true) {
             tracing::debug!(peer = %addr, error = %e, "could not disable Nagle");
         }
         let acceptor = self.acceptor.clone();
         self.pending.spawn(async move {
             (
-                tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await,
+                tokio::time::timeout(timeout, acceptor.accept(tcp)).await,
                 addr,
             )
         });
     }
 }
 
-impl TlsListener {
-    fn handshake_ended(&mut self, addr: SocketAddr) {
-        if let Some(held) = self.per_peer.get_mut(&addr.ip()) {
-            *held = held.saturating_sub(1);
-            if *held == 0 {
-                self.per_peer.remove(&addr.ip());
-            }
-        }
-    }
+/// One peer address's connections: handshakes under way, and those parked until one ends.
+#[derive(Default)]
+struct Peer {
+    handshaking: usize,
+    parked: VecDeque<(TcpStream, SocketAddr, Instant)>,
 }
 
 impl axum::serve::Listener for TlsListener {
@@ -368,7 +415,7 @@ impl axum::serve::Listener for TlsListener {
             let room = self.pending.len() < MAX_PENDING_HANDSHAKES;
             tokio::select! {
                 conn = self.tcp.accept(), if room => match conn {
-                    Ok((tcp, addr)) => self.start_handshake(tcp, addr),
+                    Ok((tcp, addr)) => self.arrived(tcp, addr),
                     Err(e) => {
                         // Out of file descriptors and the like: back off instead of spinning.
                         tracing::warn!(error = %e, "extender accept failed");
@@ -392,10 +439,12 @@ impl axum::serve::Listener for TlsListener {
                         }
                     }
                     // A handshake task that panicked took its peer's address with it: start
-                    // the count again rather than hold a peer's share for ever.
+                    // the counts again (closing what was parked) rather than hold a peer's
+                    // share for ever.
                     Err(e) => {
                         tracing::warn!(error = %e, "TLS handshake task ended abnormally");
                         self.per_peer.clear();
+                        self.parked = 0;
                     }
                 },
             }
@@ -700,16 +749,17 @@ mod tests {
 
     /// One address that opens more connections than the listener handshakes at once, and says
     /// nothing on any, keeps no other caller waiting: past its share its connections are
-    /// closed unheard (and counted), and the scheduler's call is answered while its first
-    /// silent connections still wait. (127.0.0.2 is the other pod here: all of 127/8 is this
-    /// host's loopback.)
+    /// parked, past the parking places closed unheard (and counted), and the scheduler's call
+    /// is answered while the first silent connections still wait. (127.0.0.2 is the other pod
+    /// here: all of 127/8 is this host's loopback.)
     #[tokio::test]
     async fn one_address_holding_every_handshake_holds_no_one_up() {
         let id = identity_for_localhost();
         let live = Arc::new(crate::certs::LiveCert::new(&id).unwrap());
         let (addr, metrics) = serve_guarded(acceptor_resolving(live).unwrap()).await;
         let mut silent = Vec::new();
-        for _ in 0..=MAX_PENDING_HANDSHAKES {
+        let opened = MAX_PENDING_PER_PEER + MAX_PARKED + 3;
+        for _ in 0..opened {
             let socket = tokio::net::TcpSocket::new_v4().unwrap();
             socket.bind("127.0.0.2:0".parse().unwrap()).unwrap();
             silent.push(socket.connect(addr).await.unwrap());
@@ -723,6 +773,12 @@ mod tests {
             matches!(&first, Err(e) if e.kind() == io::ErrorKind::WouldBlock),
             "answered only once the silent handshakes timed out: {first:?}"
         );
+        // Parked, still open; the last three found no place and were closed.
+        let parked = silent[MAX_PENDING_PER_PEER].try_read(&mut buf);
+        assert!(
+            matches!(&parked, Err(e) if e.kind() == io::ErrorKind::WouldBlock),
+            "{parked:?}"
+        );
         let last = silent.last_mut().unwrap().read(&mut buf).await;
         assert!(matches!(last, Ok(0) | Err(_)), "{last:?}");
         let closed = metrics
@@ -731,10 +787,7 @@ mod tests {
                 reason: "peer_over_limit".into(),
             })
             .get();
-        assert_eq!(
-            closed,
-            (MAX_PENDING_HANDSHAKES + 1 - MAX_PENDING_PER_PEER) as u64
-        );
+        assert_eq!(closed, 3);
     }
 
     #[tokio::test]
