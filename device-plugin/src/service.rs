@@ -397,6 +397,21 @@ impl DevicePluginService {
                 };
                 return Err(Status::failed_precondition(context(&e)).into());
             }
+            // A GPU the reservation names but this node does not list (taken out of the
+            // inventory since, or a reservation for another machine under this node's name):
+            // handed out, the container would fail to start on a device the runtime lacks,
+            // again at every restart. Refused, the pod fails admission and is placed anew.
+            if let Some(gone) = container
+                .devices
+                .iter()
+                .find(|d| inventory.gpu(&d.uuid).is_none())
+            {
+                let e = format!(
+                    "reserved GPU {} is not among this node's GPUs; the pod must be placed again",
+                    gone.uuid
+                );
+                return Err(Status::failed_precondition(context(&e)).into());
+            }
             if let Some(dir) = hami_dir {
                 let cache = container_cache_dir(dir, &pending.uid, container.index);
                 std::fs::create_dir_all(&cache).map_err(|e| {

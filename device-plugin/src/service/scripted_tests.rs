@@ -119,6 +119,27 @@ async fn allocate_of_an_earlier_container_keeps_the_lease() {
     assert!(got.is_ok(), "{got:?}");
 }
 
+/// A reservation naming a GPU this node does not list (taken out of the inventory after the
+/// bind) is refused before anything is recorded, naming the GPU: handed out, the container would
+/// fail to start on a device the runtime does not have, at every restart.
+#[tokio::test]
+async fn a_reserved_gpu_this_node_does_not_list_is_refused_before_the_record() {
+    let mut r = reservation("pod-uid", NODE, &[0]);
+    r.spec.containers[1].devices[0].uuid = "GPU-9".into();
+    let (client, api) = scripted(vec![
+        expect(Method::GET, LEASE).reply(200, lease(Some(HOLDER), "41")),
+        expect(Method::GET, RESERVATION).reply(200, json_of(&r)),
+    ]);
+    let got = service(client).allocate(allocate_one(&["GPU-1-0"])).await;
+    api.finish().await;
+    let s = got.unwrap_err();
+    assert_eq!(s.code(), Code::FailedPrecondition);
+    assert!(
+        s.message().contains("GPU-9") && s.message().contains("not among this node's GPUs"),
+        "{s:?}"
+    );
+}
+
 /// An allocation that could not be recorded is not admitted, and the Lease is kept so the
 /// kubelet's retry finds the pod again.
 #[tokio::test]
