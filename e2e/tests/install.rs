@@ -241,6 +241,26 @@ async fn the_charts_scheduler_and_webhooks_place_default_and_refuse_gpu_pods_ove
         .await
         .unwrap();
 
+    // `nvidia.com/gpu: 0` (a chart's CPU mode, say) names a GPU resource but gets no GPU: the
+    // kubelet never calls the plugin for it, so the webhook shows it none, and admits it
+    // (that `none` is its own, not the container overriding the plugin).
+    let zero = serde_json::from_value::<Pod>(serde_json::json!({
+        "metadata": {"name": "zero-count", "namespace": NS},
+        "spec": {"restartPolicy": "Never", "containers": [{"name": "main", "image": "registry.k8s.io/pause:3.10",
+            "resources": {"limits": {"nvidia.com/gpu": "0"}}}]}
+    }))
+    .unwrap();
+    let created = pods.create(&PostParams::default(), &zero).await.unwrap();
+    let env = created.spec.unwrap().containers[0]
+        .env
+        .clone()
+        .unwrap_or_default();
+    assert!(
+        env.iter()
+            .any(|e| e.name == "NVIDIA_VISIBLE_DEVICES" && e.value.as_deref() == Some("none")),
+        "{env:?}"
+    );
+
     // A pod without GPUs is untouched (the webhook is never even called for it).
     let created = pods
         .create(&PostParams::default(), &plain_pod("web-2"))

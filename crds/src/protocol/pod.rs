@@ -86,17 +86,40 @@ pub fn plugin_owned_env(name: &str) -> bool {
     PLUGIN_OWNED_ENV.contains(&name) || name.starts_with(MEMORY_LIMIT_ENV)
 }
 
-/// The first GPU container of `pod` (init containers first) that sets a variable of the device
-/// plugin's in its `env`, and that variable: the admission webhook refuses such a pod, and the
-/// audit reports one that got in some other way.
-pub fn isolation_overridden(pod: &Pod) -> Option<(&str, &str)> {
+/// Whether each container of `pod` (init containers first) gets GPUs from the device plugin:
+/// its request, read with `config`, comes to at least one GPU. A container naming
+/// `nvidia.com/gpu: 0` gets none (the kubelet never calls the plugin for it), and the webhook
+/// gives it `NVIDIA_VISIBLE_DEVICES=none` as it does a container naming no GPU resource. For a
+/// pod whose request does not parse (which the webhook refuses), whether each names one.
+pub fn containers_getting_gpus(pod: &Pod, config: &PodApiConfig) -> Vec<bool> {
+    let Some(spec) = pod.spec.as_ref() else {
+        return Vec::new();
+    };
+    match parse_pod(pod, config) {
+        Ok(req) => req.containers.iter().map(|c| c.gpu.is_some()).collect(),
+        Err(_) => spec
+            .init_containers
+            .iter()
+            .flatten()
+            .chain(&spec.containers)
+            .map(container_names_gpu_resources)
+            .collect(),
+    }
+}
+
+/// The first container of `pod` (init containers first) that gets GPUs and sets a variable of
+/// the device plugin's in its `env`, and that variable: the admission webhook refuses such a
+/// pod, and the audit reports one that got in some other way. (A container that gets no GPU may
+/// carry `NVIDIA_VISIBLE_DEVICES=none`: the webhook put it there.)
+pub fn isolation_overridden<'p>(pod: &'p Pod, config: &PodApiConfig) -> Option<(&'p str, &'p str)> {
     let spec = pod.spec.as_ref()?;
     spec.init_containers
         .iter()
         .flatten()
         .chain(&spec.containers)
-        .filter(|c| container_names_gpu_resources(c))
-        .find_map(|c| {
+        .zip(containers_getting_gpus(pod, config))
+        .filter(|(_, gets)| *gets)
+        .find_map(|(c, _)| {
             let var = c.env.iter().flatten().find(|e| plugin_owned_env(&e.name))?;
             Some((c.name.as_str(), var.name.as_str()))
         })
@@ -118,8 +141,17 @@ mod tests {
              "env": [{"name": "CUDA_VISIBLE_DEVICES", "value": "0"},
                      {"name": "CUDA_DEVICE_MEMORY_LIMIT_0", "value": "80g"}]}]}}));
         assert_eq!(
-            isolation_overridden(&p),
+            isolation_overridden(&p, &PodApiConfig::default()),
             Some(("main", "CUDA_DEVICE_MEMORY_LIMIT_0"))
+        );
+        // A container whose request comes to no GPU carries the webhook's own `none`.
+        let zero = pod(serde_json::json!({"spec": {"containers": [
+            {"name": "zero", "resources": {"limits": {"nvidia.com/gpu": "0"}},
+             "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}]}]}}));
+        assert_eq!(isolation_overridden(&zero, &PodApiConfig::default()), None);
+        assert_eq!(
+            containers_getting_gpus(&zero, &PodApiConfig::default()),
+            [false]
         );
         for name in PLUGIN_OWNED_ENV {
             assert!(plugin_owned_env(name), "{name}");

@@ -507,7 +507,7 @@ fn check_pods(snap: &Snapshot, out: &mut Vec<Finding>) {
         }
         let uid = p.metadata.uid.as_deref().unwrap_or("");
         let pod = key(p.metadata.namespace.as_ref(), p.metadata.name.as_ref());
-        if let Some((container, variable)) = isolation_overridden(p) {
+        if let Some((container, variable)) = isolation_overridden(p, &pod_api) {
             out.push(Finding::IsolationOverridden {
                 pod: pod.clone(),
                 container: container.to_string(),

@@ -28,7 +28,8 @@
 
 use gpuledger_crds::podapi::{self, PodApiConfig};
 use gpuledger_crds::protocol::pod::{
-    container_names_gpu_resources, isolation_overridden, names_gpu_resources,
+    container_names_gpu_resources, containers_getting_gpus, isolation_overridden,
+    names_gpu_resources,
 };
 use gpuledger_crds::resources::GPU;
 use k8s_openapi::api::core::v1::{Container, Pod};
@@ -60,17 +61,7 @@ pub fn mutation(pod: &Pod, scheduler_name: &str, config: &PodApiConfig) -> Vec<V
     }
     let mut ops = Vec::new();
     let init = spec.init_containers.as_deref().unwrap_or_default();
-    // Which containers will get GPUs from the plugin, init then app containers as the pod API
-    // reads them; for a pod the validation refuses, whether they name a GPU resource.
-    let gets_gpus: Vec<bool> = match podapi::parse_pod(pod, config) {
-        Ok(req) => req.containers.iter().map(|c| c.gpu.is_some()).collect(),
-        Err(_) => init
-            .iter()
-            .chain(&spec.containers)
-            .map(container_names_gpu_resources)
-            .collect(),
-    };
-    let mut gets_gpus = gets_gpus.into_iter();
+    let mut gets_gpus = containers_getting_gpus(pod, config).into_iter();
     match spec.scheduler_name.as_deref() {
         None => {
             ops.push(json!({"op": "add", "path": "/spec/schedulerName", "value": scheduler_name}))
@@ -156,8 +147,8 @@ fn set_env(c: &Container, base: &str, vars: &[(&str, String)]) -> Vec<Value> {
 }
 
 /// The first GPU container that sets a variable of the device plugin's itself, as a refusal.
-fn own_isolation_env(pod: &Pod) -> Option<String> {
-    let (container, var) = isolation_overridden(pod)?;
+fn own_isolation_env(pod: &Pod, config: &PodApiConfig) -> Option<String> {
+    let (container, var) = isolation_overridden(pod, config)?;
     Some(format!(
         "container {container:?} sets {var} itself: in a GPU container the device plugin sets it from the pod's GPU reservation, and a value of the container's own would override it (other GPUs, higher limits, or HAMi-core switched off); remove it"
     ))
@@ -191,7 +182,7 @@ pub fn refusal(pod: &Pod, config: &PodApiConfig, schedulers: &Schedulers<'_>) ->
     if let Some(e) = podapi::unallocatable_request(pod, &req) {
         return Some(e.to_string());
     }
-    if let Some(why) = own_isolation_env(pod) {
+    if let Some(why) = own_isolation_env(pod, config) {
         return Some(why);
     }
     let node = pod.spec.as_ref().and_then(|s| s.node_name.as_deref());
@@ -338,6 +329,13 @@ mod tests {
             out["spec"]["containers"][1]["env"],
             json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}])
         );
+        // What the mutation made is admitted: the `none` is the webhook's own.
+        let mutated: Pod = serde_json::from_value(out.clone()).unwrap();
+        assert_eq!(
+            refusal(&mutated, &PodApiConfig::default(), &ours()),
+            None,
+            "{out}"
+        );
         // Memory alone with no default count comes to no GPU either.
         let config = PodApiConfig {
             default_gpu_num: 0,
@@ -350,6 +348,8 @@ mod tests {
             out["spec"]["containers"][0]["env"],
             json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}])
         );
+        let mutated: Pod = serde_json::from_value(out).unwrap();
+        assert_eq!(refusal(&mutated, &config, &ours()), None);
     }
 
     #[test]
