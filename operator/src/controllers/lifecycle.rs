@@ -282,7 +282,15 @@ fn phase_step(
                 return Step::Misaligned { message: found };
             }
             let has_init = r.spec.containers.iter().any(|c| c.init);
-            if has_init && !r.spec.init_released && pod.init_done {
+            // A reservation made before sidecars were booked with the app containers holds a
+            // sidecar as an init container: releasing the init containers' usage would release
+            // a sidecar that still runs. Such a pod keeps its whole booking.
+            let sidecar_as_init = r
+                .spec
+                .containers
+                .iter()
+                .any(|c| c.init && pod.runs_beside(c.index));
+            if has_init && !sidecar_as_init && !r.spec.init_released && pod.init_done {
                 return Step::ShrinkInit;
             }
             Step::Idle
@@ -771,5 +779,40 @@ pub(crate) mod tests {
         assert_eq!(step(&r, Some(&p), t(1), TIMEOUT), Step::ShrinkInit);
         r.spec.init_released = true;
         assert_eq!(step(&r, Some(&p), t(1), TIMEOUT), Step::Idle);
+    }
+
+    /// A reservation made before sidecars were booked with the app containers records a
+    /// sidecar (here at position 1) as an init container. Once the regular init container is
+    /// done, releasing the init containers' usage would release the running sidecar's too:
+    /// such a pod keeps its whole booking. A reservation that records it as it runs is shrunk.
+    #[test]
+    fn a_sidecar_booked_as_an_init_container_is_never_released() {
+        let mut r = reservation(Some(ReservationPhase::Allocated), 0);
+        r.spec.containers.insert(
+            1,
+            ContainerReservation {
+                index: 1,
+                name: "proxy".into(),
+                init: true,
+                devices: vec![dev("GPU-a")],
+            },
+        );
+        for (i, c) in r.spec.containers.iter_mut().enumerate() {
+            c.index = i as u32;
+        }
+        for i in 0..3 {
+            allocate(&mut r, i, &["GPU-a"]);
+        }
+        let mut p = pod("uid-1", Some("n1"), "Running");
+        let spec = p.spec.as_mut().unwrap();
+        spec.init_containers.as_mut().unwrap().push(Container {
+            name: "proxy".into(),
+            restart_policy: Some("Always".into()),
+            ..Default::default()
+        });
+        p.status.as_mut().unwrap().init_container_statuses = Some(vec![terminated(0)]);
+        assert_eq!(step(&r, Some(&p), t(1), TIMEOUT), Step::Idle);
+        r.spec.containers[1].init = false;
+        assert_eq!(step(&r, Some(&p), t(1), TIMEOUT), Step::ShrinkInit);
     }
 }

@@ -39,8 +39,13 @@ pub struct PodFacts {
     pub finished: bool,
     /// Being deleted, not finished yet: its containers may still hold their GPUs.
     pub terminating: bool,
-    /// It has init containers and every one terminated with exit code 0.
+    /// It has init containers that run to their end, and every one terminated with exit code 0
+    /// (sidecars are not waited for).
     pub init_done: bool,
+    /// Its sidecars (init containers with `restartPolicy: Always`), one bit per pod position;
+    /// a sidecar at position 63 or beyond sets bit 63. A reservation made before sidecars were
+    /// booked with the app containers records them as init containers ([`Self::runs_beside`]).
+    pub sidecars: u64,
     /// The kubelet has created one of its containers (a status running or terminated). It does
     /// so only after admitting the pod, and admission calls Allocate for every GPU container
     /// first: from here on the pod's GPUs are in use whether or not an allocation was recorded.
@@ -59,6 +64,12 @@ impl PodFacts {
         self.wants_gpus && self.node_name.is_some() && !self.finished
     }
 
+    /// Whether the container at pod position `index` may be a sidecar, running beside the app
+    /// containers (positions from 63 on share one bit: any sidecar there answers yes for all).
+    pub fn runs_beside(&self, index: u32) -> bool {
+        self.sidecars & (1u64 << index.min(63)) != 0
+    }
+
     /// The facts of `pod`, read with the operator's pod-API defaults.
     pub fn of(pod: &Pod, config: &PodApiConfig) -> Self {
         Self {
@@ -71,6 +82,7 @@ impl PodFacts {
             finished: pod_finished(pod),
             terminating: pod_terminating(pod),
             init_done: init_containers_done(pod),
+            sidecars: sidecars(pod),
             containers_started: containers_started(pod),
             wants_gpus: pod_wants_gpus(pod, config),
             scheduled_at: scheduled_at(pod),
@@ -105,6 +117,16 @@ fn containers_started(pod: &Pod) -> bool {
         .flatten()
         .flatten()
         .any(|c| created(c.state.as_ref()) || created(c.last_state.as_ref()))
+}
+
+/// The positions of `pod`'s sidecars as [`PodFacts::sidecars`] keeps them.
+fn sidecars(pod: &Pod) -> u64 {
+    pod.spec
+        .iter()
+        .flat_map(|s| s.init_containers.iter().flatten())
+        .enumerate()
+        .filter(|(_, c)| c.restart_policy.as_deref() == Some("Always"))
+        .fold(0, |bits, (i, _)| bits | 1u64 << i.min(63))
 }
 
 /// Whether every init container of `pod` that runs to its end has terminated with exit code
