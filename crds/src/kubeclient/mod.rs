@@ -18,9 +18,11 @@
 //! event, a bind holding its node's lock across its reservation's create. The kernel's probes
 //! ([`KEEPALIVE_IDLE`], [`KEEPALIVE_INTERVAL`], [`KEEPALIVE_PROBES`]) turn that into a
 //! connection error within about a minute, which every caller already handles (a watch starts
-//! again, a bind fails and undoes what it wrote). A live but slow API server is bounded by its
-//! own request timeout instead (`--request-timeout`, a minute by default): its kernel answers
-//! the probes.
+//! again, a bind fails and undoes what it wrote). Probes run only while nothing we sent waits
+//! for its acknowledgement; a request written to a peer already gone is bounded the same by
+//! `TCP_USER_TIMEOUT` ([`UNACKNOWLEDGED_LIMIT`]; without it the kernel retransmits for about
+//! 15 minutes). A live but slow API server is bounded by its own request timeout instead
+//! (`--request-timeout`, a minute by default): its kernel acknowledges and answers the probes.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -47,6 +49,10 @@ pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
 /// How many unanswered probes end the connection: a vanished peer is noticed
 /// `KEEPALIVE_IDLE + KEEPALIVE_PROBES × KEEPALIVE_INTERVAL` (a minute) after its last word.
 pub const KEEPALIVE_PROBES: u32 = 3;
+/// How long data we sent may go unacknowledged before the connection is given up (Linux's
+/// `TCP_USER_TIMEOUT`): the same minute, for a peer that vanished while a request was on its
+/// way.
+pub const UNACKNOWLEDGED_LIMIT: Duration = Duration::from_secs(60);
 
 /// Why no client could be built.
 #[derive(Debug, thiserror::Error)]
@@ -122,17 +128,24 @@ pub fn client_for(config: kube::Config) -> Result<kube::Client, ClientError> {
     build(config, None)
 }
 
-fn build(
-    config: kube::Config,
-    writes: Option<TrackWritesLayer>,
-) -> Result<kube::Client, ClientError> {
+/// The TCP connector under TLS: `TCP_NODELAY`, keepalive and (on Linux) `TCP_USER_TIMEOUT`.
+fn tcp_connector() -> HttpConnector {
     let mut http = HttpConnector::new();
     http.enforce_http(false);
     http.set_nodelay(true);
     http.set_keepalive(Some(KEEPALIVE_IDLE));
     http.set_keepalive_interval(Some(KEEPALIVE_INTERVAL));
     http.set_keepalive_retries(Some(KEEPALIVE_PROBES));
-    let https = config.rustls_https_connector_with_connector(http)?;
+    #[cfg(target_os = "linux")]
+    http.set_tcp_user_timeout(Some(UNACKNOWLEDGED_LIMIT));
+    http
+}
+
+fn build(
+    config: kube::Config,
+    writes: Option<TrackWritesLayer>,
+) -> Result<kube::Client, ClientError> {
+    let https = config.rustls_https_connector_with_connector(tcp_connector())?;
     let mut timed = TimeoutConnector::new(https);
     timed.set_connect_timeout(config.connect_timeout);
     timed.set_read_timeout(config.read_timeout);
@@ -186,6 +199,29 @@ mod tests {
             let ours = f[1] == want.0 && f[2] == want.1 && f[3] == "01";
             (ours && timer == "02").then(|| u64::from_str_radix(when, 16).unwrap())
         })
+    }
+
+    /// Every connection asks the kernel to give a silent peer up within a minute: probes when
+    /// idle, and a limit on data left unacknowledged (a request sent to a peer already gone).
+    #[tokio::test]
+    async fn connections_give_a_vanished_peer_up_within_a_minute() {
+        use tower::ServiceExt;
+
+        let server = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let uri: http::Uri = format!("http://{}", server.local_addr().unwrap())
+            .parse()
+            .unwrap();
+        let io = tcp_connector().oneshot(uri).await.unwrap();
+        let stream = io.inner();
+        use rustix::net::sockopt;
+        assert!(sockopt::socket_keepalive(stream).unwrap());
+        assert_eq!(sockopt::tcp_keepidle(stream).unwrap(), KEEPALIVE_IDLE);
+        assert_eq!(sockopt::tcp_keepintvl(stream).unwrap(), KEEPALIVE_INTERVAL);
+        assert_eq!(sockopt::tcp_keepcnt(stream).unwrap(), KEEPALIVE_PROBES);
+        assert_eq!(
+            u128::from(sockopt::tcp_user_timeout(stream).unwrap()),
+            UNACKNOWLEDGED_LIMIT.as_millis()
+        );
     }
 
     /// A request the API server never answers keeps its connection idle; the kernel probes it
