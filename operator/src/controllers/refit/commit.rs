@@ -10,8 +10,11 @@
 
 use std::time::Duration;
 
+use gpuledger_crds::kubeclient::failure::ApiFailure;
 use gpuledger_crds::podapi::parse_pod;
-use gpuledger_crds::{GpuReservation, RefitPhase, RefitRequest, RefitRequestSpec};
+use gpuledger_crds::{
+    GpuReservation, GpuReservationSpec, RefitPhase, RefitRequest, RefitRequestSpec,
+};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::Api;
@@ -59,27 +62,43 @@ async fn bounded<T>(
         .map_err(|_| ReconcileError::LockedCallTimedOut(what))
 }
 
-/// How long [`settle_unclear_write`] waits between reads that failed.
-const SETTLE_RETRY: Duration = Duration::from_millis(500);
+/// How long [`resend_until_settled`] waits between tries.
+const RESEND_RETRY: Duration = Duration::from_millis(500);
 
-/// After a spec write whose outcome is unknown, reads the reservation `key` until a read
-/// succeeds (each read puts what the store holds into the index), while this replica leads:
-/// the caller holds the node's lock, and a bind waiting for it must not decide on a view that
-/// may lack the move. Binds on the node wait meanwhile, each up to its deadline, writing
-/// nothing; a replica that stops leading stops here (it decides nothing more).
-async fn settle_unclear_write(ctx: &Context, key: &ReservationKey) {
+/// Whether a failed spec write may still have been applied: the API server did not serve it
+/// (a connection broken after the request went out, a 5xx such as an etcd timeout, whose
+/// proposal may commit after the answer). A refusal (403, 422, a conflict) applied nothing.
+fn outcome_unknown(e: &WriteError) -> bool {
+    matches!(e, WriteError::Api { source, .. } if ApiFailure::of_request(source) == ApiFailure::NotServed)
+}
+
+/// After a spec write whose outcome is unknown, sends the same write again, with the same
+/// `resourceVersion` precondition, until an answer settles it, while this replica leads: at
+/// most one of the tries can apply (each needs the version both read), so a success means the
+/// move is in, and a conflict that some write (ours, perhaps late) changed the reservation
+/// (the caller reads it back). A read alone would not settle it: the first try may still
+/// commit after the read. The caller holds the node's lock meanwhile, so no bind on the node
+/// decides on a view that may lack the move (each waits up to its deadline, writing nothing).
+/// A replica that stops leading stops trying and decides nothing more (`last` is returned).
+async fn resend_until_settled(
+    ctx: &Context,
+    current: &GpuReservation,
+    desired: &GpuReservationSpec,
+    mut last: WriteError,
+) -> Result<GpuReservation, WriteError> {
     while ctx.may_write() {
-        match bounded("re-read reservation", ctx.ledger.writer.reread(key)).await {
-            Ok(Ok(_)) => return,
-            Ok(Err(e)) => {
-                tracing::warn!(reservation = %key, error = %e, "reading back a refit's unanswered move; the node stays locked");
-            }
-            Err(e) => {
-                tracing::warn!(reservation = %key, error = %e, "reading back a refit's unanswered move; the node stays locked");
-            }
+        tracing::warn!(reservation = %ReservationKey::of(current), error = %last,
+            "a refit's move may or may not have been applied; sending it again, the node stays locked");
+        tokio::time::sleep(RESEND_RETRY).await;
+        let again = ctx.ledger.writer.write_spec(current, desired);
+        match tokio::time::timeout(LOCKED_CALL_BOUND, again).await {
+            Ok(Err(e)) if outcome_unknown(&e) => last = e,
+            Ok(settled) => return settled,
+            // Unanswered: as unknown as before; the next try settles this one too.
+            Err(_) => {}
         }
-        tokio::time::sleep(SETTLE_RETRY).await;
     }
+    Err(last)
 }
 
 /// Whether request `name` is still unanswered on the API server: one linearizable read, for a
@@ -190,6 +209,12 @@ pub async fn commit(
                 write.await
             }
         };
+        let written = match written {
+            Err(e) if outcome_unknown(&e) => {
+                resend_until_settled(ctx, &current, &new_spec, e).await
+            }
+            other => other,
+        };
         match written {
             Ok(written) => {
                 let answer = Answer::moved(to.clone());
@@ -211,13 +236,7 @@ pub async fn commit(
                     None,
                 ));
             }
-            // Sent, and no answer that says whether it was applied (a connection reset after
-            // the request went out, a server error): the move may be in the store. Read the
-            // reservation back into the index before the lock is let go, as for an answer.
-            Err(e) => {
-                settle_unclear_write(ctx, &key).await;
-                return Err(e.into());
-            }
+            Err(e) => return Err(e.into()),
         }
     }
     let reason = format!("reservation {key} kept changing during the refit; not moved");
@@ -350,33 +369,60 @@ pub(crate) mod tests {
         );
     }
 
-    /// A move whose write failed without saying whether it was applied (here a 500; a reset
-    /// connection is the same to the caller) is read back into the index before the node's
-    /// lock is let go: the store may hold the move, and a bind deciding on the old view would
-    /// promise the GPU it moved to a second time. (The first read back fails too: tried again.)
+    /// A move whose write failed without saying whether it was applied (a 5xx here; a reset
+    /// connection is the same to the caller) is sent again, on the same version, until an answer
+    /// settles it, before the node's lock is let go: the first try may still commit (after a
+    /// read back, too), and a bind deciding on the old view would promise the GPU the move took
+    /// a second time. Settled by a success (the move is in), or by a conflict (a write landed,
+    /// here the first try: read back, the container is found on the allowed GPU, "unchanged").
     #[tokio::test(start_paused = true)]
-    async fn a_move_of_unknown_outcome_is_read_back_before_the_node_is_let_go() {
+    async fn a_move_of_unknown_outcome_is_sent_again_until_an_answer_settles_it() {
         use gpuledger_crds::scripted_api::{expect, scripted, status};
         use http::Method;
 
         const PATH: &str = "/apis/gpuledger.io/v1alpha1/namespaces/ml/gpureservations/train";
-        // What the store holds: the move was applied.
         let mut applied = train_on_gpu_2();
         applied.spec.containers[0].devices[0].uuid = "GPU-0".into();
         applied.metadata.resource_version = Some("6".into());
+        let applied = serde_json::to_value(&applied).unwrap();
         let failed = || status(500, "InternalError", "etcd timeout");
+        let on_version_5 = || {
+            expect(Method::PATCH, PATH)
+                .body_field("/metadata/resourceVersion", serde_json::json!("5"))
+                .body_field(
+                    "/spec/containers/0/devices/0/uuid",
+                    serde_json::json!("GPU-0"),
+                )
+        };
+
+        // The second try is applied.
         let (client, api) = scripted(vec![
-            expect(Method::PATCH, PATH).reply(500, failed()),
-            expect(Method::GET, PATH).reply(500, failed()),
-            expect(Method::GET, PATH).reply(200, serde_json::to_value(&applied).unwrap()),
+            on_version_5().reply(500, failed()),
+            on_version_5().reply(500, failed()),
+            on_version_5().reply(200, applied.clone()),
         ]);
         let (ctx, request, pod) = a_move(client);
-        let key = ReservationKey::new("ml", "train");
-        let got = commit(&ctx, "ml", &request, &pod).await;
+        let (answer, moved) = commit(&ctx, "ml", &request, &pod).await.unwrap();
         api.finish().await;
-        assert!(got.is_err(), "{got:?}");
-        let held = &ctx.ledger.index.get(&key).unwrap().spec.containers[0].devices[0].uuid;
-        assert_eq!(held, "GPU-0", "the index kept the view without the move");
+        assert!(moved.is_some(), "{answer:?}");
+
+        // The first try landed late: the next one conflicts, the read shows the move.
+        let (client, api) = scripted(vec![
+            on_version_5().reply(500, failed()),
+            on_version_5().reply(409, status(409, "Conflict", "the object has been modified")),
+            expect(Method::GET, PATH).reply(200, applied),
+        ]);
+        let (ctx, request, pod) = a_move(client);
+        let (answer, moved) = commit(&ctx, "ml", &request, &pod).await.unwrap();
+        api.finish().await;
+        assert!(moved.is_none());
+        assert!(matches!(answer, Answer::Succeeded { .. }), "{answer:?}");
+        let held = &ctx
+            .ledger
+            .index
+            .get(&ReservationKey::new("ml", "train"))
+            .unwrap();
+        assert_eq!(held.spec.containers[0].devices[0].uuid, "GPU-0");
     }
 
     /// A refit that waited for the node's lock while its replica stepped down writes nothing:
