@@ -62,8 +62,11 @@ async fn bounded<T>(
         .map_err(|_| ReconcileError::LockedCallTimedOut(what))
 }
 
-/// How long [`resend_until_settled`] waits between tries.
+/// How long [`resend_until_settled`] waits before its first try again; each wait doubles, up
+/// to [`RESEND_RETRY_MAX`], so a struggling API server is not pressed.
 const RESEND_RETRY: Duration = Duration::from_millis(500);
+/// The longest wait between two tries of [`resend_until_settled`].
+const RESEND_RETRY_MAX: Duration = Duration::from_secs(8);
 
 /// Whether a failed spec write may still have been applied: the API server did not serve it
 /// (a connection broken after the request went out, a 5xx such as an etcd timeout, whose
@@ -75,9 +78,12 @@ fn outcome_unknown(e: &WriteError) -> bool {
 /// After a spec write whose outcome is unknown, sends the same write again, with the same
 /// `resourceVersion` precondition, until an answer settles it, while this replica leads: at
 /// most one of the tries can apply (each needs the version both read), so a success means the
-/// move is in, and a conflict that some write (ours, perhaps late) changed the reservation
-/// (the caller reads it back). A read alone would not settle it: the first try may still
-/// commit after the read. The caller holds the node's lock meanwhile, so no bind on the node
+/// move is in, and a conflict that some write (ours, perhaps late) changed the reservation; the
+/// reservation is then read back, again until a read succeeds, and the conflict returned. A
+/// read alone would not settle it: the first try may still commit after the read. Each try is
+/// awaited to its answer as the first write is (a vanished server is cut off by the client's
+/// keepalive and `TCP_USER_TIMEOUT`, a slow one by its own request timeout), with a doubling
+/// wait between tries. The caller holds the node's lock throughout, so no bind on the node
 /// decides on a view that may lack the move (each waits up to its deadline, writing nothing).
 /// A replica that stops leading stops trying and decides nothing more (`last` is returned).
 async fn resend_until_settled(
@@ -86,19 +92,38 @@ async fn resend_until_settled(
     desired: &GpuReservationSpec,
     mut last: WriteError,
 ) -> Result<GpuReservation, WriteError> {
+    let key = ReservationKey::of(current);
+    let mut wait = RESEND_RETRY;
     while ctx.may_write() {
-        tracing::warn!(reservation = %ReservationKey::of(current), error = %last,
+        tracing::warn!(reservation = %key, error = %last,
             "a refit's move may or may not have been applied; sending it again, the node stays locked");
-        tokio::time::sleep(RESEND_RETRY).await;
-        let again = ctx.ledger.writer.write_spec(current, desired);
-        match tokio::time::timeout(LOCKED_CALL_BOUND, again).await {
-            Ok(Err(e)) if outcome_unknown(&e) => last = e,
-            Ok(settled) => return settled,
-            // Unanswered: as unknown as before; the next try settles this one too.
-            Err(_) => {}
+        tokio::time::sleep(wait).await;
+        wait = (wait * 2).min(RESEND_RETRY_MAX);
+        match ctx.ledger.writer.write_spec(current, desired).await {
+            Err(e) if outcome_unknown(&e) => last = e,
+            Err(conflict @ WriteError::Conflict { .. }) => {
+                read_back(ctx, &key).await;
+                return Err(conflict);
+            }
+            settled => return settled,
         }
     }
     Err(last)
+}
+
+/// Reads reservation `key` into the index until a read succeeds, while this replica leads.
+async fn read_back(ctx: &Context, key: &ReservationKey) {
+    let mut wait = RESEND_RETRY;
+    while ctx.may_write() {
+        match ctx.ledger.writer.reread(key).await {
+            Ok(_) => return,
+            Err(e) => {
+                tracing::warn!(reservation = %key, error = %e, "reading back a refit's settled move; the node stays locked");
+            }
+        }
+        tokio::time::sleep(wait).await;
+        wait = (wait * 2).min(RESEND_RETRY_MAX);
+    }
 }
 
 /// Whether request `name` is still unanswered on the API server: one linearizable read, for a
@@ -410,6 +435,10 @@ pub(crate) mod tests {
         let (client, api) = scripted(vec![
             on_version_5().reply(500, failed()),
             on_version_5().reply(409, status(409, "Conflict", "the object has been modified")),
+            // A read that fails is tried again: the store may hold the move.
+            expect(Method::GET, PATH).reply(500, failed()),
+            expect(Method::GET, PATH).reply(200, applied.clone()),
+            // The caller's own read after a conflict.
             expect(Method::GET, PATH).reply(200, applied),
         ]);
         let (ctx, request, pod) = a_move(client);
