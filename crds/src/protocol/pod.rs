@@ -2,7 +2,7 @@
 //! schedules, the lifecycle repairs and the audit checks), when it stops holding its GPUs, and
 //! which environment variables of a GPU container belong to the device plugin.
 
-use k8s_openapi::api::core::v1::{Container, Pod};
+use k8s_openapi::api::core::v1::{Container, EnvVar, Pod};
 
 use crate::podapi::{PodApiConfig, parse_pod};
 use crate::resources::{GPU, GPU_CORES, GPU_MEM, GPU_MEM_PERCENTAGE};
@@ -64,13 +64,16 @@ pub fn container_names_gpu_resources(container: &Container) -> bool {
     })
 }
 
+/// The variable the NVIDIA container runtime reads a container's GPUs from.
+pub const VISIBLE_DEVICES: &str = "NVIDIA_VISIBLE_DEVICES";
+
 /// Variables a GPU container may not set itself. The kubelet puts a container's own
 /// environment after the device plugin's Allocate answer, so its value would win: the first
 /// four would show it other GPUs or lift HAMi-core's limits above what the ledger holds, the
 /// last two switch HAMi-core's enforcement off (HAMi honours them as an opt-out; here a GPU
 /// container runs inside what its reservation holds, or not at all).
 pub const PLUGIN_OWNED_ENV: [&str; 6] = [
-    "NVIDIA_VISIBLE_DEVICES",
+    VISIBLE_DEVICES,
     "CUDA_DEVICE_SM_LIMIT",
     "CUDA_DEVICE_MEMORY_SHARED_CACHE",
     "CUDA_OVERSUBSCRIBE",
@@ -107,10 +110,11 @@ pub fn containers_getting_gpus(pod: &Pod, config: &PodApiConfig) -> Vec<bool> {
     }
 }
 
-/// The first container of `pod` (init containers first) that gets GPUs and sets a variable of
-/// the device plugin's in its `env`, and that variable: the admission webhook refuses such a
-/// pod, and the audit reports one that got in some other way. (A container that gets no GPU may
-/// carry `NVIDIA_VISIBLE_DEVICES=none`: the webhook put it there.)
+/// The first container of `pod` (init containers first) that overrides the device plugin in its
+/// `env`, and that variable: one that gets GPUs and sets any of the plugin's variables, or one
+/// that gets none and sets `NVIDIA_VISIBLE_DEVICES` to anything but `none` or `void` (the NVIDIA
+/// runtime would show it GPUs outside the ledger; `none` is what the webhook gives it). The
+/// admission webhook refuses such a pod, and the audit reports one that got in some other way.
 pub fn isolation_overridden<'p>(pod: &'p Pod, config: &PodApiConfig) -> Option<(&'p str, &'p str)> {
     let spec = pod.spec.as_ref()?;
     spec.init_containers
@@ -118,9 +122,15 @@ pub fn isolation_overridden<'p>(pod: &'p Pod, config: &PodApiConfig) -> Option<(
         .flatten()
         .chain(&spec.containers)
         .zip(containers_getting_gpus(pod, config))
-        .filter(|(_, gets)| *gets)
-        .find_map(|(c, _)| {
-            let var = c.env.iter().flatten().find(|e| plugin_owned_env(&e.name))?;
+        .find_map(|(c, gets)| {
+            let overrides = |e: &&EnvVar| match gets {
+                true => plugin_owned_env(&e.name),
+                false => {
+                    e.name == VISIBLE_DEVICES
+                        && !matches!(e.value.as_deref(), Some("none" | "void"))
+                }
+            };
+            let var = c.env.iter().flatten().find(overrides)?;
             Some((c.name.as_str(), var.name.as_str()))
         })
 }
@@ -149,6 +159,15 @@ mod tests {
             {"name": "zero", "resources": {"limits": {"nvidia.com/gpu": "0"}},
              "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}]}]}}));
         assert_eq!(isolation_overridden(&zero, &PodApiConfig::default()), None);
+        // Any other value in a container that gets no GPU shows it GPUs outside the ledger.
+        let all = pod(serde_json::json!({"spec": {"containers": [
+            {"name": "main", "resources": {"limits": {"nvidia.com/gpu": "1"}}},
+            {"name": "zero", "resources": {"limits": {"nvidia.com/gpu": "0"}},
+             "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}]}}));
+        assert_eq!(
+            isolation_overridden(&all, &PodApiConfig::default()),
+            Some(("zero", "NVIDIA_VISIBLE_DEVICES"))
+        );
         assert_eq!(
             containers_getting_gpus(&zero, &PodApiConfig::default()),
             [false]
