@@ -178,6 +178,10 @@ fn spec_patch(spec: &GpuReservationSpec, rv: Option<&str>) -> Result<Value, serd
 /// The spec's fields that are left out when empty.
 const SPEC_OPTIONAL_FIELDS: &[&str] = &["alignmentSource"];
 
+/// The annotation [`LedgerWriter::fence`] stamps: when a refit last settled a move of unknown
+/// outcome by making sure it cannot apply.
+pub const FENCE_ANNOTATION: &str = "gpuledger.io/refit-fenced-at";
+
 /// The merge patch that makes the operator's share of a reservation's status `status`,
 /// guarded by `rv`: each of its fields, `conditions` whole, and nothing of the plugin's
 /// `allocation`.
@@ -233,6 +237,26 @@ impl LedgerWriter {
             .map_err(|e| WriteError::from_kube("create", &key, None, e))?;
         self.index.record_write(created.clone());
         Ok(created)
+    }
+
+    /// Stamps `current` with [`FENCE_ANNOTATION`] (now), guarded by the resourceVersion it was
+    /// read at, and nothing else: a write that changes the version, so that no other write
+    /// guarded by that version (one sent before whose outcome is unknown) can apply after it.
+    /// A write that changed nothing would not do: the API server skips it, version and all.
+    pub async fn fence(&self, current: &GpuReservation) -> Result<GpuReservation, WriteError> {
+        let key = ReservationKey::of(current);
+        let rv = current.resource_version();
+        let patch = json!({ "metadata": {
+            "resourceVersion": rv,
+            "annotations": { FENCE_ANNOTATION: Timestamp::now().to_string() },
+        }});
+        let written = self
+            .api(&key.namespace)
+            .patch(&key.name, &operator_patches(), &Patch::Merge(&patch))
+            .await
+            .map_err(|e| WriteError::from_kube("fence", &key, rv.as_deref(), e))?;
+        self.index.record_write(written.clone());
+        Ok(written)
     }
 
     /// Writes `spec` as the spec of `current`, guarded by the resourceVersion `current` was

@@ -85,27 +85,37 @@ fn outcome_unknown(e: &WriteError) -> bool {
 /// keepalive and `TCP_USER_TIMEOUT`, a slow one by its own request timeout), with a doubling
 /// wait between tries. The caller holds the node's lock throughout, so no bind on the node
 /// decides on a view that may lack the move (each waits up to its deadline, writing nothing).
+/// Past the request's deadline the move is no longer wanted (the plugin has stopped waiting):
+/// a fence ([`crate::ledger::writer::LedgerWriter::fence`]) on the same version is sent
+/// instead, whose success settles it the other way, the move never applied (`Ok(None)`).
 /// A replica that stops leading stops trying and decides nothing more (`last` is returned).
 async fn resend_until_settled(
     ctx: &Context,
+    request: &RefitRequestSpec,
     current: &GpuReservation,
     desired: &GpuReservationSpec,
     mut last: WriteError,
-) -> Result<GpuReservation, WriteError> {
+) -> Result<Option<GpuReservation>, WriteError> {
     let key = ReservationKey::of(current);
     let mut wait = RESEND_RETRY;
     while ctx.may_write() {
         tracing::warn!(reservation = %key, error = %last,
-            "a refit's move may or may not have been applied; sending it again, the node stays locked");
+            "a refit's move may or may not have been applied; settling it, the node stays locked");
         tokio::time::sleep(wait).await;
         wait = (wait * 2).min(RESEND_RETRY_MAX);
-        match ctx.ledger.writer.write_spec(current, desired).await {
+        let fencing = expired(request, Timestamp::now());
+        let settled = match fencing {
+            true => ctx.ledger.writer.fence(current).await,
+            false => ctx.ledger.writer.write_spec(current, desired).await,
+        };
+        match settled {
             Err(e) if outcome_unknown(&e) => last = e,
             Err(conflict @ WriteError::Conflict { .. }) => {
                 read_back(ctx, &key).await;
                 return Err(conflict);
             }
-            settled => return settled,
+            Ok(written) => return Ok((!fencing).then_some(written)),
+            Err(e) => return Err(e),
         }
     }
     Err(last)
@@ -236,7 +246,12 @@ pub async fn commit(
         };
         let written = match written {
             Err(e) if outcome_unknown(&e) => {
-                resend_until_settled(ctx, &current, &new_spec, e).await
+                match resend_until_settled(ctx, spec, &current, &new_spec, e).await {
+                    Ok(Some(written)) => Ok(written),
+                    // Fenced past the deadline: not moved, and it never will be.
+                    Ok(None) => return Ok((Answer::expired(), None)),
+                    Err(e) => Err(e),
+                }
             }
             other => other,
         };
@@ -452,6 +467,41 @@ pub(crate) mod tests {
             .get(&ReservationKey::new("ml", "train"))
             .unwrap();
         assert_eq!(held.spec.containers[0].devices[0].uuid, "GPU-0");
+    }
+
+    /// Past the request's deadline the move is not sent again (the plugin stopped waiting for
+    /// it): a fence on the same version is, whose success means the first try can never apply.
+    /// Answered "expired", nothing moved, the node let go.
+    #[tokio::test]
+    async fn past_its_deadline_a_move_of_unknown_outcome_is_fenced_not_sent_again() {
+        use gpuledger_crds::scripted_api::{expect, scripted, status};
+        use http::Method;
+
+        const PATH: &str = "/apis/gpuledger.io/v1alpha1/namespaces/ml/gpureservations/train";
+        let mut fenced = train_on_gpu_2();
+        fenced.metadata.resource_version = Some("6".into());
+        let (client, api) = scripted(vec![
+            expect(Method::PATCH, PATH).reply(500, status(500, "InternalError", "etcd timeout")),
+            expect(Method::PATCH, PATH)
+                .body_field("/metadata/resourceVersion", serde_json::json!("5"))
+                .reply(200, serde_json::to_value(&fenced).unwrap()),
+        ]);
+        let (ctx, mut request, pod) = a_move(client);
+        // Ends while the first resend waits.
+        request.deadline = MicroTime(Timestamp::now() + SignedDuration::from_millis(300));
+        let (answer, moved) = commit(&ctx, "ml", &request, &pod).await.unwrap();
+        api.finish().await;
+        assert!(moved.is_none());
+        match answer {
+            Answer::Failed { outcome, .. } => assert_eq!(outcome, "expired"),
+            other => panic!("expected expired, got {other:?}"),
+        }
+        let held = &ctx
+            .ledger
+            .index
+            .get(&ReservationKey::new("ml", "train"))
+            .unwrap();
+        assert_eq!(held.spec.containers[0].devices[0].uuid, "GPU-2");
     }
 
     /// A refit that waited for the node's lock while its replica stepped down writes nothing:
