@@ -89,6 +89,21 @@ fn helm_template(extra: &[&str]) -> String {
     ok_stdout(&helm(), &args, None)
 }
 
+/// `helm template` of the chart with `extra` values, which must fail: its error output.
+fn helm_template_refused(extra: &[&str]) -> String {
+    let mut args = vec![
+        "template",
+        "gpuledger",
+        "charts/gpuledger",
+        "--kube-version",
+        k8s_version(),
+    ];
+    args.extend_from_slice(extra);
+    let out = run(&helm(), &args, None);
+    assert!(!out.status.success(), "helm rendered {extra:?}");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
 /// Every object of a rendered YAML stream as JSON, keyed by `Kind/name`.
 fn objects(yaml: &str) -> BTreeMap<String, Value> {
     parse_manifests(Path::new("<rendered>"), yaml)
@@ -183,12 +198,13 @@ async fn manifests_apply_with_server_side_dry_run_and_agree() {
     // The webhook sends GPU pods to the scheduler the chart names: its own by default, or the
     // admin's scheduler with the extender merged in; without a name for that one the chart does
     // not render (GPU pods would be sent to a scheduler that is not installed).
-    let scheduler_flag = |values: &[&str]| {
+    let operator_flag = |flag: &str, values: &[&str]| {
         container_args(&objects(&helm_template(values))["Deployment/gpuledger-operator"])
             .into_iter()
-            .filter(|a| a.starts_with("--scheduler-name="))
+            .filter(|a| a.starts_with(flag))
             .collect::<Vec<_>>()
     };
+    let scheduler_flag = |values: &[&str]| operator_flag("--scheduler-name=", values);
     assert_eq!(
         scheduler_flag(&[]),
         ["--scheduler-name=gpuledger-scheduler"]
@@ -206,35 +222,16 @@ async fn manifests_apply_with_server_side_dry_run_and_agree() {
         ]),
         ["--scheduler-name=default-scheduler"]
     );
-    let others = |values: &[&str]| {
-        container_args(&objects(&helm_template(values))["Deployment/gpuledger-operator"])
-            .into_iter()
-            .filter(|a| a.starts_with("--other-gpu-schedulers"))
-            .collect::<Vec<_>>()
-    };
+    let others = |values: &[&str]| operator_flag("--other-gpu-schedulers", values);
     assert!(others(&[]).is_empty());
     assert_eq!(
         others(&["--set", "scheduler.otherGpuSchedulers={gpu-batch,gpu-low}"]),
         ["--other-gpu-schedulers=gpu-batch,gpu-low"]
     );
-    let unnamed = run(
-        &helm(),
-        &[
-            "template",
-            "gpuledger",
-            "charts/gpuledger",
-            "--kube-version",
-            k8s_version(),
-            "--set",
-            "scheduler.enabled=false",
-        ],
-        None,
-    );
-    assert!(!unnamed.status.success());
+    let unnamed = helm_template_refused(&["--set", "scheduler.enabled=false"]);
     assert!(
-        String::from_utf8_lossy(&unnamed.stderr).contains("set scheduler.name to the scheduler"),
-        "{}",
-        String::from_utf8_lossy(&unnamed.stderr)
+        unnamed.contains("set scheduler.name to the scheduler"),
+        "{unnamed}"
     );
 
     // The device configuration: the cluster-wide GpuConfig by default, per-node ones on request,
@@ -251,25 +248,13 @@ async fn manifests_apply_with_server_side_dry_run_and_agree() {
         !objects(&helm_template(&["--set", "deviceConfig.enabled=false"]))
             .contains_key("GpuConfig/default")
     );
-    let unpicked = run(
-        &helm(),
-        &[
-            "template",
-            "gpuledger",
-            "charts/gpuledger",
-            "--kube-version",
-            k8s_version(),
-            "--set-json",
-            r#"nodeConfigs=[{"name":"everywhere","deviceSplitCount":4}]"#,
-        ],
-        None,
-    );
-    assert!(!unpicked.status.success());
+    let unpicked = helm_template_refused(&[
+        "--set-json",
+        r#"nodeConfigs=[{"name":"everywhere","deviceSplitCount":4}]"#,
+    ]);
     assert!(
-        String::from_utf8_lossy(&unpicked.stderr)
-            .contains("\"everywhere\" needs nodeNames or a nodeSelector"),
-        "{}",
-        String::from_utf8_lossy(&unpicked.stderr)
+        unpicked.contains("\"everywhere\" needs nodeNames or a nodeSelector"),
+        "{unpicked}"
     );
 
     let simulated = helm_template(&[

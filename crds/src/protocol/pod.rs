@@ -115,13 +115,14 @@ pub fn containers_getting_gpus(pod: &Pod, config: &PodApiConfig) -> Vec<bool> {
 /// that gets none and sets `NVIDIA_VISIBLE_DEVICES` to anything but `none` or `void` (the NVIDIA
 /// runtime would show it GPUs outside the ledger; `none` is what the webhook gives it). The
 /// admission webhook refuses such a pod, and the audit reports one that got in some other way.
-pub fn isolation_overridden<'p>(pod: &'p Pod, config: &PodApiConfig) -> Option<(&'p str, &'p str)> {
+/// `gets_gpus` is [`containers_getting_gpus`] (or the same read from a parse already made).
+pub fn isolation_overridden<'p>(pod: &'p Pod, gets_gpus: &[bool]) -> Option<(&'p str, &'p str)> {
     let spec = pod.spec.as_ref()?;
     spec.init_containers
         .iter()
         .flatten()
         .chain(&spec.containers)
-        .zip(containers_getting_gpus(pod, config))
+        .zip(gets_gpus.iter().copied())
         .find_map(|(c, gets)| {
             let overrides = |e: &&EnvVar| match gets {
                 true => plugin_owned_env(&e.name),
@@ -151,21 +152,30 @@ mod tests {
              "env": [{"name": "CUDA_VISIBLE_DEVICES", "value": "0"},
                      {"name": "CUDA_DEVICE_MEMORY_LIMIT_0", "value": "80g"}]}]}}));
         assert_eq!(
-            isolation_overridden(&p, &PodApiConfig::default()),
+            isolation_overridden(&p, &containers_getting_gpus(&p, &PodApiConfig::default())),
             Some(("main", "CUDA_DEVICE_MEMORY_LIMIT_0"))
         );
         // A container whose request comes to no GPU carries the webhook's own `none`.
         let zero = pod(serde_json::json!({"spec": {"containers": [
             {"name": "zero", "resources": {"limits": {"nvidia.com/gpu": "0"}},
              "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}]}]}}));
-        assert_eq!(isolation_overridden(&zero, &PodApiConfig::default()), None);
+        assert_eq!(
+            isolation_overridden(
+                &zero,
+                &containers_getting_gpus(&zero, &PodApiConfig::default())
+            ),
+            None
+        );
         // Any other value in a container that gets no GPU shows it GPUs outside the ledger.
         let all = pod(serde_json::json!({"spec": {"containers": [
             {"name": "main", "resources": {"limits": {"nvidia.com/gpu": "1"}}},
             {"name": "zero", "resources": {"limits": {"nvidia.com/gpu": "0"}},
              "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}]}}));
         assert_eq!(
-            isolation_overridden(&all, &PodApiConfig::default()),
+            isolation_overridden(
+                &all,
+                &containers_getting_gpus(&all, &PodApiConfig::default())
+            ),
             Some(("zero", "NVIDIA_VISIBLE_DEVICES"))
         );
         assert_eq!(

@@ -12,7 +12,9 @@ use std::fmt;
 use gpuledger_crds::conditions::{self, types};
 use gpuledger_crds::names::OPERATOR_MANAGER;
 use gpuledger_crds::podapi::PodApiConfig;
-use gpuledger_crds::protocol::pod::{isolation_overridden, pod_finished, pod_wants_gpus};
+use gpuledger_crds::protocol::pod::{
+    containers_getting_gpus, isolation_overridden, pod_finished, pod_wants_gpus,
+};
 use gpuledger_crds::{
     GpuConfig, GpuNode, GpuReservation, RefitPhase, RefitRequest, ReservationPhase,
 };
@@ -507,7 +509,9 @@ fn check_pods(snap: &Snapshot, out: &mut Vec<Finding>) {
         }
         let uid = p.metadata.uid.as_deref().unwrap_or("");
         let pod = key(p.metadata.namespace.as_ref(), p.metadata.name.as_ref());
-        if let Some((container, variable)) = isolation_overridden(p, &pod_api) {
+        if let Some((container, variable)) =
+            isolation_overridden(p, &containers_getting_gpus(p, &pod_api))
+        {
             out.push(Finding::IsolationOverridden {
                 pod: pod.clone(),
                 container: container.to_string(),

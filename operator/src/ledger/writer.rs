@@ -244,17 +244,29 @@ impl LedgerWriter {
     /// guarded by that version (one sent before whose outcome is unknown) can apply after it.
     /// A write that changed nothing would not do: the API server skips it, version and all.
     pub async fn fence(&self, current: &GpuReservation) -> Result<GpuReservation, WriteError> {
-        let key = ReservationKey::of(current);
-        let rv = current.resource_version();
         let patch = json!({ "metadata": {
-            "resourceVersion": rv,
+            "resourceVersion": current.resource_version(),
             "annotations": { FENCE_ANNOTATION: Timestamp::now().to_string() },
         }});
+        self.patch_recorded(current, "fence", &patch).await
+    }
+
+    /// Sends merge patch `patch` (guarded by whatever version it names) to `current` and
+    /// records the answer in the index; `action` names the write in its error.
+    async fn patch_recorded(
+        &self,
+        current: &GpuReservation,
+        action: &'static str,
+        patch: &Value,
+    ) -> Result<GpuReservation, WriteError> {
+        let key = ReservationKey::of(current);
         let written = self
             .api(&key.namespace)
-            .patch(&key.name, &operator_patches(), &Patch::Merge(&patch))
+            .patch(&key.name, &operator_patches(), &Patch::Merge(patch))
             .await
-            .map_err(|e| WriteError::from_kube("fence", &key, rv.as_deref(), e))?;
+            .map_err(|e| {
+                WriteError::from_kube(action, &key, current.resource_version().as_deref(), e)
+            })?;
         self.index.record_write(written.clone());
         Ok(written)
     }
@@ -268,20 +280,14 @@ impl LedgerWriter {
         current: &GpuReservation,
         spec: &GpuReservationSpec,
     ) -> Result<GpuReservation, WriteError> {
-        let key = ReservationKey::of(current);
-        let rv = current.resource_version();
-        let patch = spec_patch(spec, rv.as_deref()).map_err(|source| WriteError::Encode {
-            key: key.clone(),
-            source,
+        let patch = spec_patch(spec, current.resource_version().as_deref()).map_err(|source| {
+            WriteError::Encode {
+                key: ReservationKey::of(current),
+                source,
+            }
         })?;
-        let params = operator_patches();
-        let written = self
-            .api(&key.namespace)
-            .patch(&key.name, &params, &Patch::Merge(&patch))
+        self.patch_recorded(current, "write the spec of", &patch)
             .await
-            .map_err(|e| WriteError::from_kube("write the spec of", &key, rv.as_deref(), e))?;
-        self.index.record_write(written.clone());
-        Ok(written)
     }
 
     /// Writes the operator's status fields on `current` (`status_patch`), guarded by its

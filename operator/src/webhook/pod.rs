@@ -146,9 +146,11 @@ fn set_env(c: &Container, base: &str, vars: &[(&str, String)]) -> Vec<Value> {
     ops
 }
 
-/// The first GPU container that sets a variable of the device plugin's itself, as a refusal.
-fn own_isolation_env(pod: &Pod, config: &PodApiConfig) -> Option<String> {
-    let (container, var) = isolation_overridden(pod, config)?;
+/// The first GPU container that sets a variable of the device plugin's itself, as a refusal;
+/// which containers get GPUs is read from the pod's parsed request `req`.
+fn own_isolation_env(pod: &Pod, req: &podapi::PodRequest) -> Option<String> {
+    let gets_gpus: Vec<bool> = req.containers.iter().map(|c| c.gpu.is_some()).collect();
+    let (container, var) = isolation_overridden(pod, &gets_gpus)?;
     Some(format!(
         "container {container:?} sets {var} itself: in a GPU container the device plugin sets it from the pod's GPU reservation, and a value of the container's own would override it (other GPUs, higher limits, or HAMi-core switched off); remove it"
     ))
@@ -182,7 +184,7 @@ pub fn refusal(pod: &Pod, config: &PodApiConfig, schedulers: &Schedulers<'_>) ->
     if let Some(e) = podapi::unallocatable_request(pod, &req) {
         return Some(e.to_string());
     }
-    if let Some(why) = own_isolation_env(pod, config) {
+    if let Some(why) = own_isolation_env(pod, &req) {
         return Some(why);
     }
     let node = pod.spec.as_ref().and_then(|s| s.node_name.as_deref());
@@ -335,6 +337,19 @@ mod tests {
             refusal(&mutated, &PodApiConfig::default(), &ours()),
             None,
             "{out}"
+        );
+        // A namespace user's own `all` in such a container is replaced, not kept.
+        let p = pod(json!({"metadata": {"name": "p"}, "spec": {"containers": [
+            {"name": "main", "resources": {"limits": {"nvidia.com/gpu": "1"}}},
+            {"name": "zero", "resources": {"limits": {"nvidia.com/gpu": "0"}},
+             "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}]}}));
+        let out = apply(
+            &p,
+            &mutation(&p, "gpuledger-scheduler", &PodApiConfig::default()),
+        );
+        assert_eq!(
+            out["spec"]["containers"][1]["env"],
+            json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}])
         );
         // Memory alone with no default count comes to no GPU either.
         let config = PodApiConfig {

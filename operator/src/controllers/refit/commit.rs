@@ -87,7 +87,7 @@ fn outcome_unknown(e: &WriteError) -> bool {
 /// decides on a view that may lack the move (each waits up to its deadline, writing nothing).
 /// Past the request's deadline the move is no longer wanted (the plugin has stopped waiting):
 /// a fence ([`crate::ledger::writer::LedgerWriter::fence`]) on the same version is sent
-/// instead, whose success settles it the other way, the move never applied (`Ok(None)`).
+/// instead, whose success settles it the other way, the move never applied.
 /// A replica that stops leading stops trying and decides nothing more (`last` is returned).
 async fn resend_until_settled(
     ctx: &Context,
@@ -95,7 +95,7 @@ async fn resend_until_settled(
     current: &GpuReservation,
     desired: &GpuReservationSpec,
     mut last: WriteError,
-) -> Result<Option<GpuReservation>, WriteError> {
+) -> Settled {
     let key = ReservationKey::of(current);
     let mut wait = RESEND_RETRY;
     while ctx.may_write() {
@@ -110,15 +110,28 @@ async fn resend_until_settled(
         };
         match settled {
             Err(e) if outcome_unknown(&e) => last = e,
-            Err(conflict @ WriteError::Conflict { .. }) => {
+            Err(WriteError::Conflict { .. }) => {
                 read_back(ctx, &key).await;
-                return Err(conflict);
+                return Settled::ReadBack;
             }
-            Ok(written) => return Ok((!fencing).then_some(written)),
-            Err(e) => return Err(e),
+            Ok(_) if fencing => return Settled::Fenced,
+            Ok(written) => return Settled::Moved(Box::new(written)),
+            Err(e) => return Settled::Failed(e),
         }
     }
-    Err(last)
+    Settled::Failed(last)
+}
+
+/// How [`resend_until_settled`] settled a move of unknown outcome.
+enum Settled {
+    /// A try applied the move.
+    Moved(Box<GpuReservation>),
+    /// A write landed first (ours, perhaps late): the reservation as it now is, is in the index.
+    ReadBack,
+    /// Past the deadline, the fence applied: the move never will.
+    Fenced,
+    /// Refused, or this replica stopped leading.
+    Failed(WriteError),
 }
 
 /// Reads reservation `key` into the index until a read succeeds, while this replica leads.
@@ -247,10 +260,16 @@ pub async fn commit(
         let written = match written {
             Err(e) if outcome_unknown(&e) => {
                 match resend_until_settled(ctx, spec, &current, &new_spec, e).await {
-                    Ok(Some(written)) => Ok(written),
-                    // Fenced past the deadline: not moved, and it never will be.
-                    Ok(None) => return Ok((Answer::expired(), None)),
-                    Err(e) => Err(e),
+                    Settled::Moved(written) => Ok(*written),
+                    // A replica that stepped down while reading back decides nothing more.
+                    Settled::ReadBack if !ctx.may_write() => return Err(ReconcileError::NotLeader),
+                    // Decided again on what the store holds (the index has it already).
+                    Settled::ReadBack => {
+                        ctx.metrics.conflicts.inc();
+                        continue;
+                    }
+                    Settled::Fenced => return Ok((Answer::expired(), None)),
+                    Settled::Failed(e) => Err(e),
                 }
             }
             other => other,
@@ -344,6 +363,12 @@ pub(crate) mod tests {
         let mut request = spec(deadline);
         request.allowed_devices = vec!["GPU-0".into()];
         (ctx, request, pod)
+    }
+
+    /// The GPU the index holds reservation `ml/train`'s container on.
+    fn held_gpu(ctx: &Context) -> String {
+        let r = ctx.ledger.index.get(&ReservationKey::new("ml", "train"));
+        r.unwrap().spec.containers[0].devices[0].uuid.clone()
     }
 
     /// Reservation `ml/train` (version 5): its container `main` on GPU-2.
@@ -452,8 +477,6 @@ pub(crate) mod tests {
             on_version_5().reply(409, status(409, "Conflict", "the object has been modified")),
             // A read that fails is tried again: the store may hold the move.
             expect(Method::GET, PATH).reply(500, failed()),
-            expect(Method::GET, PATH).reply(200, applied.clone()),
-            // The caller's own read after a conflict.
             expect(Method::GET, PATH).reply(200, applied),
         ]);
         let (ctx, request, pod) = a_move(client);
@@ -461,12 +484,7 @@ pub(crate) mod tests {
         api.finish().await;
         assert!(moved.is_none());
         assert!(matches!(answer, Answer::Succeeded { .. }), "{answer:?}");
-        let held = &ctx
-            .ledger
-            .index
-            .get(&ReservationKey::new("ml", "train"))
-            .unwrap();
-        assert_eq!(held.spec.containers[0].devices[0].uuid, "GPU-0");
+        assert_eq!(held_gpu(&ctx), "GPU-0");
     }
 
     /// Past the request's deadline the move is not sent again (the plugin stopped waiting for
@@ -496,12 +514,7 @@ pub(crate) mod tests {
             Answer::Failed { outcome, .. } => assert_eq!(outcome, "expired"),
             other => panic!("expected expired, got {other:?}"),
         }
-        let held = &ctx
-            .ledger
-            .index
-            .get(&ReservationKey::new("ml", "train"))
-            .unwrap();
-        assert_eq!(held.spec.containers[0].devices[0].uuid, "GPU-2");
+        assert_eq!(held_gpu(&ctx), "GPU-2");
     }
 
     /// A refit that waited for the node's lock while its replica stepped down writes nothing:
