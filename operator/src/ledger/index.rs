@@ -341,6 +341,15 @@ impl Inner {
         }
     }
 
+    /// Whether a deletion of `key` the index knows the version of came after `obj` was
+    /// written: a version no newer than the deleted object's is that object or an older one.
+    fn deleted_after(&self, key: &ReservationKey, obj: &GpuReservation) -> bool {
+        match (self.tombstones.get(key), rv(obj)) {
+            (Some((Some(dead), _)), Some(v)) => v <= *dead,
+            _ => false,
+        }
+    }
+
     fn upsert(&mut self, obj: Arc<GpuReservation>) {
         let key = ReservationKey::kept_of(&obj);
         if self.shadowed_by_tombstone(&key, &obj) {
@@ -530,6 +539,12 @@ impl LedgerIndex {
     pub fn record_write(&self, obj: GpuReservation) {
         let mut inner = self.write();
         let key = ReservationKey::kept_of(&obj);
+        if inner.deleted_after(&key, &obj) {
+            // The write was made before a deletion whose event came first (its reply was
+            // slower than the watch): the object is gone. Taking it in would keep a ghost
+            // holding GPUs, and hiding its pod from the repair sweep, until the next relist.
+            return;
+        }
         // A write that changed something has a version newer than any the index holds for the
         // key and than the watch has delivered; its event is still to come. (A write that changed nothing
         // keeps its version and produces no event.)
@@ -540,7 +555,9 @@ impl LedgerIndex {
             }
         }
         inner.local_writes.insert(key.clone(), Instant::now());
-        // Our own write happened after any deletion we know of, so it ends the tombstone.
+        // Newer than any deletion the index knows the version of (checked above), or after one
+        // of unknown version (our own delete, then a create under the same name): it ends the
+        // tombstone.
         inner.tombstones.remove(&key);
         inner.upsert(Arc::new(trimmed(obj)));
     }

@@ -364,6 +364,31 @@ fn late_watch_event_does_not_resurrect_a_deletion() {
 }
 
 #[test]
+fn an_own_write_answered_after_the_deletion_event_does_not_bring_the_object_back() {
+    // The operator writes a status at version 6 while someone removes the object's last
+    // finalizer: the watch's deletion (the object at 7) arrives before the write's reply.
+    let idx = LedgerIndex::new();
+    idx.apply_event(Event::Apply(obj("a", "5", "n1")));
+    idx.apply_event(Event::Delete(obj("a", "7", "n1")));
+    idx.record_write(obj("a", "6", "n1"));
+    assert!(idx.get(&key("a")).is_none(), "a ghost of a deleted object");
+    assert!(names_on(&idx, "n1").is_empty());
+    assert_eq!(idx.unechoed_for(std::time::Instant::now()), None);
+    // The pod's reservation written again (the repair sweep's) is newer: it is kept.
+    idx.record_write(obj("a", "9", "n1"));
+    assert_eq!(version_of(&idx, "a").as_deref(), Some("9"));
+}
+
+#[test]
+fn an_own_create_after_an_own_delete_of_unknown_version_is_kept() {
+    let idx = LedgerIndex::new();
+    idx.record_write(obj("a", "5", "n1"));
+    idx.record_delete(&key("a"), None);
+    idx.record_write(obj("a", "8", "n1"));
+    assert_eq!(version_of(&idx, "a").as_deref(), Some("8"));
+}
+
+#[test]
 fn relist_replaces_content_but_keeps_newer_own_writes() {
     let idx = LedgerIndex::new();
     assert!(!idx.is_synced());
