@@ -301,7 +301,7 @@ fn filter_follows_every_ledger_change_between_calls() {
     );
     ctx.ledger
         .index
-        .record_delete(&ReservationKey::new("default", "other"), Some(101));
+        .record_delete(&ReservationKey::new("default", "other"), 101);
     assert_eq!(chosen(&ctx).0, ["gpu-a"], "freed again");
     // The pod's own reservation (a retried bind) does not count against it.
     ctx.ledger

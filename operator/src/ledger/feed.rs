@@ -51,6 +51,7 @@ pub async fn watchdog(index: Arc<LedgerIndex>, restart: Arc<Notify>, metrics: Ar
     loop {
         tick.tick().await;
         let now = Instant::now();
+        index.forget_old_marks();
         let expired = index.expire_unconfirmed(now);
         if expired > 0 {
             tracing::info!(

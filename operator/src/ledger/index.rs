@@ -370,7 +370,17 @@ impl Inner {
             return;
         }
         self.take_live(&key);
-        self.tombstones.insert(key, (deleted_rv, Instant::now()));
+        self.bury(key, deleted_rv);
+    }
+
+    /// Records that `key` was deleted at `deleted_rv`. A tombstone is never lowered: replies and
+    /// events come in any order, and one for an older version must not let back a version a
+    /// newer deletion already shadowed (a known version also beats an unknown one).
+    fn bury(&mut self, key: ReservationKey, deleted_rv: Option<u64>) {
+        let now = Instant::now();
+        let grave = self.tombstones.entry(key).or_insert((deleted_rv, now));
+        grave.0 = grave.0.max(deleted_rv);
+        grave.1 = now;
     }
 
     /// The watch delivered an event for `key` at version `v`: the key's own write is confirmed,
@@ -441,6 +451,12 @@ impl Inner {
         }
         for key in &gone {
             self.take_live(key);
+            // Deleted while the watch was down: a reply to a write made before that deletion
+            // may still come, and must not bring the object back (`deleted_after`). The list
+            // is at least as new as its newest object.
+            if relist.snapshot.is_some() {
+                self.bury(key.clone(), relist.snapshot);
+            }
         }
         let mut changed = gone.len() as u64;
         for (key, slot) in relist.listed.iter_mut() {
@@ -562,10 +578,36 @@ impl LedgerIndex {
         inner.upsert(Arc::new(trimmed(obj)));
     }
 
-    /// Records a deletion the operator just made; `deleted_rv` is the version of the deleted
-    /// object when the API server returned it.
-    pub fn record_delete(&self, key: &ReservationKey, deleted_rv: Option<u64>) {
-        self.write().remove(key.clone(), deleted_rv);
+    /// Records a deletion the operator just made or learned of from a reply (a 404):
+    /// `deleted_rv` is the version of the deleted object, or for a 404 the
+    /// [`Self::deletion_floor`] read before the request was sent. Every version of the key
+    /// up to it is gone; a newer one (a new object under the name) is kept.
+    pub fn record_delete(&self, key: &ReservationKey, deleted_rv: u64) {
+        self.write().remove(key.clone(), Some(deleted_rv));
+    }
+
+    /// The version a request about `key` sent now would find gone if it is answered "not
+    /// found": the newest the watch has delivered or the index holds for `key`. Everything
+    /// under the name then known existed before the request was served; a newer object
+    /// (created after) has a greater version and is not shadowed by the tombstone. A deletion
+    /// of unknown version would have to shadow every version, a new object's included.
+    pub fn deletion_floor(&self, key: &ReservationKey) -> u64 {
+        let inner = self.read();
+        let held = inner.live.get(key).and_then(|r| rv(r)).unwrap_or(0);
+        inner.watch_seen.max(held)
+    }
+
+    /// Forgets tombstones and own-write marks older than [`LOCAL_WRITE_GRACE`] (a relist does
+    /// too): kept only between relists they would grow with every deletion.
+    pub fn forget_old_marks(&self) {
+        let stale = {
+            let inner = self.read();
+            let old = |at: &Instant| at.elapsed() >= LOCAL_WRITE_GRACE;
+            inner.tombstones.values().any(|(_, at)| old(at)) || inner.local_writes.values().any(old)
+        };
+        if stale {
+            self.write().gc();
+        }
     }
 
     /// How long the oldest own write has gone without its watch event (`None`: every write was

@@ -349,15 +349,15 @@ impl LedgerWriter {
             resource_version: rv.clone(),
             uid: current.uid(),
         });
+        let floor = self.index.deletion_floor(&key).max(version_of(current));
         match self.api(&key.namespace).delete(&key.name, &params).await {
             Ok(_) => {
-                let deleted_rv = rv.as_deref().and_then(|v| v.parse().ok());
-                self.index.record_delete(&key, deleted_rv);
+                self.index.record_delete(&key, version_of(current));
                 Ok(())
             }
             Err(e) => match WriteError::from_kube("delete", &key, rv.as_deref(), e) {
                 WriteError::NotFound { .. } => {
-                    self.index.record_delete(&key, None);
+                    self.index.record_delete(&key, floor);
                     Ok(())
                 }
                 // A UID precondition failure also arrives as a conflict: the name now belongs
@@ -418,10 +418,12 @@ impl LedgerWriter {
             .iter()
             .filter(|f| *f != RESERVATION_FINALIZER)
             .collect();
+        let floor = self.index.deletion_floor(&key).max(version_of(current));
         match self.set_finalizers(current, &kept).await {
             Ok(updated) if updated.metadata.deletion_timestamp.is_some() && kept.is_empty() => {
                 // Already marked for deletion: without finalizers it is gone now.
-                self.index.record_delete(&key, None);
+                self.index
+                    .record_delete(&key, floor.max(version_of(&updated)));
                 Ok(None)
             }
             Ok(updated) => {
@@ -431,7 +433,7 @@ impl LedgerWriter {
             Err(e) => {
                 match WriteError::from_kube("remove the finalizer of", &key, rv.as_deref(), e) {
                     WriteError::NotFound { .. } => {
-                        self.index.record_delete(&key, None);
+                        self.index.record_delete(&key, floor);
                         Ok(None)
                     }
                     other => Err(other),
@@ -442,18 +444,26 @@ impl LedgerWriter {
 
     /// Reads the current object from the API server (after a conflict) and records it.
     pub async fn reread(&self, key: &ReservationKey) -> Result<Option<GpuReservation>, WriteError> {
+        let floor = self.index.deletion_floor(key);
         match self.api(&key.namespace).get_opt(&key.name).await {
             Ok(Some(r)) => {
                 self.index.record_write(r.clone());
                 Ok(Some(r))
             }
             Ok(None) => {
-                self.index.record_delete(key, None);
+                self.index.record_delete(key, floor);
                 Ok(None)
             }
             Err(e) => Err(WriteError::from_kube("read", key, None, e)),
         }
     }
+}
+
+/// `r`'s resourceVersion as a number (0 when it has none: never from the API server).
+fn version_of(r: &GpuReservation) -> u64 {
+    r.resource_version()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
 }
 
 #[cfg(test)]

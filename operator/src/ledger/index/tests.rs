@@ -120,7 +120,7 @@ fn node_versions_change_with_the_nodes_reservations_only() {
     idx.apply_event(Event::Apply(obj("a", "3", "n2")));
     let (m1, m2) = (idx.node_version("n1"), idx.node_version("n2"));
     assert!(m1 > v1 && m2 > v2);
-    idx.record_delete(&key("b"), Some(4));
+    idx.record_delete(&key("b"), 4);
     assert!(idx.node_version("n2") > m2);
     assert_eq!(idx.node_version("n1"), m1);
     // A relist that drops a (on n2) and adds c (on n3) moves both nodes.
@@ -261,7 +261,7 @@ fn namespace_use_follows_adds_phases_deletes_and_relists() {
     assert_eq!(mem("ns"), 2000);
     idx.apply_event(Event::Apply(using("ns", "a", 3, 1000, Allocated)));
     assert_eq!(mem("ns"), 2000, "an older version changes nothing");
-    idx.record_delete(&key("b"), Some(5));
+    idx.record_delete(&key("b"), 5);
     assert_eq!(mem("ns"), 0);
     // A relist that shows only c.
     idx.apply_event(Event::Init);
@@ -299,7 +299,7 @@ proptest::proptest! {
                 3 => {
                     idx.apply_event(Event::Delete(r));
                 }
-                4 => idx.record_delete(&ReservationKey::new(ns, &name), Some(rv)),
+                4 => idx.record_delete(&ReservationKey::new(ns, &name), rv),
                 _ => match relist.take() {
                     None => relist = Some(vec![r]),
                     Some(mut listed) => {
@@ -355,7 +355,7 @@ fn own_write_is_visible_before_the_watch_and_not_rolled_back_by_it() {
 fn late_watch_event_does_not_resurrect_a_deletion() {
     let idx = LedgerIndex::new();
     idx.record_write(obj("a", "5", "n1"));
-    idx.record_delete(&key("a"), Some(7));
+    idx.record_delete(&key("a"), 7);
     idx.apply_event(Event::Apply(obj("a", "6", "n1")));
     assert!(idx.get(&key("a")).is_none());
     // A new object of the same name (a recreated pod) is newer than the deletion.
@@ -380,12 +380,61 @@ fn an_own_write_answered_after_the_deletion_event_does_not_bring_the_object_back
 }
 
 #[test]
-fn an_own_create_after_an_own_delete_of_unknown_version_is_kept() {
+fn an_own_create_after_an_own_delete_is_kept() {
     let idx = LedgerIndex::new();
     idx.record_write(obj("a", "5", "n1"));
-    idx.record_delete(&key("a"), None);
+    idx.record_delete(&key("a"), 5);
     idx.record_write(obj("a", "8", "n1"));
     assert_eq!(version_of(&idx, "a").as_deref(), Some("8"));
+}
+
+#[test]
+fn a_not_found_answered_late_takes_out_only_what_was_known_before_the_request() {
+    // A delete (or read) of the old object is sent while the index holds it at 5; before its
+    // "not found" is taken in, another task creates the pod's new reservation at 9.
+    let idx = LedgerIndex::new();
+    idx.apply_event(Event::Apply(obj("a", "5", "n1")));
+    let floor = idx.deletion_floor(&key("a"));
+    assert_eq!(floor, 5);
+    idx.record_write(obj("a", "9", "n1"));
+    idx.record_delete(&key("a"), floor);
+    assert_eq!(
+        version_of(&idx, "a").as_deref(),
+        Some("9"),
+        "the new object kept"
+    );
+    // Its own event is not shadowed either, nor the plugin's write after it.
+    idx.apply_event(Event::Apply(obj("a", "9", "n1")));
+    idx.apply_event(Event::Apply(obj("a", "10", "n1")));
+    assert_eq!(version_of(&idx, "a").as_deref(), Some("10"));
+}
+
+#[test]
+fn a_tombstone_is_never_lowered() {
+    // The watch's deletion at 8, then a late "not found" read at 5, then the late reply of a
+    // status write the API server applied at 7: still gone.
+    let idx = LedgerIndex::new();
+    idx.apply_event(Event::Apply(obj("a", "6", "n1")));
+    idx.apply_event(Event::Delete(obj("a", "8", "n1")));
+    idx.record_delete(&key("a"), 5);
+    idx.record_write(obj("a", "7", "n1"));
+    assert!(idx.get(&key("a")).is_none(), "a ghost of a deleted object");
+}
+
+#[test]
+fn a_deletion_a_relist_finds_shadows_a_write_made_before_it() {
+    // Deleted while the watch was down: the relist no longer lists it, and the reply of a
+    // write made before the deletion comes after the relist.
+    let idx = LedgerIndex::new();
+    idx.apply_event(Event::Apply(obj("a", "5", "n1")));
+    idx.apply_event(Event::Apply(obj("b", "6", "n1")));
+    relist(&idx, &[("b", "10", "n1")]);
+    assert!(idx.get(&key("a")).is_none());
+    idx.record_write(obj("a", "7", "n1"));
+    assert!(idx.get(&key("a")).is_none(), "a ghost of a deleted object");
+    // A new object under the name, after the list, is taken in.
+    idx.apply_event(Event::Apply(obj("a", "11", "n1")));
+    assert_eq!(version_of(&idx, "a").as_deref(), Some("11"));
 }
 
 #[test]
