@@ -443,7 +443,11 @@ enum Fresh {
 /// Creates `desired`. A reservation already under that name is either stale (a pod recreated
 /// under the same name) and deleted, with its resourceVersion as precondition; or this pod's own,
 /// from an earlier bind of it that has ended (only one runs at a time): it is deleted only after
-/// reading the pod again shows that bind did not bind it.
+/// reading the pod again shows that bind did not bind it. Either way the pod is read after the
+/// reservation: another pod's reservation is stale only while this pod still exists. This bind
+/// may have waited seconds for its node's turn, long enough for its pod to be deleted and a
+/// StatefulSet's next pod of the same name to be bound elsewhere with its own reservation,
+/// which is then the newer one.
 async fn write_fresh(
     ctx: &Context,
     args: &ExtenderBindingArgs,
@@ -458,8 +462,10 @@ async fn write_fresh(
                 let Some(old) = ctx.ledger.writer.reread(&key).await? else {
                     continue;
                 };
+                // Gone or replaced: `PodChanged`, and the reservation is left to its pod.
+                let pod = read_pod(ctx, args).await?;
                 if old.spec.pod_uid == args.pod_uid
-                    && let Some(node) = bound_node(&read_pod(ctx, args).await?)
+                    && let Some(node) = bound_node(&pod)
                 {
                     return Ok(Fresh::PodBound(node));
                 }
@@ -759,6 +765,57 @@ mod tests {
                 .get(&ReservationKey::new("ns", "p"))
                 .is_none()
         );
+    }
+
+    /// A bind whose pod was deleted while it waited for its node, and the pod's successor under
+    /// the same name bound elsewhere with its own reservation: the bind's create meets that
+    /// reservation, and it must not take it for a stale one and delete it.
+    #[tokio::test]
+    async fn a_bind_whose_pod_was_replaced_leaves_the_successors_reservation_alone() {
+        use gpuledger_crds::scripted_api::{expect, not_found, scripted, status};
+        use http::Method;
+
+        const RESERVATIONS: &str = "/apis/gpuledger.io/v1alpha1/namespaces/ns/gpureservations";
+        let successors = serde_json::json!({
+            "apiVersion": "gpuledger.io/v1alpha1", "kind": "GpuReservation",
+            "metadata": {"name": "p", "namespace": "ns", "uid": "r2", "resourceVersion": "9",
+                         "finalizers": [gpuledger_crds::names::RESERVATION_FINALIZER]},
+            "spec": {"podName": "p", "podUID": "u2", "nodeName": "n2", "containers": []}
+        });
+        let (client, api) = scripted(vec![
+            expect(Method::POST, RESERVATIONS).reply(
+                409,
+                status(409, "AlreadyExists", "gpureservations \"p\" already exists"),
+            ),
+            expect(Method::GET, format!("{RESERVATIONS}/p")).reply(200, successors),
+            // The successor answers to the name now: this bind's pod is gone.
+            expect(Method::GET, "/api/v1/namespaces/ns/pods/p").reply(404, not_found("pods", "p")),
+        ]);
+        let ctx = Context::detached(
+            client,
+            crate::controllers::refit::commit::tests::synced_index(),
+            kube::runtime::reflector::store::<gpuledger_crds::GpuNode>().0,
+            true,
+        );
+        let mut desired = GpuReservation::new(
+            "p",
+            GpuReservationSpec {
+                pod_name: "p".into(),
+                pod_uid: "u1".into(),
+                node_name: "n1".into(),
+                ..Default::default()
+            },
+        );
+        desired.metadata.namespace = Some("ns".into());
+        let got = write_fresh(&ctx, &args("u1"), &desired).await;
+        api.finish().await;
+        assert!(
+            matches!(got, Err(BindError::PodChanged { .. })),
+            "{:?}",
+            got.err()
+        );
+        let kept = ctx.ledger.index.get(&ReservationKey::new("ns", "p"));
+        assert_eq!(kept.map(|r| r.spec.pod_uid.clone()).as_deref(), Some("u2"));
     }
 
     /// Waiting for a node's Lease against a scripted API server: the Lease watch decides when
