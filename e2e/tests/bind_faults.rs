@@ -422,9 +422,13 @@ async fn a_bind_whose_caller_hangs_up_still_ends_consistent() {
             body.len()
         );
         conn.write_all(request.as_bytes()).await.unwrap();
-        // Hang up while the bind waits on the held-back Lease, as kube-scheduler does at its
-        // extender timeout.
-        tokio::time::sleep(Duration::from_millis(700)).await;
+        // Hang up while the bind waits on the held-back Lease (its POST has reached the proxy,
+        // which holds it 2 s), as kube-scheduler does at its extender timeout.
+        wait_for("the bind's Lease request held back", WAIT, || async {
+            Ok::<_, std::convert::Infallible>((proxy.hits(held) == 1).then_some(()))
+        })
+        .await
+        .unwrap();
     }
     // The bind was not cut off between its reservation and its Binding: it finished.
     let bound = wait_bound(&rig, "cut-0").await;

@@ -3,6 +3,8 @@ package main
 import (
 	"context"
 	"fmt"
+	"os"
+	"path/filepath"
 	"sort"
 	"sync"
 	"time"
@@ -70,7 +72,15 @@ func newNode(o options, client kubernetes.Interface) (*simNode, error) {
 	return n, nil
 }
 
+// podsListedMarker is the file a started kubelet writes once it has listed its node's pods:
+// before that its pod-resources List answers from no pods, and a test restarting it must wait
+// for it (the sockets are served earlier, while the pod cache syncs).
+func podsListedMarker(stateDir string) string { return filepath.Join(stateDir, "pods-listed") }
+
 func (n *simNode) run(ctx context.Context) error {
+	if err := os.Remove(podsListedMarker(n.o.stateDir)); err != nil && !os.IsNotExist(err) {
+		return fmt.Errorf("removing the pods-listed marker: %w", err)
+	}
 	containers, running := n.rt.initial()
 	if err := n.dm.Start(n.activePods, n.sources, containers, running); err != nil {
 		return fmt.Errorf("starting the device manager: %w", err)
@@ -107,6 +117,9 @@ func (n *simNode) run(ctx context.Context) error {
 	}
 	n.admitExisting(lister)
 	n.sources.AddSource("api")
+	if err := os.WriteFile(podsListedMarker(n.o.stateDir), nil, 0o644); err != nil {
+		return fmt.Errorf("writing the pods-listed marker: %w", err)
+	}
 
 	go n.reportCapacity(ctx)
 	go func() {

@@ -91,12 +91,33 @@ impl NodeKubelet {
     /// Kills the kubelet (SIGKILL, no shutdown) and starts it again on the same state directory,
     /// as a node's kubelet restarts: the device manager reads its checkpoint and the plugin must
     /// register again.
+    /// Returns once the new process has listed its node's pods: its sockets are served before
+    /// that, and pod-resources `List` would answer from no pods.
     pub async fn restart(&mut self) -> Result<(), SimNodeError> {
         self.process.stop();
-        // The old socket stays on disk after a SIGKILL; wait for the new process's own.
+        // The old socket and marker stay on disk after a SIGKILL; wait for the new process's.
         let _ = std::fs::remove_file(self.registration_socket());
+        let _ = std::fs::remove_file(self.pods_listed_marker());
         self.process = spawn(&self.opts, &self.log)?;
-        self.wait_socket().await
+        self.wait_socket().await?;
+        self.wait_pods_listed().await
+    }
+
+    /// The file the Go program writes once it has listed its node's pods.
+    fn pods_listed_marker(&self) -> PathBuf {
+        self.opts.state_dir.join("pods-listed")
+    }
+
+    async fn wait_pods_listed(&mut self) -> Result<(), SimNodeError> {
+        let deadline = Instant::now() + STARTUP_TIMEOUT;
+        while !self.pods_listed_marker().exists() {
+            self.check_running()?;
+            if Instant::now() >= deadline {
+                return Err(self.not_ready("the kubelet's list of its node's pods".into()));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(())
     }
 
     /// Sends `signal` to the kubelet process.

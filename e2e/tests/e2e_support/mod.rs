@@ -102,6 +102,24 @@ pub async fn allocated(cluster: &SimCluster, pod: &str) -> GpuReservation {
     .unwrap()
 }
 
+/// Waits until pod `pod`'s reservation is `Allocated` and says it was refitted. Two writers
+/// make these true, each on its own time: the lifecycle controller (once the plugin recorded
+/// the allocation, which it may do as soon as it saw the move committed) and the refit
+/// controller (once it has answered the request).
+pub async fn allocated_and_refitted(cluster: &SimCluster, pod: &str) -> GpuReservation {
+    use gpuledger_crds::conditions::types::REFITTED;
+    wait_reservation(
+        &cluster.cp.client(),
+        NS,
+        pod,
+        "Allocated, Refitted",
+        WAIT,
+        |r| phase(r) == ReservationPhase::Allocated && condition_true(r, REFITTED),
+    )
+    .await
+    .unwrap()
+}
+
 /// The reservation's phase (`Reserved` when unset).
 pub fn phase(r: &GpuReservation) -> ReservationPhase {
     r.status.as_ref().and_then(|s| s.phase).unwrap_or_default()

@@ -22,7 +22,7 @@ pub async fn multi_gpu_refit(cluster: &SimCluster) {
         .cpu_numa(0);
     let seen = run_pod(cluster, pod).await;
     let admitted = seen.admission.admitted().expect("admitted").to_vec();
-    let r = allocated(cluster, "refit-two").await;
+    let r = allocated_and_refitted(cluster, "refit-two").await;
     let uuids = reserved_uuids(&r);
     assert_eq!(uuids.len(), 2, "{r:?}");
     assert_eq!(numa_of_reserved(seen.node, &r), [0, 0]);

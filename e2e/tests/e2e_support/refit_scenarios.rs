@@ -43,7 +43,7 @@ pub async fn best_effort_refit(cluster: &SimCluster) {
         .cpu_numa(0);
     let seen = run_pod(cluster, pod).await;
     let admitted = seen.admission.admitted().expect("admitted").to_vec();
-    let r = allocated(cluster, "refit-be").await;
+    let r = allocated_and_refitted(cluster, "refit-be").await;
     let uuids = reserved_uuids(&r);
     assert_eq!(
         numa_of_reserved(seen.node, &r),
@@ -220,6 +220,20 @@ pub async fn numapolicy_decides(cluster: &SimCluster) {
         .create(&PostParams::default(), &policy)
         .await
         .unwrap();
+    // Ready is written from the operator's NumaPolicy cache, which bind reads: once it says
+    // so, the next bind sees the policy (a watch that lags would leave the pod on the default).
+    wait_for("NumaPolicy Ready", WAIT, || {
+        let policies = policies.clone();
+        async move {
+            let p = policies.get("ml-best-effort").await?;
+            let ready = p
+                .status
+                .is_some_and(|s| conditions::is_true(&s.conditions, "Ready"));
+            Ok::<_, kube::Error>(ready.then_some(()))
+        }
+    })
+    .await
+    .unwrap();
 
     let by_policy = GpuPod::new(NS, "by-policy")
         .gpu_container("main", 1, 2048, 10)
@@ -227,7 +241,7 @@ pub async fn numapolicy_decides(cluster: &SimCluster) {
         .cpu_numa(0);
     let seen = run_pod(cluster, by_policy).await;
     assert!(seen.admission.admitted().is_some());
-    let r = allocated(cluster, "by-policy").await;
+    let r = allocated_and_refitted(cluster, "by-policy").await;
     assert_eq!(r.spec.alignment, Alignment::BestEffort);
     assert_eq!(
         r.spec.alignment_source.as_deref(),

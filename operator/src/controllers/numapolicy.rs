@@ -1,7 +1,9 @@
 //! NumaPolicy status: how many GPU pods of its namespace this policy currently decides the
 //! alignment of (the pod has no annotation and this policy wins the tie-break), and the GitOps
 //! conditions (`Ready` when its selector can be evaluated, `Stalled` with why when it cannot). The alignment itself is resolved at
-//! bind and recorded in each reservation.
+//! bind and recorded in each reservation. A policy's status is written only once the cache bind
+//! reads holds its current spec: `Ready` then means the next bind applies it (this controller
+//! has its own watch, which may be ahead of that cache).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -26,6 +28,9 @@ use crate::context::Context;
 
 /// Pods per list request when counting a policy's pods.
 const LIST_PAGE: u32 = 500;
+
+/// How soon a policy the binds' cache does not hold yet is looked at again.
+const CACHE_LAG_RECHECK: Duration = Duration::from_millis(200);
 
 /// How often matched counts are refreshed (pods come and go without touching the policy).
 const REFRESH: Duration = Duration::from_secs(15);
@@ -65,6 +70,16 @@ fn error_policy(p: Arc<NumaPolicy>, e: &PolicyError, ctx: Arc<Context>) -> Actio
     Action::requeue(Duration::from_secs(5))
 }
 
+/// Whether the NumaPolicy cache bind resolves alignments from holds `p`'s spec (its
+/// generation or a newer one).
+fn binds_see(ctx: &Context, p: &NumaPolicy) -> bool {
+    let key = kube::runtime::reflector::ObjectRef::from_obj(p);
+    ctx.caches
+        .policies
+        .get(&key)
+        .is_some_and(|cached| cached.meta().generation >= p.meta().generation)
+}
+
 /// Whether a pod's alignment is decided by `policy` (given the resolved source).
 fn decided_by(source: &AlignmentSource, policy: &str) -> bool {
     matches!(source, AlignmentSource::Policy(name) if name == policy)
@@ -73,6 +88,9 @@ fn decided_by(source: &AlignmentSource, policy: &str) -> bool {
 async fn reconcile(p: Arc<NumaPolicy>, ctx: Arc<Context>) -> Result<Action, PolicyError> {
     if !ctx.may_write() {
         return Ok(Action::requeue(Duration::from_secs(5)));
+    }
+    if !binds_see(&ctx, &p) {
+        return Ok(Action::requeue(CACHE_LAG_RECHECK));
     }
     let ns = p.namespace().unwrap_or_default();
     let name = p.name_any();
@@ -146,4 +164,58 @@ async fn reconcile(p: Arc<NumaPolicy>, ctx: Arc<Context>) -> Result<Action, Poli
         .map_err(|e| api_err("write status", e))?;
     }
     Ok(Action::requeue(REFRESH))
+}
+
+#[cfg(test)]
+mod tests {
+    use gpuledger_crds::{Alignment, NumaPolicySpec};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+    use kube::runtime::reflector;
+
+    use super::*;
+    use crate::controllers::refit::commit::tests::context;
+
+    fn policy(generation: i64) -> NumaPolicy {
+        let mut p = NumaPolicy::new(
+            "ml",
+            NumaPolicySpec {
+                pod_selector: LabelSelector::default(),
+                alignment: Alignment::BestEffort,
+                priority: 1,
+            },
+        );
+        p.metadata.namespace = Some("team".into());
+        p.metadata.generation = Some(generation);
+        p
+    }
+
+    #[tokio::test]
+    async fn no_status_until_the_cache_binds_read_holds_the_policys_spec() {
+        let (store, mut cache) = reflector::store::<NumaPolicy>();
+        let mut ctx = context();
+        ctx.caches.policies = store;
+        let ctx = Arc::new(ctx);
+        let current = Arc::new(policy(2));
+        let wait = Action::requeue(CACHE_LAG_RECHECK);
+        // Not in the binds' cache yet: nothing is asked of the API server, and soon again.
+        let got = reconcile(current.clone(), ctx.clone()).await;
+        assert_eq!(got.ok(), Some(wait.clone()));
+        // Held at an older spec: the same.
+        cache.apply_watcher_event(&watcher::Event::Apply(policy(1)));
+        let got = reconcile(current.clone(), ctx.clone()).await;
+        assert_eq!(got.ok(), Some(wait));
+        // Held: it goes on to count the policy's pods (this context reaches no API server).
+        cache.apply_watcher_event(&watcher::Event::Apply(policy(2)));
+        let got = reconcile(current, ctx).await;
+        assert!(
+            matches!(
+                got,
+                Err(PolicyError::Api {
+                    action: "list pods",
+                    ..
+                })
+            ),
+            "{got:?}"
+        );
+    }
 }
