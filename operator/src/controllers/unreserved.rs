@@ -262,6 +262,12 @@ async fn repair(
         return Ok(Repair::NotNeeded);
     };
     let _node = ctx.ledger.node_locks.lock(node).await;
+    // Again after the wait for the lock (a bind or refit may hold it for seconds): a replica
+    // that stepped down meanwhile must not write a reservation fitted on its own view while
+    // the next leader decides on the same GPUs. The sweep pauses until it leads again.
+    if !ctx.may_write() {
+        return Ok(Repair::NotNeeded);
+    }
     let pod = Api::<Pod>::namespaced(ctx.client.clone(), &key.namespace)
         .get_opt(&key.name)
         .await
@@ -329,6 +335,24 @@ mod tests {
     use crate::controllers::lifecycle::tests::reservation;
     use crate::controllers::pod_facts::tests::{pod, wanting_a_gpu};
     use crate::controllers::refit::commit::tests::context;
+
+    #[tokio::test]
+    async fn a_repair_that_waited_while_its_replica_stepped_down_writes_nothing() {
+        let ctx = Arc::new(context());
+        let facts = PodFacts::of(&bound_pod(), &Default::default());
+        // A bind or a refit holds the node while the repair starts.
+        let held = ctx.ledger.node_locks.lock("n1").await;
+        let repairing = tokio::spawn({
+            let ctx = ctx.clone();
+            async move { repair(&ctx, &p(), &facts).await }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        ctx.health.set_leader(false);
+        drop(held);
+        // Nothing asked of the API server (this context reaches none: a read would fail).
+        let got = repairing.await.unwrap();
+        assert!(matches!(got, Ok(Repair::NotNeeded)), "{got:?}");
+    }
 
     /// Pod ns/p (uid-1), bound to n1 and wanting a GPU.
     fn bound_pod() -> Pod {
