@@ -597,7 +597,7 @@ impl LedgerIndex {
         inner.watch_seen.max(held)
     }
 
-    /// Forgets tombstones and own-write marks older than [`LOCAL_WRITE_GRACE`] (a relist does
+    /// Forgets tombstones and own-write marks older than `LOCAL_WRITE_GRACE` (30 s; a relist does
     /// too): kept only between relists they would grow with every deletion.
     pub fn forget_old_marks(&self) {
         let stale = {
