@@ -335,7 +335,8 @@ impl Inner {
     fn shadowed_by_tombstone(&self, key: &ReservationKey, obj: &GpuReservation) -> bool {
         match (self.tombstones.get(key), rv(obj)) {
             (Some((Some(dead), _)), Some(v)) => v <= *dead,
-            // A deletion of unknown version shadows everything until it expires.
+            // A deletion of unknown version (an event whose version is not a number) shadows
+            // every event until it expires; own writes end it.
             (Some((None, at)), _) => at.elapsed() < LOCAL_WRITE_GRACE,
             _ => false,
         }
@@ -571,9 +572,9 @@ impl LedgerIndex {
             }
         }
         inner.local_writes.insert(key.clone(), Instant::now());
-        // Newer than any deletion the index knows the version of (checked above), or after one
-        // of unknown version (our own delete, then a create under the same name): it ends the
-        // tombstone.
+        // Newer than the deletion the index knows of (checked above): it ends the tombstone.
+        // (Own deletions always carry a version; one without comes only from an event whose
+        // version is not a number, and an own write ends it too.)
         inner.tombstones.remove(&key);
         inner.upsert(Arc::new(trimmed(obj)));
     }
