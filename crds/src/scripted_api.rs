@@ -96,6 +96,16 @@ impl Expect {
         }
     }
 
+    /// Answers with `code` and a JSON body after `delay`: a slow API server, during which the
+    /// test changes what the code under test will find next (leadership, a cache). Requests
+    /// after it are taken meanwhile.
+    pub fn reply_after(self, delay: std::time::Duration, code: u16, body: Value) -> Step {
+        Step {
+            expect: self,
+            reply: Reply::Later(delay, code, body),
+        }
+    }
+
     /// Never answers: a stalled API server. The request stays pending until the client gives up.
     pub fn never_reply(self) -> Step {
         Step {
@@ -147,6 +157,8 @@ impl Expect {
 
 enum Reply {
     Json(u16, Value),
+    /// Answered after a pause (on the test's clock: paused time advances it).
+    Later(std::time::Duration, u16, Value),
     Events(Vec<Value>),
     Never,
 }
@@ -348,6 +360,12 @@ async fn serve(mut handle: Handle, steps: Vec<Step>, progress: Arc<Mutex<Progres
         }
         match step.reply {
             Reply::Json(code, body) => send.send_response(json_response(code, &body)),
+            Reply::Later(delay, code, body) => {
+                tokio::spawn(async move {
+                    tokio::time::sleep(delay).await;
+                    send.send_response(json_response(code, &body));
+                });
+            }
             Reply::Events(events) => {
                 let lines: String = events.iter().map(|e| format!("{e}\n")).collect();
                 send.send_response(bytes_response(200, lines.into_bytes()));

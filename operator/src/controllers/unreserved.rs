@@ -286,6 +286,11 @@ async fn repair(
         Some(stale) => ctx.ledger.writer.delete(&stale).await?,
         None => {}
     }
+    // And once more after the reads (each may have waited on a slow API server): the fit
+    // below is decided on this replica's view.
+    if !ctx.may_write() {
+        return Ok(Repair::NotNeeded);
+    }
     let fitted = ctx
         .gpu_request(&pod)
         .map_err(|e| e.to_string())
@@ -351,6 +356,44 @@ mod tests {
         drop(held);
         // Nothing asked of the API server (this context reaches none: a read would fail).
         let got = repairing.await.unwrap();
+        assert!(matches!(got, Ok(Repair::NotNeeded)), "{got:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_repair_whose_replica_stepped_down_during_its_reads_writes_nothing() {
+        use gpuledger_crds::scripted_api::{expect, not_found, scripted};
+        use http::Method;
+
+        let pod = serde_json::to_value(bound_pod()).unwrap();
+        let (client, api) = scripted(vec![
+            expect(Method::GET, "/api/v1/namespaces/ns/pods/p").reply_after(
+                Duration::from_secs(1),
+                200,
+                pod,
+            ),
+            expect(
+                Method::GET,
+                "/apis/gpuledger.io/v1alpha1/namespaces/ns/gpureservations/p",
+            )
+            .reply(404, not_found("gpureservations", "p")),
+        ]);
+        let ctx = Arc::new(Context::detached(
+            client,
+            crate::controllers::refit::commit::tests::synced_index(),
+            kube::runtime::reflector::store().0,
+            true,
+        ));
+        let facts = PodFacts::of(&bound_pod(), &Default::default());
+        let repairing = tokio::spawn({
+            let ctx = ctx.clone();
+            async move { repair(&ctx, &p(), &facts).await }
+        });
+        // The pod's read is slow; leadership lapses meanwhile.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        ctx.health.set_leader(false);
+        let got = repairing.await.unwrap();
+        // No reservation written (a create would be a request past the script's end).
+        api.finish().await;
         assert!(matches!(got, Ok(Repair::NotNeeded)), "{got:?}");
     }
 

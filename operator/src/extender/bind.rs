@@ -454,7 +454,12 @@ async fn write_fresh(
     desired: &GpuReservation,
 ) -> Result<Fresh, BindError> {
     let key = ReservationKey::of(desired);
-    for _ in 0..3 {
+    for attempt in 0..3 {
+        // The reads and the delete of the last attempt may each have waited on a slow API
+        // server: a replica that stepped down meanwhile must not write what it fitted.
+        if attempt > 0 && !ctx.may_write() {
+            return Err(BindError::NotLeader);
+        }
         match ctx.ledger.writer.create(desired).await {
             Ok(created) => return Ok(Fresh::Written(Box::new(created))),
             Err(WriteError::Conflict { .. }) => {
@@ -816,6 +821,63 @@ mod tests {
         );
         let kept = ctx.ledger.index.get(&ReservationKey::new("ns", "p"));
         assert_eq!(kept.map(|r| r.spec.pod_uid.clone()).as_deref(), Some("u2"));
+    }
+
+    /// A bind whose replica steps down while it replaces a stale reservation (another pod's,
+    /// under the name) does not go on to write its own.
+    #[tokio::test(start_paused = true)]
+    async fn a_bind_whose_replica_stepped_down_while_it_cleared_the_name_writes_nothing() {
+        use gpuledger_crds::scripted_api::{expect, scripted, status};
+        use http::Method;
+
+        const RESERVATIONS: &str = "/apis/gpuledger.io/v1alpha1/namespaces/ns/gpureservations";
+        let stale = serde_json::json!({
+            "apiVersion": "gpuledger.io/v1alpha1", "kind": "GpuReservation",
+            "metadata": {"name": "p", "namespace": "ns", "uid": "r0", "resourceVersion": "4"},
+            "spec": {"podName": "p", "podUID": "u0", "nodeName": "n1", "containers": []}
+        });
+        let this_pod =
+            serde_json::to_value(wanting_a_gpu(pod("p", "u1", None, "Pending"))).unwrap();
+        let (client, api) = scripted(vec![
+            expect(Method::POST, RESERVATIONS).reply(
+                409,
+                status(409, "AlreadyExists", "gpureservations \"p\" already exists"),
+            ),
+            expect(Method::GET, format!("{RESERVATIONS}/p")).reply(200, stale.clone()),
+            // Slow: leadership lapses meanwhile.
+            expect(Method::GET, "/api/v1/namespaces/ns/pods/p").reply_after(
+                Duration::from_secs(1),
+                200,
+                this_pod,
+            ),
+            expect(Method::DELETE, format!("{RESERVATIONS}/p")).reply(200, stale),
+        ]);
+        let ctx = Arc::new(Context::detached(
+            client,
+            crate::controllers::refit::commit::tests::synced_index(),
+            kube::runtime::reflector::store::<gpuledger_crds::GpuNode>().0,
+            true,
+        ));
+        let mut desired = GpuReservation::new(
+            "p",
+            GpuReservationSpec {
+                pod_name: "p".into(),
+                pod_uid: "u1".into(),
+                node_name: "n1".into(),
+                ..Default::default()
+            },
+        );
+        desired.metadata.namespace = Some("ns".into());
+        let writing = tokio::spawn({
+            let ctx = ctx.clone();
+            async move { write_fresh(&ctx, &args("u1"), &desired).await.err() }
+        });
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        ctx.health.set_leader(false);
+        let got = writing.await.unwrap();
+        // No second create (it would be a request past the script's end).
+        api.finish().await;
+        assert!(matches!(got, Some(BindError::NotLeader)), "{got:?}");
     }
 
     /// Waiting for a node's Lease against a scripted API server: the Lease watch decides when

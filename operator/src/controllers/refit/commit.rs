@@ -88,7 +88,9 @@ fn outcome_unknown(e: &WriteError) -> bool {
 /// Past the request's deadline the move is no longer wanted (the plugin has stopped waiting):
 /// a fence ([`crate::ledger::writer::LedgerWriter::fence`]) on the same version is sent
 /// instead, whose success settles it the other way, the move never applied.
-/// A replica that stops leading stops trying and decides nothing more (`last` is returned).
+/// A replica that stops leading stops trying and decides nothing more (`last` is returned): it
+/// looks after each wait, right before it would send (the next leader may have given the GPUs
+/// the move takes to a pod of its own if the first try never applied).
 async fn resend_until_settled(
     ctx: &Context,
     request: &RefitRequestSpec,
@@ -98,10 +100,13 @@ async fn resend_until_settled(
 ) -> Settled {
     let key = ReservationKey::of(current);
     let mut wait = RESEND_RETRY;
-    while ctx.may_write() {
+    loop {
         tracing::warn!(reservation = %key, error = %last,
             "a refit's move may or may not have been applied; settling it, the node stays locked");
         tokio::time::sleep(wait).await;
+        if !ctx.may_write() {
+            break;
+        }
         wait = (wait * 2).min(RESEND_RETRY_MAX);
         let fencing = expired(request, Timestamp::now());
         let settled = match fencing {
@@ -204,7 +209,12 @@ pub async fn commit(
     if !ctx.may_write() {
         return Err(ReconcileError::NotLeader);
     }
-    for _ in 0..ATTEMPTS {
+    for attempt in 0..ATTEMPTS {
+        // Each attempt after a conflict decides again, on this replica's view: only while it
+        // leads (the last attempt's write and re-read may have waited on a slow API server).
+        if attempt > 0 && !ctx.may_write() {
+            return Err(ReconcileError::NotLeader);
+        }
         let current = ctx.ledger.index.get(&key);
         let container = match validate(namespace, spec, Some(pod), current.as_deref()) {
             Ok(c) => c.index,
@@ -485,6 +495,64 @@ pub(crate) mod tests {
         assert!(moved.is_none());
         assert!(matches!(answer, Answer::Succeeded { .. }), "{answer:?}");
         assert_eq!(held_gpu(&ctx), "GPU-0");
+    }
+
+    /// A replica that steps down while it waits to send a move of unknown outcome again sends
+    /// nothing more: if the first try never applied, the next leader may have given the GPU
+    /// the move takes to a pod of its own.
+    #[tokio::test(start_paused = true)]
+    async fn a_move_of_unknown_outcome_is_not_sent_again_once_the_replica_stepped_down() {
+        use gpuledger_crds::scripted_api::{expect, scripted, status};
+        use http::Method;
+
+        const PATH: &str = "/apis/gpuledger.io/v1alpha1/namespaces/ml/gpureservations/train";
+        let (client, api) = scripted(vec![
+            expect(Method::PATCH, PATH).reply(500, status(500, "InternalError", "etcd timeout")),
+        ]);
+        let (ctx, request, pod) = a_move(client);
+        let committing = tokio::spawn({
+            let ctx = ctx.clone();
+            async move { commit(&ctx, "ml", &request, &pod).await }
+        });
+        // The first try failed at once; the resend waits RESEND_RETRY.
+        tokio::time::sleep(RESEND_RETRY / 2).await;
+        ctx.health.set_leader(false);
+        let got = committing.await.unwrap();
+        // A second PATCH would be a request past the script's end.
+        api.finish().await;
+        assert!(got.is_err(), "{got:?}");
+        assert_eq!(held_gpu(&ctx), "GPU-2");
+    }
+
+    /// A move that met a conflict is decided again only while the replica leads: one that
+    /// stepped down while it read the reservation back writes nothing more.
+    #[tokio::test(start_paused = true)]
+    async fn a_refit_that_stepped_down_after_a_conflict_does_not_try_again() {
+        use gpuledger_crds::scripted_api::{expect, scripted, status};
+        use http::Method;
+
+        const PATH: &str = "/apis/gpuledger.io/v1alpha1/namespaces/ml/gpureservations/train";
+        let mut newer = train_on_gpu_2();
+        newer.metadata.resource_version = Some("6".into());
+        let (client, api) = scripted(vec![
+            expect(Method::PATCH, PATH)
+                .reply(409, status(409, "Conflict", "the object has been modified")),
+            expect(Method::GET, PATH).reply_after(
+                Duration::from_secs(1),
+                200,
+                serde_json::to_value(&newer).unwrap(),
+            ),
+        ]);
+        let (ctx, request, pod) = a_move(client);
+        let committing = tokio::spawn({
+            let ctx = ctx.clone();
+            async move { commit(&ctx, "ml", &request, &pod).await }
+        });
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        ctx.health.set_leader(false);
+        let got = committing.await.unwrap();
+        api.finish().await;
+        assert!(matches!(got, Err(ReconcileError::NotLeader)), "{got:?}");
     }
 
     /// Past the request's deadline the move is not sent again (the plugin stopped waiting for
