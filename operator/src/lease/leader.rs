@@ -154,9 +154,15 @@ pub async fn run(
         }
         health.set_leader(leading);
         metrics.leader.set(i64::from(leading));
-        // A follower is woken early when the Lease watch sees it freed ([`release`]).
+        // A follower is woken early when the Lease watch sees it freed ([`release`]). A leader
+        // whose renewals fail sleeps no later than its renewal deadline: the round then steps
+        // down on time, not up to a whole period late (a renewal failing at 9.9 s followed by a
+        // full period kept it leading until 11.9 s, of the 15 s a standby waits).
+        let nap = term.renewed_at.map_or(RETRY_PERIOD, |t| {
+            RETRY_PERIOD.min(RENEW_DEADLINE.saturating_sub(t.elapsed()))
+        });
         tokio::select! {
-            () = tokio::time::sleep(RETRY_PERIOD) => {}
+            () = tokio::time::sleep(nap) => {}
             () = freed.notified(), if !leading => {}
         }
     }
@@ -318,6 +324,43 @@ mod tests {
         assert!(
             !leading_at_deadline,
             "still leading {RENEW_DEADLINE:?} after the last renewal, with the renewal unanswered"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_leader_whose_renewals_fail_late_steps_down_at_its_deadline() {
+        const LEASES: &str = "/apis/coordination.k8s.io/v1/namespaces/gpuledger-system/leases";
+        let failed = || status(500, "InternalError", "etcd timeout");
+        let (client, api) = scripted(vec![
+            // t = 0: created: leading, renewal time 0.
+            expect(Method::GET, LEASE_PATH).reply(404, status(404, "NotFound", "not found")),
+            expect(Method::POST, LEASES).reply(201, held("replica-a", "1")),
+            // t = 2, 4, 6: renewals fail at once.
+            expect(Method::GET, LEASE_PATH).reply(500, failed()),
+            expect(Method::GET, LEASE_PATH).reply(500, failed()),
+            expect(Method::GET, LEASE_PATH).reply(500, failed()),
+            // t = 8: this one fails at 9.9, just inside the deadline.
+            expect(Method::GET, LEASE_PATH).reply_after(Duration::from_millis(1900), 500, failed()),
+        ]);
+        let health = Arc::new(Health::default());
+        let election = tokio::spawn(run(
+            client,
+            "gpuledger-system".into(),
+            "replica-a".into(),
+            health.clone(),
+            Arc::new(Metrics::new()),
+            Arc::new(Notify::new()),
+        ));
+        let start = Instant::now();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(health.is_leader(), "the first round should have won");
+        tokio::time::sleep_until(start + RENEW_DEADLINE + Duration::from_millis(100)).await;
+        let leading_at_deadline = health.is_leader();
+        election.abort();
+        api.finish().await;
+        assert!(
+            !leading_at_deadline,
+            "still leading {RENEW_DEADLINE:?} after the last renewal"
         );
     }
 
