@@ -377,11 +377,8 @@ mod tests {
             )
             .reply(404, not_found("gpureservations", "p")),
         ]);
-        let ctx = Arc::new(Context::detached(
+        let ctx = Arc::new(crate::controllers::refit::commit::tests::context_over(
             client,
-            crate::controllers::refit::commit::tests::synced_index(),
-            kube::runtime::reflector::store().0,
-            true,
         ));
         let facts = PodFacts::of(&bound_pod(), &Default::default());
         let repairing = tokio::spawn({

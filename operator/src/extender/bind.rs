@@ -772,36 +772,28 @@ mod tests {
         );
     }
 
-    /// A bind whose pod was deleted while it waited for its node, and the pod's successor under
-    /// the same name bound elsewhere with its own reservation: the bind's create meets that
-    /// reservation, and it must not take it for a stale one and delete it.
-    #[tokio::test]
-    async fn a_bind_whose_pod_was_replaced_leaves_the_successors_reservation_alone() {
-        use gpuledger_crds::scripted_api::{expect, not_found, scripted, status};
-        use http::Method;
+    const RESERVATIONS: &str = "/apis/gpuledger.io/v1alpha1/namespaces/ns/gpureservations";
 
-        const RESERVATIONS: &str = "/apis/gpuledger.io/v1alpha1/namespaces/ns/gpureservations";
-        let successors = serde_json::json!({
+    /// Reservation ns/p as the API server returns it: object `uid`, of pod `pod_uid` on `node`.
+    fn reservation_json(uid: &str, pod_uid: &str, node: &str, rv: &str) -> serde_json::Value {
+        serde_json::json!({
             "apiVersion": "gpuledger.io/v1alpha1", "kind": "GpuReservation",
-            "metadata": {"name": "p", "namespace": "ns", "uid": "r2", "resourceVersion": "9",
-                         "finalizers": [gpuledger_crds::names::RESERVATION_FINALIZER]},
-            "spec": {"podName": "p", "podUID": "u2", "nodeName": "n2", "containers": []}
-        });
-        let (client, api) = scripted(vec![
-            expect(Method::POST, RESERVATIONS).reply(
-                409,
-                status(409, "AlreadyExists", "gpureservations \"p\" already exists"),
-            ),
-            expect(Method::GET, format!("{RESERVATIONS}/p")).reply(200, successors),
-            // The successor answers to the name now: this bind's pod is gone.
-            expect(Method::GET, "/api/v1/namespaces/ns/pods/p").reply(404, not_found("pods", "p")),
-        ]);
-        let ctx = Context::detached(
-            client,
-            crate::controllers::refit::commit::tests::synced_index(),
-            kube::runtime::reflector::store::<gpuledger_crds::GpuNode>().0,
-            true,
-        );
+            "metadata": {"name": "p", "namespace": "ns", "uid": uid, "resourceVersion": rv},
+            "spec": {"podName": "p", "podUID": pod_uid, "nodeName": node, "containers": []}
+        })
+    }
+
+    /// The create of ns/p answered "already exists".
+    fn name_taken() -> gpuledger_crds::scripted_api::Step {
+        use gpuledger_crds::scripted_api::{expect, status};
+        expect(http::Method::POST, RESERVATIONS).reply(
+            409,
+            status(409, "AlreadyExists", "gpureservations \"p\" already exists"),
+        )
+    }
+
+    /// What pod ns/p (uid u1) is to be booked with on n1.
+    fn desired_for_u1() -> GpuReservation {
         let mut desired = GpuReservation::new(
             "p",
             GpuReservationSpec {
@@ -812,7 +804,28 @@ mod tests {
             },
         );
         desired.metadata.namespace = Some("ns".into());
-        let got = write_fresh(&ctx, &args("u1"), &desired).await;
+        desired
+    }
+
+    /// A bind whose pod was deleted while it waited for its node, and the pod's successor under
+    /// the same name bound elsewhere with its own reservation: the bind's create meets that
+    /// reservation, and it must not take it for a stale one and delete it.
+    #[tokio::test]
+    async fn a_bind_whose_pod_was_replaced_leaves_the_successors_reservation_alone() {
+        use gpuledger_crds::scripted_api::{expect, not_found, scripted};
+        use http::Method;
+
+        let mut successors = reservation_json("r2", "u2", "n2", "9");
+        successors["metadata"]["finalizers"] =
+            serde_json::json!([gpuledger_crds::names::RESERVATION_FINALIZER]);
+        let (client, api) = scripted(vec![
+            name_taken(),
+            expect(Method::GET, format!("{RESERVATIONS}/p")).reply(200, successors),
+            // The successor answers to the name now: this bind's pod is gone.
+            expect(Method::GET, "/api/v1/namespaces/ns/pods/p").reply(404, not_found("pods", "p")),
+        ]);
+        let ctx = crate::controllers::refit::commit::tests::context_over(client);
+        let got = write_fresh(&ctx, &args("u1"), &desired_for_u1()).await;
         api.finish().await;
         assert!(
             matches!(got, Err(BindError::PodChanged { .. })),
@@ -827,22 +840,14 @@ mod tests {
     /// under the name) does not go on to write its own.
     #[tokio::test(start_paused = true)]
     async fn a_bind_whose_replica_stepped_down_while_it_cleared_the_name_writes_nothing() {
-        use gpuledger_crds::scripted_api::{expect, scripted, status};
+        use gpuledger_crds::scripted_api::{expect, scripted};
         use http::Method;
 
-        const RESERVATIONS: &str = "/apis/gpuledger.io/v1alpha1/namespaces/ns/gpureservations";
-        let stale = serde_json::json!({
-            "apiVersion": "gpuledger.io/v1alpha1", "kind": "GpuReservation",
-            "metadata": {"name": "p", "namespace": "ns", "uid": "r0", "resourceVersion": "4"},
-            "spec": {"podName": "p", "podUID": "u0", "nodeName": "n1", "containers": []}
-        });
+        let stale = reservation_json("r0", "u0", "n1", "4");
         let this_pod =
             serde_json::to_value(wanting_a_gpu(pod("p", "u1", None, "Pending"))).unwrap();
         let (client, api) = scripted(vec![
-            expect(Method::POST, RESERVATIONS).reply(
-                409,
-                status(409, "AlreadyExists", "gpureservations \"p\" already exists"),
-            ),
+            name_taken(),
             expect(Method::GET, format!("{RESERVATIONS}/p")).reply(200, stale.clone()),
             // Slow: leadership lapses meanwhile.
             expect(Method::GET, "/api/v1/namespaces/ns/pods/p").reply_after(
@@ -852,25 +857,16 @@ mod tests {
             ),
             expect(Method::DELETE, format!("{RESERVATIONS}/p")).reply(200, stale),
         ]);
-        let ctx = Arc::new(Context::detached(
+        let ctx = Arc::new(crate::controllers::refit::commit::tests::context_over(
             client,
-            crate::controllers::refit::commit::tests::synced_index(),
-            kube::runtime::reflector::store::<gpuledger_crds::GpuNode>().0,
-            true,
         ));
-        let mut desired = GpuReservation::new(
-            "p",
-            GpuReservationSpec {
-                pod_name: "p".into(),
-                pod_uid: "u1".into(),
-                node_name: "n1".into(),
-                ..Default::default()
-            },
-        );
-        desired.metadata.namespace = Some("ns".into());
         let writing = tokio::spawn({
             let ctx = ctx.clone();
-            async move { write_fresh(&ctx, &args("u1"), &desired).await.err() }
+            async move {
+                write_fresh(&ctx, &args("u1"), &desired_for_u1())
+                    .await
+                    .err()
+            }
         });
         tokio::time::sleep(Duration::from_millis(500)).await;
         ctx.health.set_leader(false);

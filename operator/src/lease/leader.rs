@@ -289,16 +289,21 @@ mod tests {
         assert!(!freed.unwrap());
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_leader_whose_renewal_hangs_steps_down_before_its_lease_expires() {
+    /// Runs the election (paused time) against a server that has no Lease at t = 0, so the
+    /// first round creates it and leads, then answers the renewals with `renewals`. Whether the
+    /// replica leads at 1 s, and whether it still does just past [`RENEW_DEADLINE`]: a standby
+    /// may take the Lease once [`LEASE_SECONDS`] have passed since the renewal time written at
+    /// 0, and by then this replica must no longer act as leader.
+    async fn leading_at_start_and_past_the_deadline(
+        renewals: Vec<gpuledger_crds::scripted_api::Step>,
+    ) -> (bool, bool) {
         const LEASES: &str = "/apis/coordination.k8s.io/v1/namespaces/gpuledger-system/leases";
-        let (client, api) = scripted(vec![
-            // t = 0: no Lease yet, created: leading, renewal time 0.
+        let mut steps = vec![
             expect(Method::GET, LEASE_PATH).reply(404, status(404, "NotFound", "not found")),
             expect(Method::POST, LEASES).reply(201, held("replica-a", "1")),
-            // t = 2: the renewal's read is never answered.
-            expect(Method::GET, LEASE_PATH).never_reply(),
-        ]);
+        ];
+        steps.extend(renewals);
+        let (client, api) = scripted(steps);
         let health = Arc::new(Health::default());
         let election = tokio::spawn(run(
             client,
@@ -310,17 +315,22 @@ mod tests {
         ));
         let start = Instant::now();
         tokio::time::sleep(Duration::from_secs(1)).await;
-        assert!(
-            health.is_leader(),
-            "the first round should have won the Lease"
-        );
-        // A standby may take the Lease once LEASE_SECONDS have passed since the renewal time
-        // written at 0; before then (and by RENEW_DEADLINE at the latest) this replica must no
-        // longer act as leader, though its renewal is still waiting for an answer.
+        let first = health.is_leader();
         tokio::time::sleep_until(start + RENEW_DEADLINE + Duration::from_millis(100)).await;
         let leading_at_deadline = health.is_leader();
         election.abort();
         api.finish().await;
+        (first, leading_at_deadline)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_leader_whose_renewal_hangs_steps_down_before_its_lease_expires() {
+        // t = 2: the renewal's read is never answered.
+        let (first, leading_at_deadline) = leading_at_start_and_past_the_deadline(vec![
+            expect(Method::GET, LEASE_PATH).never_reply(),
+        ])
+        .await;
+        assert!(first, "the first round should have won the Lease");
         assert!(
             !leading_at_deadline,
             "still leading {RENEW_DEADLINE:?} after the last renewal, with the renewal unanswered"
@@ -329,35 +339,17 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_leader_whose_renewals_fail_late_steps_down_at_its_deadline() {
-        const LEASES: &str = "/apis/coordination.k8s.io/v1/namespaces/gpuledger-system/leases";
         let failed = || status(500, "InternalError", "etcd timeout");
-        let (client, api) = scripted(vec![
-            // t = 0: created: leading, renewal time 0.
-            expect(Method::GET, LEASE_PATH).reply(404, status(404, "NotFound", "not found")),
-            expect(Method::POST, LEASES).reply(201, held("replica-a", "1")),
+        let (first, leading_at_deadline) = leading_at_start_and_past_the_deadline(vec![
             // t = 2, 4, 6: renewals fail at once.
             expect(Method::GET, LEASE_PATH).reply(500, failed()),
             expect(Method::GET, LEASE_PATH).reply(500, failed()),
             expect(Method::GET, LEASE_PATH).reply(500, failed()),
             // t = 8: this one fails at 9.9, just inside the deadline.
             expect(Method::GET, LEASE_PATH).reply_after(Duration::from_millis(1900), 500, failed()),
-        ]);
-        let health = Arc::new(Health::default());
-        let election = tokio::spawn(run(
-            client,
-            "gpuledger-system".into(),
-            "replica-a".into(),
-            health.clone(),
-            Arc::new(Metrics::new()),
-            Arc::new(Notify::new()),
-        ));
-        let start = Instant::now();
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        assert!(health.is_leader(), "the first round should have won");
-        tokio::time::sleep_until(start + RENEW_DEADLINE + Duration::from_millis(100)).await;
-        let leading_at_deadline = health.is_leader();
-        election.abort();
-        api.finish().await;
+        ])
+        .await;
+        assert!(first, "the first round should have won");
         assert!(
             !leading_at_deadline,
             "still leading {RENEW_DEADLINE:?} after the last renewal"

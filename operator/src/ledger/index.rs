@@ -257,7 +257,8 @@ pub fn shared(event: Event<GpuReservation>) -> Event<Arc<GpuReservation>> {
     }
 }
 
-fn rv(r: &GpuReservation) -> Option<u64> {
+/// `r`'s resourceVersion as a number (`None` when it has none: never from the API server).
+pub(super) fn rv(r: &GpuReservation) -> Option<u64> {
     r.resource_version().and_then(|v| v.parse().ok())
 }
 

@@ -16,7 +16,7 @@ use kube::{Client, ResourceExt};
 use serde::Serialize;
 use serde_json::{Value, json};
 
-use super::index::{LedgerIndex, ReservationKey};
+use super::index::{LedgerIndex, ReservationKey, rv};
 
 /// Why a ledger write failed.
 #[derive(Debug, thiserror::Error)]
@@ -461,9 +461,7 @@ impl LedgerWriter {
 
 /// `r`'s resourceVersion as a number (0 when it has none: never from the API server).
 fn version_of(r: &GpuReservation) -> u64 {
-    r.resource_version()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
+    rv(r).unwrap_or(0)
 }
 
 #[cfg(test)]

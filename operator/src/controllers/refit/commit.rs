@@ -328,7 +328,11 @@ pub(crate) mod tests {
     /// the bind and refit tests, to see what was decided without one).
     pub(crate) fn context() -> Context {
         let config = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
-        let client = kube::Client::try_from(config).unwrap();
+        context_over(kube::Client::try_from(config).unwrap())
+    }
+
+    /// A synced leader talking to `client` (a scripted API server), with no GpuNodes.
+    pub(crate) fn context_over(client: kube::Client) -> Context {
         let (gpunodes, _writer) = reflector::store::<GpuNode>();
         Context::detached(client, synced_index(), gpunodes, true)
     }
