@@ -28,17 +28,19 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use hyper_timeout::TimeoutConnector;
-use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::connect::{Connect, HttpConnector};
 use hyper_util::rt::TokioExecutor;
 use kube::client::ConfigExt;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use tower::retry::RetryLayer;
 
 pub mod failure;
+pub mod fence;
 pub mod retry;
 pub mod watch_backoff;
 pub mod writes;
 
+use fence::WriteFence;
 use writes::{TrackWritesLayer, WritesInFlight};
 
 /// How long a connection sits idle before the kernel first probes its peer (client-go's dialer
@@ -92,16 +94,35 @@ pub async fn client(kubeconfig: Option<&Path>) -> Result<kube::Client, ClientErr
     client_for(config(kubeconfig).await?)
 }
 
-/// [`client`], and the count of its writes in flight ([`writes`]); each write runs to its
-/// answer on a thread of its own ([`writes::carrier`]).
-pub async fn client_counting_writes(
+/// The operator's clients: one connection pool and one count of writes in flight
+/// ([`writes`]; each write runs to its answer on a thread of its own, [`writes::carrier`]).
+#[derive(Clone)]
+pub struct FencedClients {
+    /// For everything the leader decides: each try of a write goes out only in the leadership
+    /// term it was sent in ([`fence`]).
+    pub fenced: kube::Client,
+    /// For what any replica writes whether it leads or not: the election itself, its
+    /// handover, the namespace and certificate it needs to start.
+    pub unfenced: kube::Client,
+    /// The writes in flight of both.
+    pub writes: WritesInFlight,
+}
+
+/// [`FencedClients`] for the cluster `kubeconfig` points at, fenced by `fence`.
+pub async fn fenced_clients(
     kubeconfig: Option<&Path>,
-) -> Result<(kube::Client, WritesInFlight), ClientError> {
+    fence: WriteFence,
+) -> Result<FencedClients, ClientError> {
     let writes = WritesInFlight::default();
     let carrier = writes::carrier().map_err(ClientError::WritesThread)?;
     let layer = TrackWritesLayer::new(writes.clone(), carrier);
-    let client = build(config(kubeconfig).await?, Some(layer))?;
-    Ok((client, writes))
+    let config = config(kubeconfig).await?;
+    let pool = connection_pool(&config)?;
+    Ok(FencedClients {
+        fenced: stack(&config, pool.clone(), Some(layer.clone()), Some(&fence))?,
+        unfenced: stack(&config, pool, Some(layer), None)?,
+        writes,
+    })
 }
 
 async fn config(kubeconfig: Option<&Path>) -> Result<kube::Config, ClientError> {
@@ -145,28 +166,52 @@ fn build(
     config: kube::Config,
     writes: Option<TrackWritesLayer>,
 ) -> Result<kube::Client, ClientError> {
+    let pool = connection_pool(&config)?;
+    stack(&config, pool, writes, None)
+}
+
+/// An HTTP client and its connections, over connector `C`. Clones share the connections.
+type Pool<C> = hyper_util::client::legacy::Client<C, kube::client::Body>;
+
+/// The HTTP client with its connections: TLS as `config` says over [`tcp_connector`], and
+/// `config`'s timeouts.
+fn connection_pool(
+    config: &kube::Config,
+) -> Result<Pool<impl Connect + Clone + Send + Sync + 'static>, ClientError> {
     let https = config.rustls_https_connector_with_connector(tcp_connector())?;
     let mut timed = TimeoutConnector::new(https);
     timed.set_connect_timeout(config.connect_timeout);
     timed.set_read_timeout(config.read_timeout);
     timed.set_write_timeout(config.write_timeout);
     timed.set_reset_reader_on_write(config.reset_reader_on_write);
-    let http_client =
-        hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build(timed);
+    Ok(hyper_util::client::legacy::Client::builder(TokioExecutor::new()).build(timed))
+}
+
+/// A client over `pool`: kube's layers, our retry policy, and, when given, the count of
+/// writes and the fence (its stamp above the retry layer, its check below, so that every try
+/// is checked).
+fn stack<C: Connect + Clone + Send + Sync + 'static>(
+    config: &kube::Config,
+    pool: Pool<C>,
+    writes: Option<TrackWritesLayer>,
+    fence: Option<&WriteFence>,
+) -> Result<kube::Client, ClientError> {
     let retry = match config.default_retry {
         true => Some(RetryLayer::new(retry::policy()?)),
         false => None,
     };
     let service = tower::ServiceBuilder::new()
         .layer(config.base_uri_layer())
+        .option_layer(fence.map(WriteFence::stamp))
         .option_layer(retry)
+        .option_layer(fence.map(WriteFence::check))
         .option_layer(config.auth_layer()?)
         .layer(config.extra_headers_layer()?)
         // Innermost: a retried write is counted once per try, each until its answer.
         .option_layer(writes)
         .map_err(tower::BoxError::from)
-        .service(http_client);
-    Ok(kube::Client::new(service, config.default_namespace))
+        .service(pool);
+    Ok(kube::Client::new(service, config.default_namespace.clone()))
 }
 
 /// A failed request in a line a person can read: for an answer of the API server, its own
@@ -221,6 +266,123 @@ mod tests {
         assert_eq!(
             u128::from(sockopt::tcp_user_timeout(stream).unwrap()),
             UNACKNOWLEDGED_LIMIT.as_millis()
+        );
+    }
+
+    /// A stand-in API server over plain HTTP/1.1: answers each request's first try with 429
+    /// (`Retry-After: 1`), calling `on_throttle` before it answers, and every later one with
+    /// 201; records each request's first line.
+    async fn throttling_server(
+        on_throttle: impl Fn() + Send + Sync + 'static,
+    ) -> (u16, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+        use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+        let server = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = server.local_addr().unwrap().port();
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+        let record = seen.clone();
+        let on_throttle = std::sync::Arc::new(on_throttle);
+        tokio::spawn(async move {
+            loop {
+                let (conn, _) = server.accept().await.unwrap();
+                let (seen, on_throttle) = (record.clone(), on_throttle.clone());
+                tokio::spawn(async move {
+                    let (read, mut write) = conn.into_split();
+                    let mut read = BufReader::new(read);
+                    loop {
+                        let mut first = String::new();
+                        if read.read_line(&mut first).await.unwrap_or(0) == 0 {
+                            return;
+                        }
+                        let mut length = 0;
+                        loop {
+                            let mut line = String::new();
+                            read.read_line(&mut line).await.unwrap();
+                            if line == "\r\n" {
+                                break;
+                            }
+                            if let Some(v) =
+                                line.to_ascii_lowercase().strip_prefix("content-length:")
+                            {
+                                length = v.trim().parse().unwrap();
+                            }
+                        }
+                        let mut body = vec![0; length];
+                        tokio::io::AsyncReadExt::read_exact(&mut read, &mut body)
+                            .await
+                            .unwrap();
+                        let tries = {
+                            let mut seen = seen.lock().unwrap();
+                            seen.push(first.trim_end().to_string());
+                            seen.len()
+                        };
+                        let answer = if tries == 1 {
+                            on_throttle();
+                            let status = r#"{"kind":"Status","apiVersion":"v1","status":"Failure","message":"slow down","reason":"TooManyRequests","code":429}"#;
+                            format!(
+                                "HTTP/1.1 429 Too Many Requests\r\nRetry-After: 1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{status}",
+                                status.len()
+                            )
+                        } else {
+                            "HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}".to_string()
+                        };
+                        write.write_all(answer.as_bytes()).await.unwrap();
+                    }
+                });
+            }
+        });
+        (port, seen)
+    }
+
+    /// A write through the fenced stack, to a server that throttles its first try.
+    async fn write_past_a_throttle(
+        fence: WriteFence,
+        port: u16,
+    ) -> Result<serde_json::Value, kube::Error> {
+        let config = kube::Config::new(format!("http://127.0.0.1:{port}").parse().unwrap());
+        let client = stack(
+            &config,
+            connection_pool(&config).unwrap(),
+            None,
+            Some(&fence),
+        )
+        .unwrap();
+        let write = http::Request::post("/api/v1/namespaces/team/configmaps")
+            .header("content-type", "application/json")
+            .body(br#"{"metadata":{"name":"m"}}"#.to_vec())
+            .unwrap();
+        client.request::<serde_json::Value>(write).await
+    }
+
+    /// The retry layer sends a throttled write again; the fence below it is asked at that try
+    /// too, so a write sent while leading does not go out again after this process stepped
+    /// down (with the check above the retry layer, or none, the server sees two tries).
+    #[tokio::test]
+    async fn a_throttled_write_is_not_tried_again_once_the_fence_closes() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let leading = std::sync::Arc::new(AtomicBool::new(true));
+        let fence = {
+            let leading = leading.clone();
+            WriteFence::new(move || leading.load(Ordering::SeqCst).then_some(7))
+        };
+        // Steps down while the first try is being throttled.
+        let (port, seen) = throttling_server(move || leading.store(false, Ordering::SeqCst)).await;
+        let e = write_past_a_throttle(fence, port).await.unwrap_err();
+        assert!(fence::Fenced::is(&e), "{e}");
+        assert!(e.to_string().contains("does not lead"), "{e}");
+        assert_eq!(
+            *seen.lock().unwrap(),
+            ["POST /api/v1/namespaces/team/configmaps HTTP/1.1"],
+            "only the first try reached the server"
+        );
+
+        // The same write, still leading: the retry goes out and lands.
+        let fence = WriteFence::new(|| Some(7));
+        let (port, seen) = throttling_server(|| {}).await;
+        write_past_a_throttle(fence, port).await.unwrap();
+        assert_eq!(
+            seen.lock().unwrap().len(),
+            2,
+            "the throttled try and its retry"
         );
     }
 

@@ -151,7 +151,7 @@ where
 }
 
 /// Whether `path` names Events, of `events.k8s.io` or of the core group.
-fn is_event(path: &str) -> bool {
+pub(super) fn is_event(path: &str) -> bool {
     if path.starts_with("/apis/events.k8s.io/") {
         return true;
     }

@@ -25,6 +25,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::telemetry::{Health, Metrics};
+use gpuledger_crds::kubeclient::fence::WriteFence;
 use gpuledger_crds::protocol::lease::expired;
 
 /// Name of the leader-election Lease.
@@ -152,6 +153,9 @@ pub async fn run(
         if leading != health.is_leader() {
             tracing::info!(identity = %identity, leading, "leadership changed");
         }
+        if let Some(renewed) = term.renewed_at {
+            health.renewed_until(renewed + RENEW_DEADLINE);
+        }
         health.set_leader(leading);
         metrics.leader.set(i64::from(leading));
         // A follower is woken early when the Lease watch sees it freed ([`release`]). A leader
@@ -166,6 +170,19 @@ pub async fn run(
             () = freed.notified(), if !leading => {}
         }
     }
+}
+
+/// The fence on the writes of the client that carries what the leader decides: a try of a
+/// write goes out only in the term it was sent in, while this replica leads (or stops after
+/// leading, until its handover) and within its last renewal's deadline
+/// ([`Health::write_term`], [`gpuledger_crds::kubeclient::fence`]). The checks before each
+/// write see leadership when the write is sent; this sees it at every try the client's
+/// retries make after that, the last of them up to half a minute later. The election itself
+/// and its handover write on a client without it: they are how a follower becomes leader, and
+/// how a stopping one hands over.
+pub fn fence(health: &Arc<Health>) -> WriteFence {
+    let health = health.clone();
+    WriteFence::new(move || health.write_term())
 }
 
 /// Whether `lease` is the leader Lease with no holder: what [`release`] leaves.
@@ -250,6 +267,38 @@ mod tests {
 
     fn leases(client: Client) -> Api<Lease> {
         Api::namespaced(client, "gpuledger-system")
+    }
+
+    #[test]
+    fn the_fence_opens_only_while_leading_and_tells_one_term_from_the_next() {
+        let health = Arc::new(Health::new(
+            Duration::from_secs(60),
+            Metrics::new().watch_errors.clone(),
+        ));
+        let fence = fence(&health);
+        assert_eq!(fence.term(), None, "a follower writes nothing");
+        health.set_leader(true);
+        let first = fence.term();
+        assert!(first.is_some());
+        health.set_leader(true);
+        assert_eq!(fence.term(), first, "renewed: the same term");
+        health.set_leader(false);
+        assert_eq!(fence.term(), None, "stepped down");
+        health.set_leader(true);
+        let second = fence.term();
+        assert!(
+            second.is_some() && second != first,
+            "{first:?} then {second:?}"
+        );
+        health.set_leader(true);
+        health.step_down();
+        assert_eq!(
+            fence.term(),
+            second,
+            "stopping: what it decided still goes out"
+        );
+        health.close_fence();
+        assert_eq!(fence.term(), None, "handed over");
     }
 
     #[tokio::test]

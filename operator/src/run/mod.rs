@@ -102,7 +102,6 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         }
         _ => None,
     };
-    let (client, writes) = kubeclient::client_counting_writes(config.kubeconfig.as_deref()).await?;
     let identity = config
         .identity
         .clone()
@@ -112,6 +111,14 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         config.watch_stall_limit,
         metrics.watch_errors.clone(),
     ));
+    // `client` carries what the leader decides, each try of a write only in the term it was
+    // sent in; `unfenced` what any replica writes (the election, its handover, the namespace
+    // and certificate a replica needs to start).
+    let kubeclient::FencedClients {
+        fenced: client,
+        unfenced,
+        writes,
+    } = kubeclient::fenced_clients(config.kubeconfig.as_deref(), leader::fence(&health)).await?;
     let index = Arc::new(LedgerIndex::new());
 
     // Ledger: one watch feeds the index (its own relist/rv logic, see ledger::index) and then
@@ -220,7 +227,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
     }
     if config.leader_elect {
         tasks.spawn(leader::run(
-            client.clone(),
+            unfenced.clone(),
             config.namespace.clone(),
             identity.clone(),
             health.clone(),
@@ -291,14 +298,14 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
     tracing::info!(metrics = %config.metrics_addr, "serving probes and metrics");
     // Only now: with the API server unreachable this may wait out a connect timeout, and the
     // liveness probe must answer meanwhile.
-    ensure_namespace(&client, &config.namespace).await;
+    ensure_namespace(&unfenced, &config.namespace).await;
 
     // The extender's and webhook's certificate: from files, or the operator's own, read or
     // issued once the API server serves (it may still be starting too).
     let (tls, cert_keeper) = match self_signed(&config) {
         None => (tls_from_files, None),
         Some(keeper) => {
-            let identity = keeper.first(&client, &metrics, &health).await?;
+            let identity = keeper.first(&unfenced, &metrics, &health).await?;
             let live = Arc::new(certs::LiveCert::new(&identity)?);
             let tls = extender::tls::acceptor_resolving(live.clone())?;
             (Some(tls), Some((keeper, live, identity)))
@@ -318,7 +325,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
     // The admission webhook shares the extender's listener, Service and certificate.
     if let Some((keeper, live, identity)) = cert_keeper {
         tasks.spawn(certs::keep_current(
-            client.clone(),
+            unfenced.clone(),
             keeper,
             live,
             identity,
@@ -392,7 +399,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
     };
     let handover = config
         .leader_elect
-        .then(|| Api::<Lease>::namespaced(client.clone(), &config.namespace));
+        .then(|| Api::<Lease>::namespaced(unfenced.clone(), &config.namespace));
     stopping.stop(handover, &identity).await;
     outcome
 }

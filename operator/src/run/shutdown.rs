@@ -28,6 +28,11 @@ impl Stopping {
     /// within one election round instead of after the Lease's whole term. A write still
     /// unanswered after [`leader::HANDOVER_WAIT`] could land after the next leader began: the
     /// Lease is then left to expire, as a killed leader's would.
+    ///
+    /// Between the step-down and the handover, what the leader decided before may still be
+    /// written (a bind past its reservation write takes its node's Lease and binds the pod,
+    /// and is not left half-done); the fence closes before the Lease is freed, so that nothing
+    /// sent after it, a retry included, goes out ([`Health::close_fence`]).
     pub(super) async fn stop(self, handover: Option<Api<Lease>>, identity: &str) {
         let led = self.health.step_down();
         drop(self.extender);
@@ -36,6 +41,11 @@ impl Stopping {
             .is_ok();
         let mut tasks = self.tasks;
         tasks.shutdown().await;
+        let settled = match handover.as_ref().filter(|_| led && extender_gone) {
+            Some(_) => self.writes.settled_within(leader::HANDOVER_WAIT).await,
+            None => false,
+        };
+        self.health.close_fence();
         let Some(api) = handover.filter(|_| led) else {
             return;
         };
@@ -43,7 +53,7 @@ impl Stopping {
             tracing::warn!("the extender did not stop; the leader Lease is left to expire");
             return;
         }
-        if !self.writes.settled_within(leader::HANDOVER_WAIT).await {
+        if !settled {
             tracing::warn!(
                 in_flight = self.writes.count(),
                 "writes still unanswered; the leader Lease is left to expire"

@@ -54,8 +54,12 @@ struct EndpointState {
 /// Leadership states of [`Health`].
 const FOLLOWING: u8 = 0;
 const LEADING: u8 = 1;
-/// Stopping: never leads again.
+/// Stopped for good: never leads again, and writes nothing.
 const STEPPED_DOWN: u8 = 2;
+/// Stopping after leading: decides nothing more, but the writes it decided while leading may
+/// still go out ([`Health::write_term`]) until the stop closes its fence
+/// ([`Health::close_fence`]) or its last renewal's deadline passes.
+const STOPPING: u8 = 3;
 
 /// Health of the watches and leadership.
 pub struct Health {
@@ -64,10 +68,14 @@ pub struct Health {
     stall_limit: Duration,
     /// Every watch error, counted (`gpuledger_watch_errors_total` once registered).
     errors: Family<WatchErrorLabels, Counter>,
-    /// [`FOLLOWING`], [`LEADING`] or [`STEPPED_DOWN`].
+    /// [`FOLLOWING`], [`LEADING`], [`STOPPING`] or [`STEPPED_DOWN`].
     leader: AtomicU8,
     /// How many times this replica became leader: numbers its terms.
     terms: AtomicU64,
+    /// Until when the last renewal of the leader Lease lets this replica write; `None` when
+    /// no election runs (`--leader-elect=false`: it leads for as long as it runs).
+    /// Tokio's clock, the election's: tests that pause it see the deadline pass with it.
+    renewed_until: Mutex<Option<tokio::time::Instant>>,
     /// `Some` once this replica keeps the extender Service's endpoint (`--extender-service`).
     endpoint: Mutex<Option<EndpointState>>,
     /// What start-up is waiting on before it lists anything (the serving certificate while the
@@ -94,6 +102,7 @@ impl Health {
             errors,
             leader: AtomicU8::default(),
             terms: AtomicU64::default(),
+            renewed_until: Mutex::default(),
             endpoint: Mutex::default(),
             starting: Mutex::default(),
             extender_listening: AtomicBool::new(false),
@@ -185,9 +194,54 @@ impl Health {
     }
 
     /// Stops leading for good (the process is stopping); whether it led until now. From here
-    /// on this replica decides and writes nothing, whatever its election loop still sees.
+    /// on this replica decides nothing, whatever its election loop still sees; what a leader
+    /// decided before may still be written until [`Health::close_fence`].
     pub fn step_down(&self) -> bool {
-        self.leader.swap(STEPPED_DOWN, Ordering::SeqCst) == LEADING
+        let was = self
+            .leader
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |was| {
+                Some(if was == LEADING {
+                    STOPPING
+                } else {
+                    STEPPED_DOWN
+                })
+            });
+        was == Ok(LEADING)
+    }
+
+    /// A stopping leader's last writes are answered (or it gave up waiting for them): from now
+    /// on nothing this replica sends goes out, and its Lease may be handed over.
+    pub fn close_fence(&self) {
+        self.leader.store(STEPPED_DOWN, Ordering::SeqCst);
+    }
+
+    /// The election's last renewal lets this replica write until `deadline` (its renewal
+    /// deadline: the Lease expires for the others only later).
+    pub fn renewed_until(&self, deadline: tokio::time::Instant) {
+        *self
+            .renewed_until
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(deadline);
+    }
+
+    /// The term whose writes may go out now (the client's fence asks this at every try of a
+    /// write): this replica's term while it leads, or while it stops after leading and has
+    /// not closed its fence, and only within its last renewal's deadline; `None` otherwise.
+    /// The election steps a leader down at that deadline too, but only at its next round:
+    /// this is exact at every try.
+    pub fn write_term(&self) -> Option<u64> {
+        let state = self.leader.load(Ordering::SeqCst);
+        if state != LEADING && state != STOPPING {
+            return None;
+        }
+        let until = *self
+            .renewed_until
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if until.is_some_and(|t| tokio::time::Instant::now() >= t) {
+            return None;
+        }
+        Some(self.terms.load(Ordering::SeqCst))
     }
 
     /// Whether this replica leads.
@@ -317,6 +371,63 @@ mod tests {
         h.set_leader(false);
         h.set_leader(true);
         assert!(!h.is_leader());
+    }
+
+    #[test]
+    fn a_stopping_leader_writes_what_it_decided_until_its_fence_closes() {
+        let h = Health::default();
+        assert!(!h.step_down(), "was following");
+        assert_eq!(h.write_term(), None, "a follower that stops writes nothing");
+
+        let h = Health::default();
+        h.set_leader(true);
+        let term = h.write_term();
+        assert!(term.is_some());
+        assert!(h.step_down());
+        assert!(!h.is_leader(), "decides nothing more");
+        assert_eq!(h.write_term(), term, "its last writes still go out");
+        h.set_leader(false);
+        h.set_leader(true);
+        assert_eq!(
+            h.write_term(),
+            term,
+            "the election's last rounds change nothing"
+        );
+        h.close_fence();
+        assert_eq!(h.write_term(), None, "nothing goes out after the handover");
+        h.set_leader(true);
+        assert_eq!(h.write_term(), None);
+    }
+
+    #[test]
+    fn a_follower_that_led_before_writes_nothing() {
+        let h = Health::default();
+        h.set_leader(true);
+        h.set_leader(false);
+        assert_eq!(h.write_term(), None);
+        assert!(!h.step_down());
+        assert_eq!(h.write_term(), None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn writes_stop_at_the_last_renewals_deadline_even_before_the_step_down() {
+        let h = Health::default();
+        h.set_leader(true);
+        let term = h.write_term();
+        h.renewed_until(tokio::time::Instant::now() + Duration::from_secs(10));
+        tokio::time::advance(Duration::from_millis(9_999)).await;
+        assert_eq!(h.write_term(), term);
+        tokio::time::advance(Duration::from_millis(1)).await;
+        // The election's next round has not run yet: it still leads, and may not write.
+        assert!(h.is_leader());
+        assert_eq!(h.write_term(), None);
+        // A renewal moves the deadline on.
+        h.renewed_until(tokio::time::Instant::now() + Duration::from_secs(10));
+        assert_eq!(h.write_term(), term);
+        // Stopping keeps to the same deadline.
+        assert!(h.step_down());
+        tokio::time::advance(Duration::from_secs(10)).await;
+        assert_eq!(h.write_term(), None);
     }
 
     #[test]
