@@ -17,7 +17,7 @@
 //!   a replica that stepped down, or led again after someone else did, sends nothing it decided
 //!   before.
 //!
-//! Reads pass, and so do Events ([`super::writes::is_event`]): they record, they decide
+//! Reads pass, and so do Events (as in [`super::writes`]): they record, they decide
 //! nothing. A try already on the wire when leadership ends is not taken back (nothing can take
 //! back bytes sent): the operator's leader steps down at its renewal deadline, 5 s before its
 //! Lease can expire, and such a try has those seconds to land.
