@@ -179,31 +179,42 @@ impl KubeletCheck {
         Ok(answer.into_inner().pod_resources)
     }
 
-    /// Writes the condition (server-side apply under [`CHECK_MANAGER`]) and the Warning event.
+    /// Writes the condition (server-side apply under [`CHECK_MANAGER`]) and the Warning event,
+    /// on `r` only: the check took up to [`LOOK_FOR`], and a reservation deleted and created
+    /// again under the name meanwhile (a StatefulSet's next pod) is another pod's, which never
+    /// disagreed. Each try reads the reservation, stops if its UID is not `r`'s, and applies on
+    /// the version read (a server-side apply ignores a UID in its body, but refuses a stale
+    /// `resourceVersion` with 409): a replacement between the read and the write is refused.
     async fn record(&self, r: &GpuReservation, message: &str) -> Result<(), kube::Error> {
         let namespace = r.namespace().unwrap_or_default();
         let name = r.name_any();
         let now = Time(Timestamp::now());
-        let cond = condition(
-            KUBELET_MISMATCH,
-            true,
-            gpuledger_crds::conditions::reasons::OTHER_POD_HOLDS_REPLICAS,
-            message.to_string(),
-            r.metadata.generation,
-            now.clone(),
-        );
-        let body = apply_body::<GpuReservation>(
-            &name,
-            Some(&namespace),
-            serde_json::json!({ "conditions": [cond] }),
-        );
         let api: Api<GpuReservation> = Api::namespaced(self.client.clone(), &namespace);
-        api.patch_status(
-            &name,
-            &PatchParams::apply(CHECK_MANAGER).force(),
-            &Patch::Apply(body),
-        )
-        .await?;
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let current = match api.get_opt(&name).await? {
+                Some(current) if current.metadata.uid == r.metadata.uid => current,
+                _ => {
+                    tracing::info!(reservation = %name, "the reservation was replaced or removed during the check; nothing recorded");
+                    return Ok(());
+                }
+            };
+            let body = mismatch_body(&current, message, now.clone());
+            match api
+                .patch_status(
+                    &name,
+                    &PatchParams::apply(CHECK_MANAGER).force(),
+                    &Patch::Apply(body),
+                )
+                .await
+            {
+                Ok(_) => break,
+                // Changed since the read (a status write of the operator's, or a replacement).
+                Err(kube::Error::Api(s)) if s.code == 409 && tries < RECORD_TRIES => continue,
+                Err(e) => return Err(e),
+            }
+        }
         let event = Event {
             metadata: ObjectMeta {
                 generate_name: Some(format!("{}.", r.spec.pod_name)),
@@ -235,6 +246,33 @@ impl KubeletCheck {
             .await?;
         Ok(())
     }
+}
+
+/// How many times [`KubeletCheck::record`] reads and applies before it gives up on a reservation
+/// that keeps changing.
+const RECORD_TRIES: u32 = 3;
+
+/// The server-side apply body that sets the `KubeletMismatch` condition on `r`, as read: it
+/// carries `r`'s `resourceVersion`, so the API server refuses it (409) once the reservation
+/// changed, or was deleted and created again under its name.
+pub fn mismatch_body(r: &GpuReservation, message: &str, now: Time) -> serde_json::Value {
+    let cond = condition(
+        KUBELET_MISMATCH,
+        true,
+        gpuledger_crds::conditions::reasons::OTHER_POD_HOLDS_REPLICAS,
+        message.to_string(),
+        r.metadata.generation,
+        now,
+    );
+    let mut body = apply_body::<GpuReservation>(
+        &r.name_any(),
+        r.namespace().as_deref(),
+        serde_json::json!({ "conditions": [cond] }),
+    );
+    if let Some(version) = &r.metadata.resource_version {
+        body["metadata"]["resourceVersion"] = serde_json::json!(version);
+    }
+    body
 }
 
 #[cfg(test)]
@@ -298,6 +336,70 @@ mod tests {
             })
             .get();
         assert_eq!(unseen, 1);
+    }
+
+    /// The reservation `train` of namespace `ns` with `uid`, at version `rv`.
+    fn train(uid: &str, rv: &str) -> GpuReservation {
+        let mut r = GpuReservation::new("train", gpuledger_crds::GpuReservationSpec::default());
+        r.metadata.namespace = Some("ns".into());
+        r.metadata.uid = Some(uid.into());
+        r.metadata.resource_version = Some(rv.into());
+        r
+    }
+
+    const TRAIN: &str = "/apis/gpuledger.io/v1alpha1/namespaces/ns/gpureservations/train";
+
+    fn check_over(client: Client) -> KubeletCheck {
+        KubeletCheck::new(PathBuf::from("/nonexistent"), client, "n1")
+    }
+
+    /// A reservation recreated under its name during the check is another pod's: the
+    /// condition is not put on it (nor the event sent).
+    #[tokio::test]
+    async fn a_mismatch_is_not_recorded_on_a_reservation_recreated_under_its_name() {
+        use gpuledger_crds::scripted_api::{expect, scripted};
+        use http::Method;
+        let (client, api) = scripted(vec![
+            expect(Method::GET, TRAIN)
+                .reply(200, serde_json::to_value(train("uid-b", "9")).unwrap()),
+        ]);
+        check_over(client)
+            .record(&train("uid-a", "5"), "disagrees")
+            .await
+            .unwrap();
+        api.finish().await;
+    }
+
+    /// A write refused because the reservation changed after the read is tried again on the
+    /// version read next, and only while the UID is the same.
+    #[tokio::test]
+    async fn a_mismatch_is_applied_on_the_version_read_and_again_after_a_conflict() {
+        use gpuledger_crds::scripted_api::{expect, scripted, status};
+        use http::Method;
+        let status_path = format!("{TRAIN}/status");
+        let (client, api) = scripted(vec![
+            expect(Method::GET, TRAIN)
+                .reply(200, serde_json::to_value(train("uid-a", "6")).unwrap()),
+            expect(Method::PATCH, &status_path)
+                .body_field("/metadata/resourceVersion", serde_json::json!("6"))
+                .reply(409, status(409, "Conflict", "the object has been modified")),
+            expect(Method::GET, TRAIN)
+                .reply(200, serde_json::to_value(train("uid-a", "7")).unwrap()),
+            expect(Method::PATCH, &status_path)
+                .body_field("/metadata/resourceVersion", serde_json::json!("7"))
+                .body_field(
+                    "/status/conditions/0/type",
+                    serde_json::json!("KubeletMismatch"),
+                )
+                .reply(200, serde_json::to_value(train("uid-a", "8")).unwrap()),
+            expect(Method::POST, "/api/v1/namespaces/ns/events")
+                .reply(201, serde_json::json!({"metadata": {"name": "e"}})),
+        ]);
+        check_over(client)
+            .record(&train("uid-a", "5"), "disagrees")
+            .await
+            .unwrap();
+        api.finish().await;
     }
 
     #[test]

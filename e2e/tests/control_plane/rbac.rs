@@ -128,13 +128,39 @@ pub(crate) async fn device_plugin_may_write_reservation_status_only(cp: &Control
     // The one condition it owns: KubeletMismatch, its pod-resources cross-check. It may add it
     // (under its own field manager, as the plugin does) but never take it back, so a plugin
     // cannot hide a disagreement it once reported.
-    let mismatch = json!({ "type": "KubeletMismatch", "status": "True", "reason": "OtherPodHoldsReplicas",
-                           "message": "test", "lastTransitionTime": "2026-01-01T00:00:00Z" });
-    let apply = json!({
-        "apiVersion": "gpuledger.io/v1alpha1", "kind": "GpuReservation",
-        "metadata": { "name": RESERVATION, "namespace": NS },
-        "status": { "conditions": [mismatch] },
-    });
+    let read = admin.get(RESERVATION).await.unwrap();
+    let apply = gpuledger_device_plugin::kubelet_check::mismatch_body(
+        &read,
+        "test",
+        k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Timestamp::now()),
+    );
+    // As if the reservation had changed (been deleted and created again under its name, another
+    // pod's) between the check's read and its write: the condition carries the version it was
+    // decided on, and is refused. (A UID in the body would not be: an apply ignores it.)
+    let mut stale = apply.clone();
+    stale["metadata"]["resourceVersion"] = json!("1");
+    let refused = as_plugin
+        .patch_status(
+            RESERVATION,
+            &PatchParams::apply(gpuledger_device_plugin::kubelet_check::CHECK_MANAGER).force(),
+            &Patch::Apply(stale),
+        )
+        .await;
+    assert!(
+        matches!(&refused, Err(kube::Error::Api(s)) if s.code == 409),
+        "a KubeletMismatch condition decided on another reservation of the name: {refused:?}"
+    );
+    let conds = admin
+        .get(RESERVATION)
+        .await
+        .unwrap()
+        .status
+        .unwrap()
+        .conditions;
+    assert!(
+        !conds.iter().any(|c| c.type_ == "KubeletMismatch"),
+        "{conds:?}"
+    );
     as_plugin
         .patch_status(
             RESERVATION,
