@@ -38,6 +38,8 @@ use super::writes::is_event;
 #[derive(Clone)]
 pub struct WriteFence {
     term: Arc<dyn Fn() -> Option<u64> + Send + Sync>,
+    /// Called for each try the fence does not send (a metric's count).
+    refused: Arc<dyn Fn() + Send + Sync>,
 }
 
 impl fmt::Debug for WriteFence {
@@ -53,6 +55,15 @@ impl WriteFence {
     pub fn new(term: impl Fn() -> Option<u64> + Send + Sync + 'static) -> Self {
         WriteFence {
             term: Arc::new(term),
+            refused: Arc::new(|| {}),
+        }
+    }
+
+    /// The same fence, calling `refused` for each try it does not send.
+    pub fn counting(self, refused: impl Fn() + Send + Sync + 'static) -> Self {
+        WriteFence {
+            refused: Arc::new(refused),
+            ..self
         }
     }
 
@@ -197,6 +208,7 @@ where
                 _ => None,
             };
             if let Some(why) = why {
+                (self.fence.refused)();
                 let refused = Fenced {
                     method: req.method().clone(),
                     path: req.uri().path().to_string(),
@@ -307,6 +319,13 @@ mod tests {
     #[tokio::test]
     async fn a_write_sent_in_one_term_is_not_tried_in_the_next() {
         let (fence, term) = fence();
+        let counted = Arc::new(AtomicU64::new(0));
+        let fence = fence.counting({
+            let counted = counted.clone();
+            move || {
+                counted.fetch_add(1, Ordering::SeqCst);
+            }
+        });
         let seen = Recorded::default();
         let mut check = fence.check().layer(seen.clone());
         // Stamped in term 1 (as the stamp above the retry layer does) …
@@ -335,6 +354,7 @@ mod tests {
             seen.0.lock().unwrap().is_empty(),
             "nothing reached the server"
         );
+        assert_eq!(counted.load(Ordering::SeqCst), 1, "the refusal is counted");
     }
 
     #[tokio::test]

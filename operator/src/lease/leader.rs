@@ -180,9 +180,12 @@ pub async fn run(
 /// retries make after that, the last of them up to half a minute later. The election itself
 /// and its handover write on a client without it: they are how a follower becomes leader, and
 /// how a stopping one hands over.
-pub fn fence(health: &Arc<Health>) -> WriteFence {
+pub fn fence(health: &Arc<Health>, metrics: &Arc<Metrics>) -> WriteFence {
     let health = health.clone();
-    WriteFence::new(move || health.write_term())
+    let refused = metrics.writes_fenced.clone();
+    WriteFence::new(move || health.write_term()).counting(move || {
+        refused.inc();
+    })
 }
 
 /// Whether `lease` is the leader Lease with no holder: what [`release`] leaves.
@@ -275,7 +278,8 @@ mod tests {
             Duration::from_secs(60),
             Metrics::new().watch_errors.clone(),
         ));
-        let fence = fence(&health);
+        let metrics = Arc::new(Metrics::new());
+        let fence = fence(&health, &metrics);
         assert_eq!(fence.term(), None, "a follower writes nothing");
         health.set_leader(true);
         let first = fence.term();
@@ -299,6 +303,21 @@ mod tests {
         );
         health.close_fence();
         assert_eq!(fence.term(), None, "handed over");
+
+        // A try it refuses is counted in `gpuledger_writes_fenced_total`.
+        use tower::{Layer, Service, ServiceExt};
+        let mut check = fence
+            .check()
+            .layer(tower::service_fn(|_: http::Request<()>| {
+                std::future::ready(Ok::<_, tower::BoxError>(()))
+            }));
+        let write = http::Request::post("/api/v1/namespaces/ns/configmaps")
+            .body(())
+            .unwrap();
+        let refused =
+            futures::executor::block_on(async { check.ready().await.unwrap().call(write).await });
+        assert!(refused.is_err());
+        assert_eq!(metrics.writes_fenced.get(), 1);
     }
 
     #[tokio::test]

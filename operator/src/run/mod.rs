@@ -118,7 +118,11 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
         fenced: client,
         unfenced,
         writes,
-    } = kubeclient::fenced_clients(config.kubeconfig.as_deref(), leader::fence(&health)).await?;
+    } = kubeclient::fenced_clients(
+        config.kubeconfig.as_deref(),
+        leader::fence(&health, &metrics),
+    )
+    .await?;
     let index = Arc::new(LedgerIndex::new());
 
     // Ledger: one watch feeds the index (its own relist/rv logic, see ledger::index) and then

@@ -163,6 +163,8 @@ pub struct Metrics {
     /// Times the GpuReservation watch was started again because it had stopped delivering events
     /// without an error (an own write not seen within `ledger::index::ECHO_TIMEOUT`).
     pub watch_restarts: Counter,
+    /// Tries of a write the client's fence did not send (`gpuledger_writes_fenced_total`).
+    pub writes_fenced: Counter,
     /// Lists of the GpuReservation watch applied to the ledger index (the first and every
     /// relist).
     pub relists: Counter,
@@ -307,6 +309,12 @@ impl Metrics {
             "Kubernetes Events not published because the publishing queue was full",
             events_dropped.clone(),
         );
+        let writes_fenced = Counter::default();
+        registry.register(
+            "writes_fenced",
+            "Tries of a write the client did not send because the leadership term it was sent in had ended (a retry after a step-down)",
+            writes_fenced.clone(),
+        );
         let watch_restarts = Counter::default();
         registry.register(
             "ledger_watch_restarts",
@@ -434,6 +442,7 @@ impl Metrics {
             unreserved_looks,
             events_dropped,
             watch_restarts,
+            writes_fenced,
             relists,
             relist_changes,
             relist_hold,
