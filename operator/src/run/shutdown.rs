@@ -68,3 +68,74 @@ impl Stopping {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use futures::FutureExt;
+    use http::{Request, Response};
+    use kube::client::Body;
+
+    use super::*;
+
+    /// The leader Lease held by `holder`, as the API server would answer.
+    fn held_by(holder: &str) -> Vec<u8> {
+        serde_json::to_vec(&serde_json::json!({
+            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": { "name": leader::LEADER_LEASE, "namespace": "gpuledger-system",
+                          "resourceVersion": "7" },
+            "spec": { "holderIdentity": holder, "leaseDurationSeconds": 15 }
+        }))
+        .unwrap()
+    }
+
+    /// A stopping leader frees its Lease only once its fence is closed: a retry of anything it
+    /// sent before can then no longer go out after a standby took over.
+    #[tokio::test]
+    async fn the_fence_is_closed_before_the_lease_is_handed_over() {
+        let health = Arc::new(Health::default());
+        health.set_leader(true);
+        let term = health.write_term();
+        assert!(term.is_some());
+
+        // The Lease API records what the fence said as each request reached it.
+        let fence_seen = Arc::new(Mutex::new(Vec::new()));
+        let api_server = tower::service_fn({
+            let (health, fence_seen) = (health.clone(), fence_seen.clone());
+            move |req: Request<Body>| {
+                fence_seen
+                    .lock()
+                    .unwrap()
+                    .push((req.method().to_string(), health.write_term()));
+                let answer = Response::new(Body::from(held_by("replica-a")));
+                std::future::ready(Ok::<_, tower::BoxError>(answer))
+            }
+        });
+        let client = kube::Client::new(api_server, "gpuledger-system");
+        let handover = Api::<Lease>::namespaced(client, "gpuledger-system");
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let (extender, stopped) = super::super::extender_thread::spawn(
+            listener,
+            None,
+            Default::default(),
+            axum::Router::new(),
+        )
+        .unwrap();
+        let stopping = Stopping {
+            health: health.clone(),
+            extender,
+            extender_stopped: stopped.map(|_| ()).boxed(),
+            tasks: tokio::task::JoinSet::new(),
+            writes: WritesInFlight::default(),
+        };
+        stopping.stop(Some(handover), "replica-a").await;
+
+        assert_eq!(
+            *fence_seen.lock().unwrap(),
+            [("GET".to_string(), None), ("PUT".to_string(), None)],
+            "the Lease was read and freed while the fence let a try of term {term:?} out"
+        );
+    }
+}
