@@ -23,15 +23,13 @@
 //! Lease can expire, and such a try has those seconds to land.
 
 use std::fmt;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use http::{Method, Request};
 use tower::{BoxError, Layer, Service};
 
-use super::writes::is_event;
+use super::writes::{Answer, is_event};
 
 /// What a fence reports: the term in which this process may write now, `None` while it may
 /// not. Clones share the source.
@@ -176,8 +174,6 @@ pub struct Check<S> {
     inner: S,
     fence: WriteFence,
 }
-
-type Answer<R> = Pin<Box<dyn Future<Output = Result<R, BoxError>> + Send>>;
 
 impl<S, B> Service<Request<B>> for Check<S>
 where

@@ -108,7 +108,8 @@ pub struct TrackWrites<S> {
     runtime: Handle,
 }
 
-type Answer<R> = Pin<Box<dyn Future<Output = Result<R, BoxError>> + Send>>;
+/// The answer future of the client's own layers (this one and [`super::fence`]).
+pub(super) type Answer<R> = Pin<Box<dyn Future<Output = Result<R, BoxError>> + Send>>;
 
 impl<S, B> Service<Request<B>> for TrackWrites<S>
 where

@@ -5,6 +5,15 @@
 use super::*;
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointSlice};
 
+/// Whether the reservation shows the plugin's `KubeletMismatch` condition.
+async fn mismatch_shown(admin: &Api<GpuReservation>) -> bool {
+    let status = admin.get(RESERVATION).await.unwrap().status.unwrap();
+    status
+        .conditions
+        .iter()
+        .any(|c| c.type_ == "KubeletMismatch")
+}
+
 pub(crate) async fn device_plugin_may_write_reservation_status_only(cp: &ControlPlane) {
     let plugin = cp
         .client_for_service_account_on_node(SYSTEM_NS, "gpuledger-device-plugin", NODE)
@@ -150,16 +159,9 @@ pub(crate) async fn device_plugin_may_write_reservation_status_only(cp: &Control
         matches!(&refused, Err(kube::Error::Api(s)) if s.code == 409),
         "a KubeletMismatch condition decided on another reservation of the name: {refused:?}"
     );
-    let conds = admin
-        .get(RESERVATION)
-        .await
-        .unwrap()
-        .status
-        .unwrap()
-        .conditions;
     assert!(
-        !conds.iter().any(|c| c.type_ == "KubeletMismatch"),
-        "{conds:?}"
+        !mismatch_shown(&admin).await,
+        "a refused apply left the condition"
     );
     as_plugin
         .patch_status(
@@ -169,17 +171,7 @@ pub(crate) async fn device_plugin_may_write_reservation_status_only(cp: &Control
         )
         .await
         .unwrap();
-    let conds = admin
-        .get(RESERVATION)
-        .await
-        .unwrap()
-        .status
-        .unwrap()
-        .conditions;
-    assert!(
-        conds.iter().any(|c| c.type_ == "KubeletMismatch"),
-        "{conds:?}"
-    );
+    assert!(mismatch_shown(&admin).await, "the plugin's condition");
     assert_refused(
         as_plugin
             .patch_status(

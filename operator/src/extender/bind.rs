@@ -727,16 +727,7 @@ mod tests {
         // Unbound in the watch, but the ledger holds its reservation (the watch lags the
         // Binding of an earlier bind): read instead.
         watch(wanting_a_gpu(pod("p", "u1", None, "Pending")));
-        let mut booked = GpuReservation::new(
-            "p",
-            GpuReservationSpec {
-                pod_name: "p".into(),
-                pod_uid: "u1".into(),
-                node_name: "n1".into(),
-                ..Default::default()
-            },
-        );
-        booked.metadata.namespace = Some("ns".into());
+        let mut booked = desired_for_u1();
         booked.metadata.resource_version = Some("5".into());
         ctx.ledger.index.apply_event(watcher::Event::Apply(booked));
         let read = pod_to_bind(&ctx, &args("u1")).await;
