@@ -29,7 +29,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::conditions::Condition;
-use crate::numapolicy::selector_matches;
+use crate::numapolicy::{selector_matches, validate_selector};
 use crate::podapi::PodApiConfig;
 
 /// The device configuration, cluster-wide or for some nodes (HAMi's names and meanings).
@@ -254,7 +254,7 @@ pub fn review(config: &GpuConfig, all: &[GpuConfig]) -> Vec<RefusedValue> {
             });
         }
         if let Some(sel) = &spec.node_selector
-            && let Err(e) = selector_matches(sel, &BTreeMap::new())
+            && let Err(e) = validate_selector(sel)
         {
             refused.push(RefusedValue {
                 field: "nodeSelector".into(),

@@ -84,43 +84,57 @@ pub enum SelectorError {
     },
 }
 
-/// Evaluates a label selector against a pod's labels, with Kubernetes semantics.
-pub fn selector_matches(
-    selector: &LabelSelector,
-    labels: &BTreeMap<String, String>,
-) -> Result<bool, SelectorError> {
-    for (k, v) in selector.match_labels.iter().flatten() {
-        if labels.get(k) != Some(v) {
-            return Ok(false);
-        }
-    }
+/// Checks every `matchExpressions` entry of a selector without evaluating it: the first
+/// expression that cannot be evaluated, whatever the labels. Evaluation alone would stop at the
+/// first label or expression that does not match and never reach a bad one behind it, so a
+/// status that calls a selector valid must come from here.
+pub fn validate_selector(selector: &LabelSelector) -> Result<(), SelectorError> {
     for expr in selector.match_expressions.iter().flatten() {
-        let values = expr.values.as_deref().unwrap_or_default();
+        let has_values = expr.values.as_ref().is_some_and(|v| !v.is_empty());
         let bad = |problem| SelectorError::BadValues {
             key: expr.key.clone(),
             operator: expr.operator.clone(),
             problem,
         };
-        let present = labels.get(&expr.key);
-        let ok = match expr.operator.as_str() {
-            "In" | "NotIn" if values.is_empty() => return Err(bad("needs values")),
-            "Exists" | "DoesNotExist" if !values.is_empty() => return Err(bad("takes no values")),
-            "In" => present.is_some_and(|v| values.contains(v)),
-            "NotIn" => present.is_none_or(|v| !values.contains(v)),
-            "Exists" => present.is_some(),
-            "DoesNotExist" => present.is_none(),
+        match expr.operator.as_str() {
+            "In" | "NotIn" if !has_values => return Err(bad("needs values")),
+            "Exists" | "DoesNotExist" if has_values => return Err(bad("takes no values")),
+            "In" | "NotIn" | "Exists" | "DoesNotExist" => {}
             other => {
                 return Err(SelectorError::UnknownOperator {
                     key: expr.key.clone(),
                     operator: other.to_string(),
                 });
             }
-        };
-        if !ok {
-            return Ok(false);
         }
     }
-    Ok(true)
+    Ok(())
+}
+
+/// Evaluates a label selector against a pod's labels, with Kubernetes semantics: a selector
+/// with any bad expression is an error for every pod, as the API server treats one.
+pub fn selector_matches(
+    selector: &LabelSelector,
+    labels: &BTreeMap<String, String>,
+) -> Result<bool, SelectorError> {
+    validate_selector(selector)?;
+    let labels_match = selector
+        .match_labels
+        .iter()
+        .flatten()
+        .all(|(k, v)| labels.get(k) == Some(v));
+    let expressions_match = selector.match_expressions.iter().flatten().all(|expr| {
+        let values = expr.values.as_deref().unwrap_or_default();
+        let present = labels.get(&expr.key);
+        match expr.operator.as_str() {
+            "In" => present.is_some_and(|v| values.contains(v)),
+            "NotIn" => present.is_none_or(|v| !values.contains(v)),
+            "Exists" => present.is_some(),
+            // Validated above: the only operator left.
+            _ => present.is_none(),
+        }
+    });
+    Ok(labels_match && expressions_match)
 }
 
 /// The policies of `policies` (all in the pod's namespace) whose selectors match `labels`.
@@ -201,5 +215,40 @@ mod tests {
             ..Default::default()
         };
         assert!(selector_matches(&sel, &labels(&[])).is_err());
+    }
+
+    /// A policy's status is written from `validate_selector`; evaluation stops at the first
+    /// label that does not match, so a bad expression behind one would pass as valid.
+    #[test]
+    fn a_bad_expression_behind_a_failing_match_is_still_found() {
+        let behind_labels = LabelSelector {
+            match_labels: Some(labels(&[("workload", "training")])),
+            match_expressions: Some(vec![expr("tier", "in", &["a"])]),
+        };
+        let behind_expression = LabelSelector {
+            match_labels: None,
+            match_expressions: Some(vec![expr("tier", "In", &["x"]), expr("gpu", "In", &[])]),
+        };
+        assert!(matches!(
+            validate_selector(&behind_labels),
+            Err(SelectorError::UnknownOperator { ref operator, .. }) if operator == "in"
+        ));
+        assert!(matches!(
+            validate_selector(&behind_expression),
+            Err(SelectorError::BadValues { ref key, .. }) if key == "gpu"
+        ));
+        for sel in [&behind_labels, &behind_expression] {
+            assert!(selector_matches(sel, &labels(&[])).is_err());
+            let wanted = labels(&[("workload", "training"), ("tier", "x")]);
+            assert!(selector_matches(sel, &wanted).is_err());
+        }
+        let good = LabelSelector {
+            match_labels: Some(labels(&[("workload", "training")])),
+            match_expressions: Some(vec![
+                expr("tier", "NotIn", &["a"]),
+                expr("x", "Exists", &[]),
+            ]),
+        };
+        assert_eq!(validate_selector(&good), Ok(()));
     }
 }

@@ -233,3 +233,33 @@ fn pod_api_defaults_come_from_the_cluster_wide_config() {
     );
     assert_eq!(from.as_deref(), Some("default"));
 }
+
+/// The review must find a bad expression even when a label before it already rules out every
+/// node, or the config is called accepted while its settings reach no node at all.
+#[test]
+fn a_bad_expression_behind_a_label_is_refused_too() {
+    let bad = config(
+        "bad",
+        1,
+        GpuConfigSpec {
+            node_selector: Some(LabelSelector {
+                match_labels: Some(labels(&[("gpu", "a100")])),
+                match_expressions: Some(vec![
+                    k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelectorRequirement {
+                        key: "zone".into(),
+                        operator: "Near".into(),
+                        values: None,
+                    },
+                ]),
+            }),
+            device_split_count: Some(3),
+            ..Default::default()
+        },
+    );
+    let refused = review(&bad, std::slice::from_ref(&bad));
+    assert_eq!(
+        refused.first().map(|r| r.field.as_str()),
+        Some("nodeSelector")
+    );
+    assert!(refused[0].reason.contains("Near"), "{}", refused[0].reason);
+}

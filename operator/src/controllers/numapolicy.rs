@@ -5,14 +5,13 @@
 //! reads holds its current spec: `Ready` then means the next bind applies it (this controller
 //! has its own watch, which may be ahead of that cache).
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
 use gpuledger_crds::alignment::AlignmentSource;
 use gpuledger_crds::names::OPERATOR_MANAGER;
-use gpuledger_crds::numapolicy::selector_matches;
+use gpuledger_crds::numapolicy::validate_selector;
 use gpuledger_crds::protocol::status::apply_body;
 use gpuledger_crds::{NumaPolicy, kstatus};
 use k8s_openapi::api::core::v1::Pod;
@@ -100,7 +99,7 @@ async fn reconcile(p: Arc<NumaPolicy>, ctx: Arc<Context>) -> Result<Action, Poli
         policy: id.clone(),
         source,
     };
-    let selector_check = selector_matches(&p.spec.pod_selector, &BTreeMap::new());
+    let selector_check = validate_selector(&p.spec.pod_selector);
     let mut matched = 0u32;
     if selector_check.is_ok() {
         let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
@@ -133,12 +132,7 @@ async fn reconcile(p: Arc<NumaPolicy>, ctx: Arc<Context>) -> Result<Action, Poli
         }
     }
     let mut conditions = p.status.clone().unwrap_or_default().conditions;
-    let verdict = kstatus::numa_policy(
-        selector_check
-            .as_ref()
-            .map(|_| ())
-            .map_err(|e| e.to_string()),
-    );
+    let verdict = kstatus::numa_policy(selector_check.clone().map_err(|e| e.to_string()));
     verdict.record(&mut conditions, p.meta().generation, Time(Timestamp::now()));
     let status = p.status.clone().unwrap_or_default();
     let unchanged = status.matched_pods == matched
