@@ -28,6 +28,19 @@ pub fn parse_duration(raw: &str) -> Result<Duration, DurationError> {
     humantime::parse_duration(s).map_err(|e| bad(e.to_string()))
 }
 
+/// Parses a duration flag that paces a loop or bounds a wait, where zero would mean a loop
+/// with no pause (or a timer that cannot be built) or a wait that always fails at once.
+pub fn parse_positive_duration(raw: &str) -> Result<Duration, DurationError> {
+    let period = parse_duration(raw)?;
+    if period.is_zero() {
+        return Err(DurationError {
+            raw: raw.to_string(),
+            reason: "must be above zero".into(),
+        });
+    }
+    Ok(period)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -43,6 +56,26 @@ mod tests {
         for bad in ["", "m", "-1", "-2s", "2x", "NaN", "inf", "1e400"] {
             let e = parse_duration(bad).unwrap_err().to_string();
             assert!(e.contains(&format!("{bad:?}")), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_period_refuses_zero_in_every_spelling() {
+        assert_eq!(
+            parse_positive_duration("1ms").unwrap(),
+            Duration::from_millis(1)
+        );
+        assert_eq!(
+            parse_positive_duration("0.5").unwrap(),
+            Duration::from_millis(500)
+        );
+        for zero in ["0", "0s", "0ms", "0.0", "0 minutes"] {
+            let e = parse_positive_duration(zero).unwrap_err().to_string();
+            assert!(
+                e.contains("above zero") && e.contains(&format!("{zero:?}")),
+                "{e}"
+            );
+            assert_eq!(parse_duration(zero).unwrap(), Duration::ZERO);
         }
     }
 }

@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use gpuledger_crds::duration::parse_duration;
+use gpuledger_crds::duration::{parse_duration, parse_positive_duration};
 
 use clap::Parser;
 
@@ -40,7 +40,7 @@ pub struct Cli {
     #[arg(long, env = "GPULEDGER_SPLIT_COUNT", default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub split_count: u32,
     /// How long GetPreferredAllocation waits for a NUMA refit (e.g. 2s, 500ms).
-    #[arg(long, env = "GPULEDGER_REFIT_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
+    #[arg(long, env = "GPULEDGER_REFIT_TIMEOUT", default_value = "2s", value_parser = parse_positive_duration)]
     pub refit_timeout: Duration,
     /// Address of the /metrics and /healthz endpoint; empty disables it.
     #[arg(long, env = "GPULEDGER_METRICS_ADDR", default_value = "0.0.0.0:9400", value_parser = parse_addr)]
@@ -62,7 +62,7 @@ pub struct Cli {
     #[arg(long, env = "GPULEDGER_REFIT", default_value_t = true, action = clap::ArgAction::Set)]
     pub refit: bool,
     /// How often GPUs are re-discovered to notice health changes.
-    #[arg(long, env = "GPULEDGER_REFRESH_INTERVAL", default_value = "10s", value_parser = parse_duration)]
+    #[arg(long, env = "GPULEDGER_REFRESH_INTERVAL", default_value = "10s", value_parser = parse_positive_duration)]
     pub refresh_interval: Duration,
     /// XID errors that leave a GPU healthy, as a comma list (the default is NVIDIA's and
     /// HAMi's list of errors an application causes); `all` turns XID health off, an empty value
@@ -172,6 +172,21 @@ mod tests {
         assert_eq!(cli.metrics_addr.0.unwrap().port(), 8081);
         let cli = Cli::try_parse_from(["p", "--node-name=n1", "--refit=false"]).unwrap();
         assert!(!cli.refit);
+    }
+
+    /// A zero refresh interval cannot build the refresh loop's timer (tokio refuses a zero
+    /// period by panicking, which would end the loop that feeds every device stream), and a
+    /// zero refit timeout would give up every refit before asking.
+    #[test]
+    fn a_zero_interval_or_timeout_is_refused_naming_the_flag() {
+        for flag in ["--refresh-interval", "--refit-timeout"] {
+            let err = Cli::try_parse_from(["p", "--node-name=n1", flag, "0"])
+                .err()
+                .unwrap()
+                .to_string();
+            assert!(err.contains(flag) && err.contains("above zero"), "{err}");
+            assert!(Cli::try_parse_from(["p", "--node-name=n1", flag, "100ms"]).is_ok());
+        }
     }
 
     /// Every flag has its row in device-plugin/README.md's "## Flags" table, with its

@@ -4,7 +4,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use gpuledger_crds::duration::parse_duration;
+use gpuledger_crds::duration::{parse_duration, parse_positive_duration};
 
 use gpuledger_crds::Alignment;
 use gpuledger_crds::names::DEFAULT_NAMESPACE;
@@ -109,7 +109,7 @@ pub struct RunConfig {
     #[arg(long, env = "GPULEDGER_WATCH_STALL_LIMIT", default_value = "90s", value_parser = parse_stall_limit)]
     pub watch_stall_limit: Duration,
     /// How long a reservation may stay Allocating before it fails and frees the node's Lease.
-    #[arg(long, env = "GPULEDGER_ALLOCATING_TIMEOUT", default_value = "5m", value_parser = parse_duration)]
+    #[arg(long, env = "GPULEDGER_ALLOCATING_TIMEOUT", default_value = "5m", value_parser = parse_positive_duration)]
     pub allocating_timeout: Duration,
     /// Default node choice policy (pods may override with hami.io/node-scheduler-policy).
     #[arg(long, env = "GPULEDGER_NODE_POLICY", default_value = "binpack", value_parser = parse_policy)]
@@ -118,12 +118,12 @@ pub struct RunConfig {
     #[arg(long, env = "GPULEDGER_GPU_POLICY", default_value = "spread", value_parser = parse_policy)]
     pub gpu_policy: SchedulerPolicy,
     /// How long bind waits for a node's allocation Lease held by another pod being admitted.
-    #[arg(long, env = "GPULEDGER_LEASE_WAIT", default_value = "3s", value_parser = parse_duration)]
+    #[arg(long, env = "GPULEDGER_LEASE_WAIT", default_value = "3s", value_parser = parse_positive_duration)]
     pub lease_wait: Duration,
     /// Minimum interval between two writes of one GpuNode's status.usage (a display field for
     /// `kubectl get gpunodes`: under churn every busy node costs one write per interval); also
     /// the beat of GPU quota usage and of the upkeep of the extender's fit views.
-    #[arg(long, env = "GPULEDGER_USAGE_INTERVAL", default_value = "5s", value_parser = parse_duration)]
+    #[arg(long, env = "GPULEDGER_USAGE_INTERVAL", default_value = "5s", value_parser = parse_positive_duration)]
     pub usage_interval: Duration,
     /// How long answered RefitRequests are kept (for `kubectl get refit`) before deletion.
     #[arg(long, env = "GPULEDGER_REFIT_TTL", default_value = "10m", value_parser = parse_duration)]
@@ -304,6 +304,20 @@ mod tests {
         }
         let one = Cli::try_parse_from(["x", "--watch-stall-limit=1s"]).unwrap();
         assert_eq!(one.run.watch_stall_limit, Duration::from_secs(1));
+    }
+
+    /// Zero would make the usage, view and endpoint loops spin without a pause, fail every
+    /// Allocating reservation at once, or give up every Lease wait before it starts.
+    #[test]
+    fn a_zero_period_or_wait_is_refused_naming_the_flag() {
+        for flag in ["--usage-interval", "--lease-wait", "--allocating-timeout"] {
+            let err = Cli::try_parse_from(["x", flag, "0s"])
+                .err()
+                .unwrap()
+                .to_string();
+            assert!(err.contains(flag) && err.contains("above zero"), "{err}");
+            assert!(Cli::try_parse_from(["x", flag, "250ms"]).is_ok());
+        }
     }
 
     #[test]
