@@ -168,6 +168,25 @@ impl GpuReservationSpec {
     }
 }
 
+/// GPU containers of a reservation without an allocation entry, ordered by index: the ones the
+/// device plugin has not recorded an Allocate for (the plugin answers the next of them; the
+/// audit reports any left once the pod's containers run).
+pub fn unallocated(reservation: &GpuReservation) -> Vec<&ContainerReservation> {
+    let done: Vec<u32> = reservation
+        .status
+        .as_ref()
+        .map(|s| s.allocation.iter().map(|a| a.index).collect())
+        .unwrap_or_default();
+    let mut out: Vec<&ContainerReservation> = reservation
+        .spec
+        .containers
+        .iter()
+        .filter(|c| !c.devices.is_empty() && !done.contains(&c.index))
+        .collect();
+    out.sort_by_key(|c| c.index);
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::ReservationPhase;

@@ -4,6 +4,7 @@
 
 use gpuledger_crds::names::{self, DEVICE_PLUGIN_MANAGER};
 use gpuledger_crds::protocol::lease::{self, Holder, allocation_lease_name};
+pub use gpuledger_crds::reservation::unallocated;
 use gpuledger_crds::{ContainerAllocation, ContainerReservation, GpuReservation};
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::Client;
@@ -127,23 +128,6 @@ impl Pending {
             .map(|s| s.allocation.clone())
             .unwrap_or_default()
     }
-}
-
-/// GPU containers of a reservation without an allocation entry, ordered by index.
-pub fn unallocated(reservation: &GpuReservation) -> Vec<&ContainerReservation> {
-    let done: Vec<u32> = reservation
-        .status
-        .as_ref()
-        .map(|s| s.allocation.iter().map(|a| a.index).collect())
-        .unwrap_or_default();
-    let mut out: Vec<&ContainerReservation> = reservation
-        .spec
-        .containers
-        .iter()
-        .filter(|c| !c.devices.is_empty() && !done.contains(&c.index))
-        .collect();
-    out.sort_by_key(|c| c.index);
-    out
 }
 
 /// Access to the Lease and reservations of one node.

@@ -2,7 +2,7 @@
 //! schedules, the lifecycle repairs and the audit checks), when it stops holding its GPUs, and
 //! which environment variables of a GPU container belong to the device plugin.
 
-use k8s_openapi::api::core::v1::{Container, EnvVar, Pod};
+use k8s_openapi::api::core::v1::{Container, ContainerState, EnvVar, Pod};
 
 use crate::podapi::{PodApiConfig, parse_pod};
 use crate::resources::{GPU, GPU_CORES, GPU_MEM, GPU_MEM_PERCENTAGE};
@@ -32,6 +32,24 @@ pub fn pod_finished(pod: &Pod) -> bool {
         pod.status.as_ref().and_then(|s| s.phase.as_deref()),
         Some("Succeeded" | "Failed")
     )
+}
+
+/// Whether the kubelet has created any container of `pod`, init or app: one with a state (or
+/// last state) running or terminated. The kubelet calls the device plugin's Allocate for every
+/// GPU container when it admits the pod, before it creates any, so from here on the plugin's
+/// allocation record of each is due (the lifecycle and the audit both read this).
+pub fn containers_started(pod: &Pod) -> bool {
+    let Some(status) = pod.status.as_ref() else {
+        return false;
+    };
+    let created = |st: Option<&ContainerState>| {
+        st.is_some_and(|st| st.running.is_some() || st.terminated.is_some())
+    };
+    [&status.init_container_statuses, &status.container_statuses]
+        .into_iter()
+        .flatten()
+        .flatten()
+        .any(|c| created(c.state.as_ref()) || created(c.last_state.as_ref()))
 }
 
 /// Whether `pod` is being deleted but has not finished: its GPUs stay booked until its

@@ -300,7 +300,9 @@ pub async fn topology_aware_takes_the_nvlink_pair(cluster: &SimCluster) {
 /// A running pod's reservation forced away by an admin (the finalizer taken off): the repair
 /// sweep books the pod again, and the new reservation is `Allocated`, holding the GPUs for as
 /// long as the pod runs. The kubelet allocated long before it existed, so no Allocate will
-/// record it; left to wait for one it would time out to `Failed` and free GPUs in use.
+/// record it; left to wait for one it would time out to `Failed` and free GPUs in use. Which
+/// GPUs the container uses is then unknown to the ledger, and the audit reports it
+/// (`AllocationUnrecorded`) until the pod is gone.
 pub async fn forced_away_reservation_is_booked_again_and_held(cluster: &SimCluster) {
     use gpuledger_crds::names::reservation_name;
     use kube::ResourceExt;
@@ -343,5 +345,16 @@ pub async fn forced_away_reservation_is_booked_again_and_held(cluster: &SimClust
     wait_event(&client, NS, name, "GpuReservationRepaired", WAIT)
         .await
         .unwrap();
-    cleanup(cluster, &[name]).await;
+    // The new booking holds GPUs the fit picked now; what the container was handed went with
+    // the first reservation's record. The audit says so, and says nothing else.
+    let (ok, report) = audit_report(cluster);
+    assert!(!ok, "{report}");
+    assert!(report.contains("1 finding(s)"), "{report}");
+    assert!(
+        report.contains(&format!("allocation unrecorded: {NS}/{key}:")),
+        "{report}"
+    );
+    delete_bound_pod(&client, NS, name).await.unwrap();
+    reservations_gone(cluster, &[name]).await;
+    assert_audit_clean(cluster);
 }

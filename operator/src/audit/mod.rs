@@ -13,8 +13,9 @@ use gpuledger_crds::conditions::{self, types};
 use gpuledger_crds::names::OPERATOR_MANAGER;
 use gpuledger_crds::podapi::PodApiConfig;
 use gpuledger_crds::protocol::pod::{
-    containers_getting_gpus, isolation_overridden, pod_finished, pod_wants_gpus,
+    containers_getting_gpus, containers_started, isolation_overridden, pod_finished, pod_wants_gpus,
 };
+use gpuledger_crds::reservation::unallocated;
 use gpuledger_crds::{
     GpuConfig, GpuNode, GpuReservation, RefitPhase, RefitRequest, ReservationPhase,
 };
@@ -183,6 +184,20 @@ pub enum Finding {
         /// The variable it sets.
         variable: String,
     },
+    /// A pod's containers run, but the device plugin recorded no Allocate for some of its
+    /// reserved containers: the GPUs they were handed are not known to be the reserved ones. The
+    /// plugin records before it answers and the kubelet allocates before it creates a container,
+    /// so this is a reservation written after the pod started: the repair sweep's, after the
+    /// one the pod was admitted on was forced away (its finalizer taken off, or it named another
+    /// node). The fit that booked it again picked GPUs by the node's usage at that moment, not by
+    /// what the containers were given.
+    #[serde(rename_all = "camelCase")]
+    AllocationUnrecorded {
+        /// Reservation `ns/name`.
+        reservation: String,
+        /// The reserved containers without an allocation record.
+        containers: Vec<String>,
+    },
     /// A RefitRequest is still pending past its deadline.
     #[serde(rename_all = "camelCase")]
     RefitNotTerminal {
@@ -295,6 +310,14 @@ impl fmt::Display for Finding {
             } => write!(
                 f,
                 "namespace {namespace} holds {used} of {resource}, over its quota of {limit}"
+            ),
+            Finding::AllocationUnrecorded {
+                reservation,
+                containers,
+            } => write!(
+                f,
+                "allocation unrecorded: {reservation}: its pod's containers run, but the device plugin recorded no allocation for container(s) {}: the GPUs they use are not known to be the reserved ones (booked after the pod started; deleting the pod places it again on a recorded allocation)",
+                containers.join(", ")
             ),
             Finding::RefitNotTerminal {
                 refit,
@@ -486,7 +509,16 @@ fn check_pods(snap: &Snapshot, out: &mut Vec<Finding>) {
             // Only an ended pod: one being deleted is released by the lifecycle controller a
             // moment later, and the audit must not race it.
             Some(p) if pod_ended(p) => Some(format!("pod {pod_key} has finished")),
-            Some(_) => None,
+            Some(p) => {
+                let unrecorded = unallocated(r);
+                if containers_started(p) && !unrecorded.is_empty() {
+                    out.push(Finding::AllocationUnrecorded {
+                        reservation: name.clone(),
+                        containers: unrecorded.iter().map(|c| c.name.clone()).collect(),
+                    });
+                }
+                None
+            }
         };
         match detail {
             Some(detail) => out.push(Finding::ReservationWithoutPod {

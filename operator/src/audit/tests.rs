@@ -468,3 +468,87 @@ fn a_namespace_over_its_gpu_quota_is_reported() {
         "namespace ns holds 40000 of limits.nvidia.com/gpumem, over its quota of 30000"
     );
 }
+
+/// A container the kubelet created (running now, or ended and restarting).
+fn started(p: &mut Pod, state: k8s_openapi::api::core::v1::ContainerState) {
+    p.status.as_mut().unwrap().container_statuses =
+        Some(vec![k8s_openapi::api::core::v1::ContainerStatus {
+            name: "main".into(),
+            state: Some(state),
+            ..Default::default()
+        }]);
+}
+
+/// The repair sweep books a running pod whose reservation was forced away on GPUs the fit picks
+/// now, not on the ones its containers were handed; no Allocate comes to record which. The audit
+/// must not call that booking verified.
+#[test]
+fn a_running_pod_whose_reservation_has_no_allocation_record_is_reported() {
+    use k8s_openapi::api::core::v1::{ContainerState, ContainerStateRunning};
+    let mut snap = clean_snapshot();
+    started(
+        &mut snap.pods[0],
+        ContainerState {
+            running: Some(ContainerStateRunning::default()),
+            ..Default::default()
+        },
+    );
+    let findings = audit(&snap, ts(1000), Options::default());
+    assert_eq!(
+        findings,
+        vec![Finding::AllocationUnrecorded {
+            reservation: "ns/p1".into(),
+            containers: vec!["main".into()],
+        }]
+    );
+    assert!(
+        findings[0].to_string().contains("container(s) main"),
+        "{}",
+        findings[0]
+    );
+
+    // With the plugin's record, the same running pod is clean: the alignment check then
+    // compares what the kubelet handed out with what is reserved.
+    snap.reservations[0].status.as_mut().unwrap().allocation = vec![ContainerAllocation {
+        index: 0,
+        name: "main".into(),
+        replica_ids: vec!["GPU-a-0".into()],
+        devices: vec!["GPU-a".into()],
+        ..Default::default()
+    }];
+    assert_eq!(audit(&snap, ts(1000), Options::default()), vec![]);
+}
+
+/// Before the kubelet creates a container there is nothing to record yet (the plugin's Allocate
+/// may still come), and a reservation of an ended pod is reported as such, not twice.
+#[test]
+fn no_allocation_is_due_before_a_container_starts_or_after_the_pod_ends() {
+    use k8s_openapi::api::core::v1::{ContainerState, ContainerStateWaiting};
+    let mut snap = clean_snapshot();
+    started(
+        &mut snap.pods[1],
+        ContainerState {
+            waiting: Some(ContainerStateWaiting {
+                reason: Some("ContainerCreating".into()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    );
+    assert_eq!(audit(&snap, ts(1000), Options::default()), vec![]);
+
+    let mut snap = clean_snapshot();
+    snap.pods[0].status.as_mut().unwrap().phase = Some("Succeeded".into());
+    started(
+        &mut snap.pods[0],
+        ContainerState {
+            terminated: Some(Default::default()),
+            ..Default::default()
+        },
+    );
+    let findings = audit(&snap, ts(1000), Options::default());
+    assert!(
+        matches!(&findings[..], [Finding::ReservationWithoutPod { .. }]),
+        "{findings:?}"
+    );
+}

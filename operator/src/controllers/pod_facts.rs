@@ -18,7 +18,9 @@ use std::sync::Arc;
 use gpuledger_crds::podapi::PodApiConfig;
 
 use crate::context::PodApiSetting;
-use gpuledger_crds::protocol::pod::{pod_finished, pod_terminating, pod_wants_gpus};
+use gpuledger_crds::protocol::pod::{
+    containers_started, pod_finished, pod_terminating, pod_wants_gpus,
+};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::jiff::Timestamp;
 use kube::runtime::watcher::Event;
@@ -101,22 +103,6 @@ fn scheduled_at(pod: &Pod) -> Option<Timestamp> {
         .last_transition_time
         .as_ref()
         .map(|t| t.0)
-}
-
-/// Whether the kubelet has created any container of `pod`, init or app: one with a state (or
-/// last state) running or terminated.
-fn containers_started(pod: &Pod) -> bool {
-    let Some(status) = pod.status.as_ref() else {
-        return false;
-    };
-    let created = |st: Option<&k8s_openapi::api::core::v1::ContainerState>| {
-        st.is_some_and(|st| st.running.is_some() || st.terminated.is_some())
-    };
-    [&status.init_container_statuses, &status.container_statuses]
-        .into_iter()
-        .flatten()
-        .flatten()
-        .any(|c| created(c.state.as_ref()) || created(c.last_state.as_ref()))
 }
 
 /// The positions of `pod`'s sidecars as [`PodFacts::sidecars`] keeps them.
