@@ -14,7 +14,11 @@ use crate::resources::{GPU, GPU_CORES, GPU_MEM, GPU_MEM_PERCENTAGE};
 pub fn pod_wants_gpus(pod: &Pod, config: &PodApiConfig) -> bool {
     match parse_pod(pod, config) {
         Ok(req) => req.wants_gpus(),
-        Err(_) => names_gpu_resources(pod),
+        Err(_) => pod
+            .spec
+            .iter()
+            .flat_map(|s| s.init_containers.iter().flatten().chain(&s.containers))
+            .any(may_get_gpus_unread),
     }
 }
 
@@ -82,6 +86,23 @@ pub fn container_names_gpu_resources(container: &Container) -> bool {
     })
 }
 
+/// Whether a container of a pod whose request does not parse may still get GPUs: it names a
+/// gpuledger resource, and not `nvidia.com/gpu: 0` (the kubelet never calls the device plugin
+/// for a container whose count is zero, whatever else it names). A request that parsed at
+/// creation stops parsing when a user edits one of the pod's annotations afterwards (the webhook
+/// sees only creations); without the zero rule that edit alone would turn a GPU-less container,
+/// with the webhook's own `NVIDIA_VISIBLE_DEVICES=none`, into an "override" in the audit.
+fn may_get_gpus_unread(container: &Container) -> bool {
+    let zero_count = container.resources.as_ref().is_some_and(|r| {
+        r.limits
+            .iter()
+            .chain(r.requests.iter())
+            .filter_map(|m| m.get(GPU))
+            .any(|q| q.0.trim().parse::<f64>().is_ok_and(|n| n == 0.0))
+    });
+    container_names_gpu_resources(container) && !zero_count
+}
+
 /// The variable the NVIDIA container runtime reads a container's GPUs from.
 pub const VISIBLE_DEVICES: &str = "NVIDIA_VISIBLE_DEVICES";
 
@@ -111,7 +132,8 @@ pub fn plugin_owned_env(name: &str) -> bool {
 /// its request, read with `config`, comes to at least one GPU. A container naming
 /// `nvidia.com/gpu: 0` gets none (the kubelet never calls the plugin for it), and the webhook
 /// gives it `NVIDIA_VISIBLE_DEVICES=none` as it does a container naming no GPU resource. For a
-/// pod whose request does not parse (which the webhook refuses), whether each names one.
+/// pod whose request does not parse (which the webhook refuses at creation, but an annotation
+/// edited later can bring about), whether each names one with a count other than zero.
 pub fn containers_getting_gpus(pod: &Pod, config: &PodApiConfig) -> Vec<bool> {
     let Some(spec) = pod.spec.as_ref() else {
         return Vec::new();
@@ -123,7 +145,7 @@ pub fn containers_getting_gpus(pod: &Pod, config: &PodApiConfig) -> Vec<bool> {
             .iter()
             .flatten()
             .chain(&spec.containers)
-            .map(container_names_gpu_resources)
+            .map(may_get_gpus_unread)
             .collect(),
     }
 }
@@ -205,5 +227,41 @@ mod tests {
         }
         assert!(!plugin_owned_env("CUDA_VISIBLE_DEVICES"));
         assert!(!plugin_owned_env("LD_LIBRARY_PATH"));
+    }
+
+    /// Annotations stay writable after creation, where the webhook does not look: a user who
+    /// breaks one (a policy no one knows) must not make a container the kubelet gives no GPU
+    /// look like one that gets GPUs, or a pod of such containers look like a GPU pod (the audit
+    /// and the repair sweep would report it forever).
+    #[test]
+    fn an_annotation_broken_after_creation_gives_no_gpu_to_a_zero_count_container() {
+        let broken = |containers: serde_json::Value| {
+            pod(serde_json::json!({
+                "metadata": {"annotations": {"hami.io/gpu-scheduler-policy": "bogus"}},
+                "spec": {"containers": containers}}))
+        };
+        let config = PodApiConfig::default();
+        let mixed = broken(serde_json::json!([
+            {"name": "main", "resources": {"limits": {"nvidia.com/gpu": "1"}}},
+            {"name": "zero", "resources": {"limits": {"nvidia.com/gpu": "0",
+                                                      "nvidia.com/gpumem": "1000"}},
+             "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}]}]));
+        assert!(
+            parse_pod(&mixed, &config).is_err(),
+            "the edit breaks the parse"
+        );
+        assert_eq!(containers_getting_gpus(&mixed, &config), [true, false]);
+        assert_eq!(
+            isolation_overridden(&mixed, &containers_getting_gpus(&mixed, &config)),
+            None
+        );
+        assert!(pod_wants_gpus(&mixed, &config));
+        let only_zero = broken(serde_json::json!([
+            {"name": "zero", "resources": {"limits": {"nvidia.com/gpu": "0"}}}]));
+        assert!(!pod_wants_gpus(&only_zero, &config));
+        // A count that does not parse still counts: the ledger cannot say it is none.
+        let unreadable = broken(serde_json::json!([
+            {"name": "main", "resources": {"limits": {"nvidia.com/gpu": "x"}}}]));
+        assert!(pod_wants_gpus(&unreadable, &config));
     }
 }
