@@ -158,22 +158,32 @@ pub fn containers_getting_gpus(pod: &Pod, config: &PodApiConfig) -> Vec<bool> {
 /// `gets_gpus` is [`containers_getting_gpus`] (or the same read from a parse already made).
 pub fn isolation_overridden<'p>(pod: &'p Pod, gets_gpus: &[bool]) -> Option<(&'p str, &'p str)> {
     let spec = pod.spec.as_ref()?;
-    spec.init_containers
+    let shows_gpus = |e: &&EnvVar| {
+        e.name == VISIBLE_DEVICES && !matches!(e.value.as_deref(), Some("none" | "void"))
+    };
+    let own = spec
+        .init_containers
         .iter()
         .flatten()
         .chain(&spec.containers)
         .zip(gets_gpus.iter().copied())
         .find_map(|(c, gets)| {
-            let overrides = |e: &&EnvVar| match gets {
-                true => plugin_owned_env(&e.name),
-                false => {
-                    e.name == VISIBLE_DEVICES
-                        && !matches!(e.value.as_deref(), Some("none" | "void"))
-                }
-            };
-            let var = c.env.iter().flatten().find(overrides)?;
+            let var = match gets {
+                true => c.env.iter().flatten().find(|e| plugin_owned_env(&e.name)),
+                false => c.env.iter().flatten().find(shows_gpus),
+            }?;
+            Some((c.name.as_str(), var.name.as_str()))
+        });
+    // An ephemeral container (`kubectl debug`, added through its own subresource after the pod
+    // started, where the pod webhook does not look) never gets GPUs from the plugin: the kubelet
+    // allocates no devices to one. Naming GPUs in this variable, it would reach the pod's GPUs,
+    // or any of the node's, outside HAMi-core's limits.
+    own.or_else(|| {
+        spec.ephemeral_containers.iter().flatten().find_map(|c| {
+            let var = c.env.iter().flatten().find(shows_gpus)?;
             Some((c.name.as_str(), var.name.as_str()))
         })
+    })
 }
 
 #[cfg(test)]
@@ -227,6 +237,29 @@ mod tests {
         }
         assert!(!plugin_owned_env("CUDA_VISIBLE_DEVICES"));
         assert!(!plugin_owned_env("LD_LIBRARY_PATH"));
+    }
+
+    /// `kubectl debug` adds an ephemeral container to a running GPU pod; one naming a GPU in
+    /// `NVIDIA_VISIBLE_DEVICES` would use it outside the reservation's limits.
+    #[test]
+    fn an_ephemeral_container_naming_gpus_overrides_isolation() {
+        let debugged = |value: &str| {
+            pod(serde_json::json!({"spec": {
+                "containers": [{"name": "main", "resources": {"limits": {"nvidia.com/gpu": "1"}}}],
+                "ephemeralContainers": [{"name": "debugger",
+                    "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": value}]}]}}))
+        };
+        let config = PodApiConfig::default();
+        let p = debugged("GPU-0f3a");
+        assert_eq!(
+            isolation_overridden(&p, &containers_getting_gpus(&p, &config)),
+            Some(("debugger", "NVIDIA_VISIBLE_DEVICES"))
+        );
+        let p = debugged("none");
+        assert_eq!(
+            isolation_overridden(&p, &containers_getting_gpus(&p, &config)),
+            None
+        );
     }
 
     /// Annotations stay writable after creation, where the webhook does not look: a user who

@@ -552,3 +552,28 @@ fn no_allocation_is_due_before_a_container_starts_or_after_the_pod_ends() {
         "{findings:?}"
     );
 }
+
+/// `kubectl debug` on a running GPU pod goes through the ephemeral-containers subresource, which
+/// the pod webhook never sees: a debug container naming the pod's GPU is reported.
+#[test]
+fn an_ephemeral_container_naming_a_gpu_is_reported() {
+    let mut snap = clean_snapshot();
+    snap.pods[0].spec.as_mut().unwrap().ephemeral_containers =
+        Some(vec![k8s_openapi::api::core::v1::EphemeralContainer {
+            name: "debugger".into(),
+            env: Some(vec![EnvVar {
+                name: "NVIDIA_VISIBLE_DEVICES".into(),
+                value: Some("GPU-a".into()),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }]);
+    assert_eq!(
+        audit(&snap, ts(1000), Options::default()),
+        vec![Finding::IsolationOverridden {
+            pod: "ns/p1".into(),
+            container: "debugger".into(),
+            variable: "NVIDIA_VISIBLE_DEVICES".into(),
+        }]
+    );
+}
