@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use futures::{Stream, StreamExt};
 use kube::runtime::controller::Controller;
-use kube::runtime::{WatchStreamExt, reflector, watcher};
+use kube::runtime::{WatchStreamExt, predicates, reflector, watcher};
 use kube::{Api, Resource};
 use serde::de::DeserializeOwned;
 
@@ -92,6 +92,30 @@ where
     Controller::for_stream(stream, reader).trigger_backoff(WaitedAlready)
 }
 
+/// [`controller`], run again only when an object's spec changed (its `metadata.generation`)
+/// or its reconcile asked for it. For a controller whose own status write would otherwise
+/// trigger it at once, and whose run is costly: NumaPolicy's lists its namespace's pods, so
+/// under pod churn each write's new count set off another list and another write, as fast as
+/// the lists went. Its periodic requeue is what follows the pods.
+pub fn spec_controller<K>(api: Api<K>, config: watcher::Config) -> Controller<K>
+where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+    K::DynamicType: Default + Eq + Hash + Clone + Debug + Unpin,
+{
+    let (reader, writer) = reflector::store();
+    let stream = reflector(writer, watcher(api, config).backoff_except_expired()).applied_objects();
+    Controller::for_stream(spec_changes(stream), reader).trigger_backoff(WaitedAlready)
+}
+
+/// The objects of `applied` whose generation this stream has not passed on before.
+fn spec_changes<K, S>(applied: S) -> impl Stream<Item = Result<K, watcher::Error>>
+where
+    K: Resource + 'static,
+    S: Stream<Item = Result<K, watcher::Error>>,
+{
+    applied.predicate_filter(predicates::generation, Default::default())
+}
+
 /// Drives a watch stream to its end, reporting to `health` under `name`.
 pub async fn drive<S, K>(name: &'static str, stream: S, health: Arc<Health>)
 where
@@ -130,6 +154,43 @@ mod tests {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         api.finish().await;
         running.abort();
+    }
+
+    /// A status write (a new resourceVersion, the same generation) does not pass; a spec
+    /// change does, and so does a new object, one created again under a known name included.
+    #[tokio::test]
+    async fn only_a_new_generation_triggers_a_spec_controller() {
+        use gpuledger_crds::{NumaPolicy, NumaPolicySpec};
+        let policy = |name: &str, uid: &str, generation: i64, version: &str| {
+            let mut p = NumaPolicy::new(name, NumaPolicySpec::default());
+            p.metadata.namespace = Some("ns".into());
+            p.metadata.uid = Some(uid.into());
+            p.metadata.generation = Some(generation);
+            p.metadata.resource_version = Some(version.into());
+            Ok::<_, watcher::Error>(p)
+        };
+        let seen = vec![
+            policy("a", "u1", 1, "10"),
+            policy("a", "u1", 1, "11"),
+            policy("a", "u1", 1, "12"),
+            policy("a", "u1", 2, "13"),
+            policy("a", "u1", 2, "14"),
+            policy("b", "u2", 1, "15"),
+            // Deleted and created again under the name: a new object, its first generation.
+            policy("a", "u3", 1, "16"),
+        ];
+        let passed: Vec<String> = spec_changes(futures::stream::iter(seen))
+            .map(|p| {
+                let p = p.unwrap();
+                format!(
+                    "{}@{}",
+                    p.metadata.name.unwrap_or_default(),
+                    p.metadata.resource_version.unwrap_or_default()
+                )
+            })
+            .collect()
+            .await;
+        assert_eq!(passed, ["a@10", "a@13", "b@15", "a@16"]);
     }
 
     #[test]

@@ -53,7 +53,7 @@ pub enum PolicyError {
 /// Runs the controller until the process ends.
 pub async fn run(ctx: Arc<Context>) {
     let api: Api<NumaPolicy> = Api::all(ctx.client.clone());
-    crate::watches::controller(api, watcher::Config::default())
+    crate::watches::spec_controller(api, watcher::Config::default())
         .run(reconcile, error_policy, ctx)
         .for_each(|_| async {})
         .await;
