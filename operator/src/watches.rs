@@ -116,6 +116,22 @@ where
     applied.predicate_filter(predicates::generation, Default::default())
 }
 
+/// Whether `store` holds `obj` at its spec or a newer one: the same object (by UID, so not one
+/// deleted and created again under its name) at its generation or later. A controller's event
+/// can run ahead of another watch's cache of the same kind; a status judged on that cache must
+/// wait for it.
+pub fn cache_holds_spec_of<K>(store: &reflector::Store<K>, obj: &K) -> bool
+where
+    K: Resource + Clone + 'static,
+    K::DynamicType: Default + Eq + Hash + Clone,
+{
+    store
+        .get(&reflector::ObjectRef::from_obj(obj))
+        .is_some_and(|cached| {
+            cached.meta().uid == obj.meta().uid && cached.meta().generation >= obj.meta().generation
+        })
+}
+
 /// Drives a watch stream to its end, reporting to `health` under `name`.
 pub async fn drive<S, K>(name: &'static str, stream: S, health: Arc<Health>)
 where

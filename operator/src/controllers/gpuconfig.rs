@@ -26,6 +26,9 @@ use crate::context::Context;
 /// the verdict on the other without touching it.
 const REFRESH: Duration = Duration::from_secs(15);
 
+/// How soon a config the config cache does not hold yet is looked at again.
+const CACHE_LAG_RECHECK: Duration = Duration::from_millis(200);
+
 /// Why a reconcile failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -58,6 +61,12 @@ fn error_policy(c: Arc<GpuConfig>, e: &ConfigError, ctx: Arc<Context>) -> Action
 async fn reconcile(c: Arc<GpuConfig>, ctx: Arc<Context>) -> Result<Action, ConfigError> {
     if !ctx.may_write() {
         return Ok(Action::requeue(Duration::from_secs(5)));
+    }
+    // Judged against the config cache, which another watch fills: until it holds this spec,
+    // the verdict would be on the old one (a second cluster-wide config "already" winning, say,
+    // and written as Stalled at the new generation, which GitOps tools read as failed).
+    if !crate::watches::cache_holds_spec_of(&ctx.caches.configs, &c) {
+        return Ok(Action::requeue(CACHE_LAG_RECHECK));
     }
     let name = c.name_any();
     let all: Vec<GpuConfig> = ctx
@@ -101,4 +110,47 @@ async fn reconcile(c: Arc<GpuConfig>, ctx: Arc<Context>) -> Result<Action, Confi
         })?;
     }
     Ok(Action::requeue(REFRESH))
+}
+
+#[cfg(test)]
+mod tests {
+    use gpuledger_crds::GpuConfigSpec;
+    use kube::runtime::reflector;
+
+    use super::*;
+    use crate::controllers::refit::commit::tests::context;
+
+    fn config(uid: &str, generation: i64) -> GpuConfig {
+        let mut c = GpuConfig::new("defaults", GpuConfigSpec::default());
+        c.metadata.uid = Some(uid.into());
+        c.metadata.generation = Some(generation);
+        c
+    }
+
+    #[tokio::test]
+    async fn no_verdict_until_the_config_cache_holds_the_configs_spec() {
+        let (store, mut cache) = reflector::store::<GpuConfig>();
+        let mut ctx = context();
+        ctx.caches.configs = store;
+        let ctx = Arc::new(ctx);
+        let current = Arc::new(config("u1", 2));
+        let wait = Action::requeue(CACHE_LAG_RECHECK);
+        // Not in the cache yet, then held at an older spec, then another object under the name:
+        // nothing is judged, and soon again.
+        let got = reconcile(current.clone(), ctx.clone()).await;
+        assert_eq!(got.ok(), Some(wait.clone()));
+        cache.apply_watcher_event(&watcher::Event::Apply(config("u1", 1)));
+        let got = reconcile(current.clone(), ctx.clone()).await;
+        assert_eq!(got.ok(), Some(wait.clone()));
+        cache.apply_watcher_event(&watcher::Event::Apply(config("u0", 7)));
+        let got = reconcile(current.clone(), ctx.clone()).await;
+        assert_eq!(got.ok(), Some(wait));
+        // Held: the verdict is written (this context reaches no API server).
+        cache.apply_watcher_event(&watcher::Event::Apply(config("u1", 2)));
+        let got = reconcile(current, ctx).await;
+        assert!(
+            matches!(got, Err(ConfigError::WriteStatus { .. })),
+            "{got:?}"
+        );
+    }
 }

@@ -70,13 +70,9 @@ fn error_policy(p: Arc<NumaPolicy>, e: &PolicyError, ctx: Arc<Context>) -> Actio
 }
 
 /// Whether the NumaPolicy cache bind resolves alignments from holds `p`'s spec (its
-/// generation or a newer one).
+/// generation or a newer one, of this very object).
 fn binds_see(ctx: &Context, p: &NumaPolicy) -> bool {
-    let key = kube::runtime::reflector::ObjectRef::from_obj(p);
-    ctx.caches
-        .policies
-        .get(&key)
-        .is_some_and(|cached| cached.meta().generation >= p.meta().generation)
+    crate::watches::cache_holds_spec_of(&ctx.caches.policies, p)
 }
 
 /// Whether a pod's alignment is decided by `policy` (given the resolved source).
@@ -179,6 +175,7 @@ mod tests {
             },
         );
         p.metadata.namespace = Some("team".into());
+        p.metadata.uid = Some("u-ml".into());
         p.metadata.generation = Some(generation);
         p
     }
@@ -198,6 +195,13 @@ mod tests {
         cache.apply_watcher_event(&watcher::Event::Apply(policy(1)));
         let got = reconcile(current.clone(), ctx.clone()).await;
         assert_eq!(got.ok(), Some(wait));
+        // Deleted and created again under its name, the cache still holding the old object at
+        // a higher generation: not this policy's spec.
+        let mut older_object = policy(5);
+        older_object.metadata.uid = Some("deleted-since".into());
+        cache.apply_watcher_event(&watcher::Event::Apply(older_object));
+        let got = reconcile(current.clone(), ctx.clone()).await;
+        assert_eq!(got.ok(), Some(Action::requeue(CACHE_LAG_RECHECK)));
         // Held: it goes on to count the policy's pods (this context reaches no API server).
         cache.apply_watcher_event(&watcher::Event::Apply(policy(2)));
         let got = reconcile(current, ctx).await;
