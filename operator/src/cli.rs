@@ -41,6 +41,11 @@ pub enum Command {
         /// Seconds a RefitRequest may stay pending past its deadline before it is reported.
         #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(i64).range(0..))]
         refit_grace_seconds: i64,
+        /// When the first look finds anything, look again this much later and report only what
+        /// both looks found (a cluster caught mid-step, a pod just finished before its
+        /// reservation was released, is not a finding); 0 looks once.
+        #[arg(long, default_value = "5s", value_parser = gpuledger_crds::duration::parse_duration)]
+        confirm_after: std::time::Duration,
     },
     /// Evaluate a JSON fit scenario (nodes, usage, pod, policy, optional allowed set) and print
     /// where the pod would go and why not elsewhere. Bad input exits with 2.

@@ -16,7 +16,8 @@ fn main() -> ExitCode {
             kubeconfig,
             json,
             refit_grace_seconds,
-        } => return run_audit(kubeconfig, json, refit_grace_seconds),
+            confirm_after,
+        } => return run_audit(kubeconfig, json, refit_grace_seconds, confirm_after),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -60,7 +61,12 @@ fn run_fit(input: &str) -> ExitCode {
 }
 
 /// Runs the `audit` subcommand on a small runtime of its own.
-fn run_audit(kubeconfig: Option<PathBuf>, json: bool, refit_grace_seconds: i64) -> ExitCode {
+fn run_audit(
+    kubeconfig: Option<PathBuf>,
+    json: bool,
+    refit_grace_seconds: i64,
+    confirm_after: std::time::Duration,
+) -> ExitCode {
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -78,6 +84,7 @@ fn run_audit(kubeconfig: Option<PathBuf>, json: bool, refit_grace_seconds: i64) 
         kubeconfig.as_deref(),
         json,
         opts,
+        confirm_after,
     )))
 }
 

@@ -3,13 +3,14 @@
 
 use std::io::Write;
 use std::path::Path;
+use std::time::Duration;
 
 use gpuledger_crds::{GpuConfig, GpuNode, GpuReservation, RefitRequest};
 use k8s_openapi::api::core::v1::{Pod, ResourceQuota};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, ListParams, VersionMatch};
 
-use super::{Finding, Options, Snapshot, audit};
+use super::{Finding, Options, Snapshot, audit, lasting};
 use gpuledger_crds::kubeclient::{self, ClientError};
 
 /// Why the audit could not run.
@@ -102,12 +103,35 @@ pub async fn audit_cluster(
     Ok(audit(&snap, Timestamp::now(), opts))
 }
 
+/// Audits the cluster, and when that finds anything, looks again `confirm_after` later and
+/// keeps what both looks found ([`super::lasting`]); zero looks once. The second look's
+/// snapshot is returned with its findings.
+pub async fn audit_lasting(
+    client: &kube::Client,
+    opts: Options,
+    confirm_after: Duration,
+) -> Result<(Snapshot, Vec<Finding>), AuditError> {
+    let snap = snapshot(client).await?;
+    let first = audit(&snap, Timestamp::now(), opts);
+    if first.is_empty() || confirm_after.is_zero() {
+        return Ok((snap, first));
+    }
+    tokio::time::sleep(confirm_after).await;
+    let snap = snapshot(client).await?;
+    let second = audit(&snap, Timestamp::now(), opts);
+    Ok((snap, lasting(&first, second)))
+}
+
 /// Runs the subcommand; returns the process exit code.
-pub async fn run(kubeconfig: Option<&Path>, json: bool, opts: Options) -> u8 {
+pub async fn run(
+    kubeconfig: Option<&Path>,
+    json: bool,
+    opts: Options,
+    confirm_after: Duration,
+) -> u8 {
     let result = async {
         let client = kubeclient::client(kubeconfig).await?;
-        let snap = snapshot(&client).await?;
-        let findings = audit(&snap, Timestamp::now(), opts);
+        let (snap, findings) = audit_lasting(&client, opts, confirm_after).await?;
         let text = if json {
             serde_json::to_string_pretty(&serde_json::json!({
                 "clean": findings.is_empty(),
@@ -131,6 +155,9 @@ pub async fn run(kubeconfig: Option<&Path>, json: bool, opts: Options) -> u8 {
                 s.push_str("clean");
             } else {
                 s.push_str(&format!("{} finding(s)", findings.len()));
+                if !confirm_after.is_zero() {
+                    s.push_str(&format!(", each in two looks {:?} apart", confirm_after));
+                }
                 for f in &findings {
                     s.push_str(&format!("\n  {f}"));
                 }

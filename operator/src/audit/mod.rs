@@ -330,6 +330,47 @@ impl fmt::Display for Finding {
     }
 }
 
+impl Finding {
+    /// The finding with what may move between two looks at one lasting disagreement cleared
+    /// (how far over, who else holds it, how long overdue), leaving what it is about: two looks
+    /// with the same subject saw the same problem.
+    fn subject(&self) -> Finding {
+        let mut s = self.clone();
+        match &mut s {
+            // One finding per GPU: which of its resources are over, by how much and held by
+            // whom may all move while the GPU stays over-committed.
+            Finding::OverCommitted {
+                detail, holders, ..
+            } => {
+                detail.clear();
+                holders.clear();
+            }
+            Finding::EditedOutsideOperator { managers, .. } => managers.clear(),
+            Finding::ReplicaTwice { holders, .. } => holders.clear(),
+            Finding::KubeletOverSubscribed { replicas, .. } => *replicas = 0,
+            Finding::OverQuota { used, limit, .. } => (*used, *limit) = (0, 0),
+            Finding::RefitNotTerminal {
+                overdue_seconds, ..
+            } => *overdue_seconds = 0,
+            _ => {}
+        }
+        s
+    }
+}
+
+/// The findings of a second look that the first look saw too (by subject), as the second
+/// look has them. A snapshot catches the cluster mid-step: a pod that has just finished
+/// before the operator released its reservation, a replica the kubelet handed on before the
+/// old holder's record was closed. Those are gone a moment later; a disagreement that lasts is
+/// in both looks.
+pub fn lasting(first: &[Finding], second: Vec<Finding>) -> Vec<Finding> {
+    let seen: BTreeSet<String> = first.iter().map(|f| format!("{:?}", f.subject())).collect();
+    second
+        .into_iter()
+        .filter(|f| seen.contains(&format!("{:?}", f.subject())))
+        .collect()
+}
+
 /// Audit knobs.
 #[derive(Clone, Copy, Debug)]
 pub struct Options {

@@ -577,3 +577,63 @@ fn an_ephemeral_container_naming_a_gpu_is_reported() {
         }]
     );
 }
+
+/// A pod that has just finished, caught before the operator released its reservation, is gone
+/// from the second look; an over-commit that lasts is reported as the second look has it, even
+/// though its figures and holders moved; one seen only by the second look waits for the next
+/// run.
+#[test]
+fn only_what_both_looks_found_is_reported() {
+    let mut finishing = clean_snapshot();
+    finishing.pods[0].status.as_mut().unwrap().phase = Some("Succeeded".into());
+    let first = audit(&finishing, ts(1000), Options::default());
+    assert!(
+        matches!(&first[..], [Finding::ReservationWithoutPod { .. }]),
+        "{first:?}"
+    );
+    let mut released = finishing.clone();
+    released.reservations[0].status.as_mut().unwrap().phase = Some(ReservationPhase::Released);
+    let second = audit(&released, ts(1005), Options::default());
+    assert_eq!(second, vec![]);
+    assert_eq!(lasting(&first, second), vec![]);
+
+    let over = |detail: &str, holders: &[&str]| Finding::OverCommitted {
+        node: "n1".into(),
+        uuid: "GPU-a".into(),
+        detail: detail.into(),
+        holders: holders.iter().map(|h| h.to_string()).collect(),
+    };
+    let overdue = |s| Finding::RefitNotTerminal {
+        refit: "ns/r".into(),
+        overdue_seconds: s,
+    };
+    let first = vec![
+        over("memory 41000/40000 MiB", &["ns/a", "ns/b"]),
+        overdue(3),
+        Finding::PodWithoutReservation {
+            pod: "ns/gone".into(),
+            node: "n1".into(),
+        },
+    ];
+    let second = vec![
+        over(
+            "memory 42000/40000 MiB, cores 120/100",
+            &["ns/a", "ns/b", "ns/c"],
+        ),
+        overdue(8),
+        Finding::PodWithoutReservation {
+            pod: "ns/new".into(),
+            node: "n1".into(),
+        },
+    ];
+    assert_eq!(
+        lasting(&first, second),
+        vec![
+            over(
+                "memory 42000/40000 MiB, cores 120/100",
+                &["ns/a", "ns/b", "ns/c"]
+            ),
+            overdue(8)
+        ]
+    );
+}
