@@ -213,6 +213,7 @@ async fn the_charts_scheduler_and_webhooks_place_default_and_refuse_gpu_pods_ove
     );
     assert_eq!(scheduled_by(&client, "auto").await, GPULEDGER_SCHEDULER);
     allocated(&client, "auto").await;
+    debug_containers_are_shown_no_gpu(&pods, "auto").await;
 
     // Memory only, at low task priority: HAMi's default count is written into the pod, its
     // priority reaches HAMi-core as CUDA_TASK_PRIORITY, and it runs (the scheduler leaves
@@ -359,6 +360,60 @@ async fn the_charts_scheduler_and_webhooks_place_default_and_refuse_gpu_pods_ove
 
 /// The operator exports when its serving certificate expires, the very instant its Secret
 /// records: what an alert needs to catch a renewal that keeps failing weeks ahead.
+/// `kubectl debug` on a running GPU pod, as the API server sees it: an update of the pod's
+/// `ephemeralcontainers` subresource. A debug container gets `NVIDIA_VISIBLE_DEVICES=none`
+/// from the webhook (an `nvidia/cuda` image would otherwise say `all`); one that names GPUs
+/// itself is refused, naming the container, and is not added.
+async fn debug_containers_are_shown_no_gpu(pods: &Api<Pod>, pod: &str) {
+    use kube::api::{Patch, PatchParams};
+    let debug = |name: &str, env: serde_json::Value| {
+        Patch::Strategic(serde_json::json!({"spec": {"ephemeralContainers": [{
+            "name": name, "image": "nvidia/cuda:12.4.1-base-ubuntu22.04",
+            "targetContainerName": "main", "env": env}]}}))
+    };
+    let added = pods
+        .patch_ephemeral_containers(
+            pod,
+            &PatchParams::default(),
+            &debug("debugger", serde_json::json!([])),
+        )
+        .await
+        .unwrap();
+    let ephemeral = added.spec.unwrap().ephemeral_containers.unwrap_or_default();
+    let env = ephemeral[0].env.clone().unwrap_or_default();
+    assert!(
+        env.iter()
+            .any(|e| e.name == "NVIDIA_VISIBLE_DEVICES" && e.value.as_deref() == Some("none")),
+        "{ephemeral:?}"
+    );
+    let refused = pods
+        .patch_ephemeral_containers(
+            pod,
+            &PatchParams::default(),
+            &debug(
+                "snooper",
+                serde_json::json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]),
+            ),
+        )
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        refused.contains("\"snooper\"") && refused.contains("NVIDIA_VISIBLE_DEVICES"),
+        "{refused}"
+    );
+    let now = pods.get(pod).await.unwrap();
+    let names: Vec<String> = now
+        .spec
+        .unwrap()
+        .ephemeral_containers
+        .unwrap_or_default()
+        .into_iter()
+        .map(|c| c.name)
+        .collect();
+    assert_eq!(names, ["debugger"]);
+}
+
 async fn serving_certificate_expiry_is_exported(cluster: &SimCluster) {
     let secrets: Api<k8s_openapi::api::core::v1::Secret> =
         Api::namespaced(cluster.cp.client(), DEFAULT_NAMESPACE);

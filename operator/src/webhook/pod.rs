@@ -204,7 +204,7 @@ pub fn refusal(pod: &Pod, config: &PodApiConfig, schedulers: &Schedulers<'_>) ->
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn pod(v: Value) -> Pod {
@@ -238,7 +238,7 @@ mod tests {
 
     /// A minimal JSON-patch applier for the three operations the webhook emits, so the tests
     /// check the patch's effect rather than its spelling.
-    mod json_patch_lite {
+    pub(crate) mod json_patch_lite {
         use serde_json::Value;
         pub type Patch = Vec<Value>;
         fn unescape(s: &str) -> String {

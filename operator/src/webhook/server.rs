@@ -1,4 +1,5 @@
-//! The admission webhook's HTTP side: `POST /mutate-pods` and `POST /validate-pods`, served on
+//! The admission webhook's HTTP side: `POST /mutate-pods`, `POST /validate-pods` and
+//! `POST /mutate-ephemeral-containers` (`pods/ephemeralcontainers` updates), served on
 //! the extender's listener (the same Service, port and certificate; the API server verifies it
 //! with the configuration's `caBundle`). Both speak `admission.k8s.io/v1` `AdmissionReview`.
 //!
@@ -17,7 +18,7 @@ use k8s_openapi::api::core::v1::Pod;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::pod;
+use super::{ephemeral, pod};
 use crate::context::Context;
 
 /// The webhook's routes, merged into the extender's server.
@@ -25,6 +26,7 @@ pub fn router(ctx: Arc<Context>) -> Router {
     Router::new()
         .route("/mutate-pods", post(mutate_handler))
         .route("/validate-pods", post(validate_handler))
+        .route("/mutate-ephemeral-containers", post(ephemeral_handler))
         .with_state(ctx)
 }
 
@@ -34,9 +36,12 @@ struct Review {
 }
 
 #[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
 struct ReviewRequest {
     uid: String,
     object: Option<Value>,
+    /// The pod before an update (absent on a creation).
+    old_object: Option<Value>,
 }
 
 /// An answer to review `uid`: allowed (with an optional JSON patch) or refused with `message`.
@@ -58,6 +63,12 @@ fn answer(uid: &str, allowed: Result<Option<Vec<Value>>, String>) -> Value {
 
 /// The review's uid and pod, or the refusal to send back.
 fn read(review: Value) -> Result<(String, Pod), Value> {
+    read_update(review).map(|(uid, pod, _)| (uid, pod))
+}
+
+/// The review's uid, pod and the pod before the update (if the review has one), or the
+/// refusal to send back.
+fn read_update(review: Value) -> Result<(String, Pod, Option<Pod>), Value> {
     let review: Review = serde_json::from_value(review).map_err(|e| {
         answer(
             "",
@@ -73,14 +84,15 @@ fn read(review: Value) -> Result<(String, Pod), Value> {
         ));
     };
     let uid = request.uid;
-    let object = request.object.unwrap_or(Value::Null);
-    match serde_json::from_value::<Pod>(object) {
-        Ok(pod) => Ok((uid, pod)),
-        Err(e) => Err(answer(
-            &uid,
-            Err(format!("gpuledger webhook: not a Pod: {e}")),
-        )),
-    }
+    let not_a_pod =
+        |e: serde_json::Error| answer(&uid, Err(format!("gpuledger webhook: not a Pod: {e}")));
+    let pod =
+        serde_json::from_value::<Pod>(request.object.unwrap_or(Value::Null)).map_err(not_a_pod)?;
+    let old = match request.old_object {
+        None | Some(Value::Null) => None,
+        Some(old) => Some(serde_json::from_value::<Pod>(old).map_err(not_a_pod)?),
+    };
+    Ok((uid, pod, old))
 }
 
 async fn mutate_handler(State(ctx): State<Arc<Context>>, Json(review): Json<Value>) -> Json<Value> {
@@ -97,6 +109,18 @@ async fn mutate_handler(State(ctx): State<Arc<Context>>, Json(review): Json<Valu
         tracing::debug!(pod = ?pod.metadata.name, ops = patch.len(), "webhook mutated a GPU pod");
     }
     Json(answer(&uid, Ok(Some(patch))))
+}
+
+async fn ephemeral_handler(Json(review): Json<Value>) -> Json<Value> {
+    let (uid, pod, old) = match read_update(review) {
+        Ok(x) => x,
+        Err(refused) => return Json(refused),
+    };
+    let answered = ephemeral::ephemeral_containers_patch(&pod, old.as_ref());
+    if let Err(why) = &answered {
+        tracing::info!(pod = ?pod.metadata.name, %why, "webhook refused an ephemeral container");
+    }
+    Json(answer(&uid, answered.map(Some)))
 }
 
 async fn validate_handler(
@@ -150,5 +174,20 @@ mod tests {
         assert_eq!(refused["response"]["allowed"], false);
         assert_eq!(refused["response"]["uid"], "u3");
         assert!(read(json!({})).is_err());
+    }
+
+    #[test]
+    fn an_update_carries_the_pod_before_it_and_a_bad_one_is_refused() {
+        let pod = json!({"metadata": {"name": "p"}, "spec": {"containers": []}});
+        let (_, _, old) =
+            read_update(json!({"request": {"uid": "u4", "object": pod, "oldObject": pod}}))
+                .unwrap();
+        assert_eq!(old.and_then(|o| o.metadata.name).as_deref(), Some("p"));
+        let (_, _, old) = read_update(json!({"request": {"uid": "u5", "object": pod}})).unwrap();
+        assert!(old.is_none());
+        let refused =
+            read_update(json!({"request": {"uid": "u6", "object": pod, "oldObject": {"spec": 7}}}))
+                .unwrap_err();
+        assert_eq!(refused["response"]["allowed"], false);
     }
 }
