@@ -74,6 +74,34 @@ fn gpu_type(name: Option<&str>) -> String {
     }
 }
 
+/// `found`, with every GPU of `previous` (the last discovery's answer) that `found` lacks kept,
+/// marked unhealthy. A GPU that fell off the bus (XID 79) answers `GPU is lost` for its handle
+/// or its UUID, so a fresh enumeration cannot name it; dropped, its replicas would vanish from
+/// the kubelet instead of turning `Unhealthy`, and the GpuNode would show one GPU fewer with
+/// its `Healthy` condition still true, so no alert would fire. As NVIDIA's device plugin, which
+/// enumerates once, a GPU once listed stays listed until the plugin restarts, unless its NVML
+/// index now names another GPU (the machine's GPUs were enumerated anew).
+pub fn keep_lost(previous: &[GpuDevice], found: Vec<GpuDevice>) -> Vec<GpuDevice> {
+    let mut out = found;
+    for gone in previous {
+        if out
+            .iter()
+            .any(|g| g.uuid == gone.uuid || g.index == gone.index)
+        {
+            continue;
+        }
+        if gone.healthy {
+            tracing::warn!(uuid = %gone.uuid, index = gone.index,
+                "GPU no longer answers NVML; advertised unhealthy until the plugin restarts");
+        }
+        out.push(GpuDevice {
+            healthy: false,
+            ..gone.clone()
+        });
+    }
+    out
+}
+
 /// Discovery through NVML.
 pub struct NvmlDiscovery {
     /// Shared with the XID event thread.
@@ -83,6 +111,8 @@ pub struct NvmlDiscovery {
     /// node runs, so they are measured again only when the GPUs do (n² NVML calls otherwise on
     /// every refresh).
     links: Mutex<Option<LinkScores>>,
+    /// The last discovery's answer, for [`keep_lost`].
+    listed: Mutex<Vec<GpuDevice>>,
 }
 
 /// The UUIDs measured, in order, and each one's pair scores.
@@ -99,6 +129,7 @@ impl NvmlDiscovery {
             nvml: Arc::new(nvml),
             sysfs_root,
             links: Mutex::new(None),
+            listed: Mutex::new(Vec::new()),
         })
     }
 
@@ -244,6 +275,9 @@ impl Discovery for NvmlDiscovery {
         }
         let mut gpus = validate("nvml", gpus)?;
         self.fill_link_scores(&mut gpus);
+        let mut listed = self.listed.lock().unwrap_or_else(|e| e.into_inner());
+        let gpus = validate("nvml", keep_lost(&listed, gpus))?;
+        listed.clone_from(&gpus);
         Ok(gpus)
     }
 
@@ -349,6 +383,52 @@ mod tests {
             mig_mode_current: Some(0),
             probe_error: None,
         }
+    }
+
+    fn listed(uuid: &str, index: u32) -> GpuDevice {
+        raw_at(uuid, index).into_device(|_| Some(0)).unwrap()
+    }
+
+    fn raw_at(uuid: &str, index: u32) -> NvmlGpu {
+        NvmlGpu {
+            index,
+            uuid: Ok(uuid.to_string()),
+            ..raw()
+        }
+    }
+
+    /// A GPU that fell off the bus can no longer be named by a fresh enumeration (its handle or
+    /// UUID answers `GPU is lost`): it stays listed, unhealthy, so the kubelet marks its
+    /// replicas `Unhealthy` and the GpuNode's `Healthy` condition says so.
+    #[test]
+    fn a_gpu_that_stops_answering_stays_listed_as_unhealthy() {
+        let before = vec![listed("GPU-a", 0), listed("GPU-b", 1)];
+        let lost = NvmlGpu {
+            uuid: Err("GPU is lost".into()),
+            probe_error: Some("GPU is lost".into()),
+            ..raw_at("GPU-b", 1)
+        };
+        assert_eq!(
+            lost.into_device(|_| Some(0)),
+            None,
+            "a fresh read cannot name it"
+        );
+        let now = keep_lost(&before, vec![listed("GPU-a", 0)]);
+        let health: Vec<(&str, bool)> = now.iter().map(|g| (g.uuid.as_str(), g.healthy)).collect();
+        assert_eq!(health, [("GPU-a", true), ("GPU-b", false)]);
+        assert_eq!(
+            now[1].memory_mib, before[1].memory_mib,
+            "as it was last read"
+        );
+        // Kept from one discovery to the next, and back to healthy once it answers again.
+        let still = keep_lost(&now, vec![listed("GPU-a", 0)]);
+        assert_eq!(still, now);
+        let back = keep_lost(&still, vec![listed("GPU-a", 0), listed("GPU-b", 1)]);
+        assert!(back.iter().all(|g| g.healthy));
+        // Its index naming another GPU now: the GPUs were enumerated anew, the old one is gone.
+        let renumbered = keep_lost(&now, vec![listed("GPU-a", 0), listed("GPU-c", 1)]);
+        let uuids: Vec<&str> = renumbered.iter().map(|g| g.uuid.as_str()).collect();
+        assert_eq!(uuids, ["GPU-a", "GPU-c"]);
     }
 
     #[test]
