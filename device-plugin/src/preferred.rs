@@ -70,7 +70,11 @@ pub fn select_replicas(
     must_include: &[String],
     allocation_size: usize,
 ) -> Result<Vec<String>, SelectError> {
-    check_known(inventory, available.iter().chain(must_include))?;
+    // Only the replicas the kubelet already holds must be known. An *available* one this plugin
+    // no longer lists (a GpuConfig just lowered the split count, or took a GPU out, and the
+    // kubelet has not read the new list yet) is never chosen; refusing the whole call over it
+    // would fail the pod's admission for a moment's lag.
+    check_known(inventory, must_include)?;
     if reserved.len() != allocation_size {
         return Err(SelectError::SizeMismatch {
             reserved: reserved.len(),
@@ -225,10 +229,25 @@ mod tests {
 
     #[test]
     fn unknown_ids_and_size_mismatch_are_clear_errors() {
-        let err = select_replicas(&inv(), &["GPU-a"], &ids(&["GPU-z-0"]), &[], 1).unwrap_err();
+        // A replica the kubelet holds must be this plugin's.
+        let err = select_replicas(
+            &inv(),
+            &["GPU-a"],
+            &ids(&["GPU-a-0"]),
+            &ids(&["GPU-z-0"]),
+            1,
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("GPU-z-0"), "{err}");
-        let err = select_replicas(&inv(), &["GPU-a"], &ids(&["GPU-a-9"]), &[], 1).unwrap_err();
         assert!(matches!(err, SelectError::UnknownDevice { .. }));
+        // Available ones it no longer lists (the split count just lowered) are passed over.
+        let got = select_replicas(&inv(), &["GPU-a"], &ids(&["GPU-a-9", "GPU-a-0"]), &[], 1);
+        assert_eq!(got, Ok(ids(&["GPU-a-0"])));
+        let err = select_replicas(&inv(), &["GPU-a"], &ids(&["GPU-a-9"]), &[], 1).unwrap_err();
+        assert!(
+            matches!(err, SelectError::AnnotatedDeviceUnavailable { .. }),
+            "{err}"
+        );
         let err = select_replicas(&inv(), &["GPU-a"], &ids(&["GPU-a-0"]), &[], 2).unwrap_err();
         assert_eq!(
             err,
