@@ -313,6 +313,40 @@ pub(crate) mod tests {
         );
     }
 
+    /// The mutating webhook is re-invoked (`reinvocationPolicy: IfNeeded`) when a later one
+    /// changed the pod: run on its own output it changes nothing, and run after a service mesh
+    /// added its proxy it hides the GPUs from that container only.
+    #[test]
+    fn run_again_it_changes_only_what_a_later_webhook_added() {
+        let p = pod(json!({"metadata": {"name": "p"}, "spec": {"containers": [
+            {"name": "main", "resources": {"limits": {"nvidia.com/gpumem": "4096",
+                                                      "nvidia.com/priority": "1"}}},
+            {"name": "side", "env": [{"name": "A", "value": "b"}]}]}}));
+        let config = PodApiConfig::default();
+        let once = apply(&p, &mutation(&p, "gpuledger-scheduler", &config));
+        let once_pod: Pod = serde_json::from_value(once.clone()).unwrap();
+        let twice = apply(
+            &once_pod,
+            &mutation(&once_pod, "gpuledger-scheduler", &config),
+        );
+        assert_eq!(twice, once);
+
+        let mut injected = once.clone();
+        injected["spec"]["containers"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"name": "istio-proxy", "image": "proxy"}));
+        let injected_pod: Pod = serde_json::from_value(injected.clone()).unwrap();
+        let again = apply(
+            &injected_pod,
+            &mutation(&injected_pod, "gpuledger-scheduler", &config),
+        );
+        let mut expected = injected;
+        expected["spec"]["containers"][2]["env"] =
+            json!([{"name": "NVIDIA_VISIBLE_DEVICES", "value": "none"}]);
+        assert_eq!(again, expected);
+    }
+
     #[test]
     fn a_container_whose_request_comes_to_no_gpu_sees_none() {
         // `nvidia.com/gpu: 0` names a GPU resource but gets no GPU: the kubelet never calls the
