@@ -132,10 +132,31 @@ impl LookPlan {
 
 /// Whether `facts`' pod lacks a reservation in the index on its node.
 fn lacks_reservation(ctx: &Context, key: &ReservationKey, facts: &PodFacts) -> bool {
-    !ctx.ledger.index.get(key).is_some_and(|r| {
-        facts.uid.is(&r.spec.pod_uid)
-            && Some(r.spec.node_name.as_str()) == facts.node_name.as_deref()
-    })
+    let Some(node) = facts.node_name.as_deref() else {
+        return false;
+    };
+    !ctx.ledger
+        .index
+        .get(key)
+        .is_some_and(|r| books_the_pod(&r, facts, node))
+}
+
+/// Whether `r` books `facts`' pod on `node`: made for it, there, and holding capacity unless
+/// the pod's containers have not started. A `Failed` or `Released` reservation of a pod whose
+/// containers run books nothing while they hold GPUs: the pod was admitted on GPUs the ledger
+/// counts as free (a kubelet that caught up after the Allocating timeout was answered for the
+/// pod the node's Lease named next; a booking that timed out while its containers waited for
+/// their image). One that has not started yet is refused by the plugin and fails admission.
+fn books_the_pod(r: &GpuReservation, facts: &PodFacts, node: &str) -> bool {
+    let holds = r
+        .status
+        .as_ref()
+        .and_then(|s| s.phase)
+        .unwrap_or_default()
+        .holds_capacity();
+    facts.uid.is(&r.spec.pod_uid)
+        && r.spec.node_name == node
+        && (holds || !facts.containers_started)
 }
 
 /// The bound GPU pods (all, or among the look's keys) whose reservation is missing from the
@@ -280,9 +301,9 @@ async fn repair(
         return Ok(Repair::NotNeeded);
     };
     match ctx.ledger.writer.reread(key).await? {
-        Some(r) if is_the_pods(&r, facts, node) => return Ok(Repair::NotNeeded),
-        // A stale reservation under the pod's name (an earlier pod's, or one naming another
-        // node): the lifecycle controller would delete it too; it is in the way of this one.
+        Some(r) if books_the_pod(&r, facts, node) => return Ok(Repair::NotNeeded),
+        // A stale reservation under the pod's name (an earlier pod's, one naming another node,
+        // or one that no longer holds capacity while the pod runs): it is in the way of this one.
         Some(stale) => ctx.ledger.writer.delete(&stale).await?,
         None => {}
     }
@@ -323,10 +344,6 @@ async fn repair(
     );
     ctx.pod_event(&pod_ref(&pod), true, "GpuReservationRepaired", note);
     Ok(Repair::Written(devices))
-}
-
-fn is_the_pods(r: &GpuReservation, facts: &PodFacts, node: &str) -> bool {
-    facts.uid.is(&r.spec.pod_uid) && r.spec.node_name == node
 }
 
 #[cfg(test)]
@@ -490,6 +507,38 @@ mod tests {
         let look = next_look(false, changes(&ctx, &pods), &[]);
         assert!(matches!(&look, Look::Among(k) if k.len() == 1), "{look:?}");
         assert_eq!(keys(&unreserved(&ctx, &pods, &look)), vec![p()]);
+    }
+
+    /// A running pod whose reservation failed or was released holds GPUs the ledger counts as
+    /// free; one whose containers have not started will be refused by the plugin.
+    #[tokio::test]
+    async fn a_running_pod_whose_reservation_no_longer_holds_capacity_is_found() {
+        use k8s_openapi::api::core::v1::{ContainerState, ContainerStateRunning, ContainerStatus};
+        for phase in [ReservationPhase::Failed, ReservationPhase::Released] {
+            let (ctx, pods) = reserved_pod();
+            let mut ended = its_reservation_at("6");
+            ended.status.as_mut().unwrap().phase = Some(phase);
+            ctx.ledger.index.apply_event(Event::Apply(ended));
+            assert!(
+                unreserved(&ctx, &pods, &Look::Every).is_empty(),
+                "{phase:?}: not started, the plugin refuses it"
+            );
+            let mut running = bound_pod();
+            running.status.as_mut().unwrap().container_statuses = Some(vec![ContainerStatus {
+                name: "main".into(),
+                state: Some(ContainerState {
+                    running: Some(ContainerStateRunning::default()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }]);
+            pods.apply(&Event::Apply(running));
+            assert_eq!(
+                keys(&unreserved(&ctx, &pods, &Look::Every)),
+                vec![p()],
+                "{phase:?}"
+            );
+        }
     }
 
     #[tokio::test]
