@@ -50,6 +50,12 @@ pub enum Step {
     },
     /// The init containers are done: release their usage.
     ShrinkInit,
+    /// The init containers run again after their usage was released: the kubelet recreated
+    /// the pod's sandbox (a node reboot, a container runtime restart) and runs every init
+    /// container anew, on the devices it checkpointed at admission, without a new Allocate. Book
+    /// their usage again: what the ledger gave away meanwhile is then promised twice, which the
+    /// ledger must show (the audit reports the over-commit) rather than hide.
+    RestoreInit,
     /// Put the finalizer `gpuledger.io/held-until-pod-ends` back on a reservation that still
     /// holds GPUs (written before the finalizer existed, or an admin took it off).
     AddFinalizer,
@@ -72,9 +78,12 @@ impl Step {
     /// step taken on older facts is one the pod has really passed: moving the phase on,
     /// recording a misalignment, releasing finished init containers. Only a deletion can rest
     /// on something the cache merely has not seen yet (a pod created, recreated or bound a
-    /// moment ago); it alone costs a GET.
+    /// moment ago), and booking init containers again on something it has not seen *any
+    /// more* (init done is the one fact that can move back, when the sandbox is recreated; a
+    /// replica whose cache lags the one that released their usage still shows them running):
+    /// those two cost a GET.
     pub fn needs_fresh_pod(&self) -> bool {
-        matches!(self, Step::Delete { .. })
+        matches!(self, Step::Delete { .. } | Step::RestoreInit)
     }
 }
 
@@ -293,6 +302,9 @@ fn phase_step(
             if has_init && !sidecar_as_init && !r.spec.init_released && pod.init_done {
                 return Step::ShrinkInit;
             }
+            if has_init && r.spec.init_released && !pod.init_done {
+                return Step::RestoreInit;
+            }
             Step::Idle
         }
         ReservationPhase::Released | ReservationPhase::Failed => Step::Idle,
@@ -490,11 +502,12 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn only_a_deletion_waits_for_a_fresh_read() {
+    fn only_a_deletion_and_booking_init_again_wait_for_a_fresh_read() {
         assert!(Step::Delete { why: "x" }.needs_fresh_pod());
         assert!(!Step::Idle.needs_fresh_pod());
         assert!(!Step::WaitFor(Duration::from_secs(1)).needs_fresh_pod());
         assert!(!Step::ShrinkInit.needs_fresh_pod());
+        assert!(Step::RestoreInit.needs_fresh_pod());
         assert!(!Step::Misaligned { message: None }.needs_fresh_pod());
         assert!(
             !Step::Phase {
@@ -779,6 +792,35 @@ pub(crate) mod tests {
         assert_eq!(step(&r, Some(&p), t(1), TIMEOUT), Step::ShrinkInit);
         r.spec.init_released = true;
         assert_eq!(step(&r, Some(&p), t(1), TIMEOUT), Step::Idle);
+    }
+
+    /// A node reboot or a runtime restart recreates the pod's sandbox, and the kubelet runs the
+    /// init containers again on the devices it checkpointed (no Allocate): their usage, released
+    /// when they first finished, is booked again, and released again once they finish.
+    #[test]
+    fn init_containers_running_again_are_booked_again() {
+        use k8s_openapi::api::core::v1::{ContainerState, ContainerStatus};
+        let mut r = reservation(Some(ReservationPhase::Allocated), 0);
+        allocate(&mut r, 0, &["GPU-a"]);
+        allocate(&mut r, 1, &["GPU-a"]);
+        r.spec.init_released = true;
+        let mut p = pod("uid-1", Some("n1"), "Running");
+        p.status.as_mut().unwrap().init_container_statuses = Some(vec![terminated(0)]);
+        assert_eq!(step(&r, Some(&p), t(1), TIMEOUT), Step::Idle);
+        p.status.as_mut().unwrap().init_container_statuses = Some(vec![ContainerStatus {
+            name: "init".into(),
+            restart_count: 1,
+            state: Some(ContainerState {
+                running: Some(Default::default()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }]);
+        assert_eq!(step(&r, Some(&p), t(2), TIMEOUT), Step::RestoreInit);
+        r.spec.init_released = false;
+        assert_eq!(step(&r, Some(&p), t(3), TIMEOUT), Step::Idle);
+        p.status.as_mut().unwrap().init_container_statuses = Some(vec![terminated(0)]);
+        assert_eq!(step(&r, Some(&p), t(4), TIMEOUT), Step::ShrinkInit);
     }
 
     /// A reservation made before sidecars were booked with the app containers records a

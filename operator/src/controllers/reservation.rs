@@ -392,7 +392,11 @@ pub(super) async fn reconcile(
             Ok(Revisit::OnChange)
         }
         Step::ShrinkInit => {
-            shrink_init(ctx, key, &r).await?;
+            set_init_released(ctx, key, &r, true).await?;
+            Ok(Revisit::OnChange)
+        }
+        Step::RestoreInit => {
+            set_init_released(ctx, key, &r, false).await?;
             Ok(Revisit::OnChange)
         }
         Step::AddFinalizer => {
@@ -484,13 +488,14 @@ async fn free_allocation_lease(ctx: &Context, r: &GpuReservation) -> Result<(), 
     Ok(())
 }
 
-/// Releases the init containers' usage of `decided` (the reservation whose pod's init
-/// containers were seen done) under the node's lock, so it cannot interleave with a bind or
-/// refit deciding on that node's capacity.
-async fn shrink_init(
+/// Releases (`released`) or books again the init containers' usage of `decided` (the
+/// reservation whose pod's init containers were seen done, or running again) under the node's
+/// lock, so it cannot interleave with a bind or refit deciding on that node's capacity.
+async fn set_init_released(
     ctx: &Context,
     key: &ReservationKey,
     decided: &GpuReservation,
+    released: bool,
 ) -> Result<(), ReconcileError> {
     let _node = ctx.ledger.node_locks.lock(&decided.spec.node_name).await;
     let Some(current) = ctx.ledger.index.get(key) else {
@@ -499,13 +504,18 @@ async fn shrink_init(
     // Read again after the wait for the lock: the name may now hold another reservation (the
     // pod deleted and created again under its name, and bound), whose own init containers
     // have not run. Its change brings a decision of its own.
-    if current.metadata.uid != decided.metadata.uid || current.spec.init_released {
+    if current.metadata.uid != decided.metadata.uid || current.spec.init_released == released {
         return Ok(());
     }
     let mut spec = current.spec.clone();
-    spec.init_released = true;
+    spec.init_released = released;
     ctx.ledger.writer.write_spec(&current, &spec).await?;
-    tracing::info!(reservation = %key, "init containers finished; their GPU usage released");
+    if released {
+        tracing::info!(reservation = %key, "init containers finished; their GPU usage released");
+    } else {
+        tracing::warn!(reservation = %key,
+            "init containers run again (the pod's sandbox was recreated); their GPU usage is booked again");
+    }
     Ok(())
 }
 
@@ -602,7 +612,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn init_usage_is_released_only_on_the_reservation_it_was_decided_for() {
+    async fn init_usage_is_released_or_booked_again_only_on_the_reservation_it_was_decided_for() {
         use super::super::lifecycle::tests::reservation;
         let ctx = context();
         let mut decided = reservation(Some(ReservationPhase::Allocated), 0);
@@ -617,9 +627,18 @@ mod tests {
             .apply_event(watcher::Event::Apply(recreated.clone()));
         // No write (the context reaches no API server: one would fail this).
         let key = ReservationKey::of(&decided);
-        let shrunk = shrink_init(&ctx, &key, &decided).await;
+        let shrunk = set_init_released(&ctx, &key, &decided, true).await;
         assert!(shrunk.is_ok(), "{shrunk:?}");
         assert!(!ctx.ledger.index.get(&key).unwrap().spec.init_released);
+        // Nor booked again on it: the recreated pod's init containers hold their usage anyway.
+        let mut released = recreated;
+        released.spec.init_released = true;
+        ctx.ledger
+            .index
+            .apply_event(watcher::Event::Apply(released));
+        let booked = set_init_released(&ctx, &key, &decided, false).await;
+        assert!(booked.is_ok(), "{booked:?}");
+        assert!(ctx.ledger.index.get(&key).unwrap().spec.init_released);
     }
 
     #[tokio::test]
