@@ -325,14 +325,15 @@ impl PodFactsCache {
         self.read().pods.get(key).cloned()
     }
 
-    /// Whether the watch last showed pod `key` as the pod with `uid`, neither finished nor being
-    /// deleted. A watch lags only behind the truth, so `true` means it was live a moment ago;
-    /// `false` says nothing (not seen yet, lagging, or gone): read the pod.
+    /// Whether the watch last showed pod `key` as the pod with `uid`, not finished (one being
+    /// deleted is live: a kubelet may still admit it, see the allocation Lease's holder check).
+    /// A watch lags only behind the truth, so `true` means it was live a moment ago; `false`
+    /// says nothing (not seen yet, lagging, or gone): read the pod.
     pub fn shows_live(&self, key: &ReservationKey, uid: &str) -> bool {
         self.read()
             .pods
             .get(key)
-            .is_some_and(|f| f.uid.is(uid) && !f.finished && !f.terminating)
+            .is_some_and(|f| f.uid.is(uid) && !f.finished)
     }
 
     /// Pod `key` as the watch last showed it, if it wants GPUs and has not started (unbound,
@@ -580,7 +581,7 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn live_is_the_same_uid_neither_finished_nor_deleted() {
+    fn live_is_the_same_uid_not_finished_and_not_deleted() {
         let cache = PodFactsCache::new(PodApiSetting::default());
         let key = ReservationKey::new("ns", "a");
         assert!(!cache.shows_live(&key, "u1"), "never seen");
@@ -593,7 +594,10 @@ pub(crate) mod tests {
         let mut deleting = pod("a", "u1", Some("n1"), "Running");
         deleting.metadata.deletion_timestamp = Some(Time(Timestamp::UNIX_EPOCH));
         cache.apply(&Event::Apply(deleting));
-        assert!(!cache.shows_live(&key, "u1"), "being deleted");
+        assert!(
+            cache.shows_live(&key, "u1"),
+            "being deleted: a kubelet may admit it yet"
+        );
         cache.apply(&Event::Apply(pod("a", "u1", Some("n1"), "Succeeded")));
         assert!(!cache.shows_live(&key, "u1"), "finished");
         cache.apply(&Event::Apply(pod("a", "u1", Some("n1"), "Running")));

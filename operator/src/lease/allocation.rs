@@ -88,12 +88,15 @@ async fn holder_gone(
         .await?;
     Ok(match pod {
         None => true,
-        // A pod being deleted is not admitted any more, so it no longer needs the node's
-        // admission turn (its GPUs stay booked in the ledger until it stops).
+        // A pod being deleted keeps its turn until it is gone or has finished. A kubelet that
+        // first sees it with its deletion already set still admits it (admission comes before
+        // its pod worker learns of the termination) and asks the device plugin to allocate,
+        // and the plugin answers for whichever pod the Lease names: handed over now, the next
+        // pod's reservation would be given to this one, and each later pod the one after it.
+        // The kubelet ends such a pod within its grace period (or fails its admission), so the
+        // node waits seconds, not forever.
         Some(p) => {
-            p.uid().as_deref() != Some(uid)
-                || gpuledger_crds::protocol::pod::pod_finished(&p)
-                || gpuledger_crds::protocol::pod::pod_terminating(&p)
+            p.uid().as_deref() != Some(uid) || gpuledger_crds::protocol::pod::pod_finished(&p)
         }
     })
 }
@@ -111,8 +114,8 @@ fn lease_spec(holder: &str, now: Timestamp) -> LeaseSpec {
 /// One attempt to take `node`'s Lease for `holder`. With `likely_free` (a bind's first try: the
 /// plugin deletes the Lease after each admission) it creates the Lease straight away and reads
 /// it only if it exists; otherwise it reads first. `watched_live` says whether the pod watch
-/// shows a holder's pod live (same UID, neither finished nor being deleted); a holder it does
-/// not is looked up.
+/// shows a holder's pod live (same UID, not finished; one being deleted still is); a holder it
+/// does not is looked up.
 pub async fn try_take(
     client: &Client,
     namespace: &str,

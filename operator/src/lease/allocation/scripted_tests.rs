@@ -151,6 +151,22 @@ async fn a_holder_the_pod_watch_does_not_show_live_is_read_before_a_takeover() {
     }
 }
 
+/// A holder being deleted may still be admitted by a kubelet that first sees it already
+/// terminating, and the plugin answers for the pod the Lease names: taken over, this pod's
+/// reservation would be handed to it. It keeps the Lease until it is gone or finished.
+#[tokio::test]
+async fn a_holder_being_deleted_keeps_the_lease() {
+    let mut deleting = pod("serve", "uid-other", "Pending");
+    deleting["metadata"]["deletionTimestamp"] = json!("2026-12-07T00:00:00Z");
+    let (client, api) = scripted(vec![
+        expect(Method::GET, LEASE).reply(200, lease(OTHER, secs(5), "7")),
+        expect(Method::GET, OTHER_POD).reply(200, deleting),
+    ]);
+    let got = try_take(&client, NS, "n1", ME, false, &unseen).await;
+    api.finish().await;
+    assert!(matches!(got, Err(LeaseError::Held { .. })), "{got:?}");
+}
+
 #[tokio::test]
 async fn a_gone_recreated_or_finished_holder_is_replaced_at_the_version_read() {
     for (answer, code) in [
