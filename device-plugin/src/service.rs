@@ -467,7 +467,8 @@ impl DevicePluginService {
                 Ok(released) => {
                     tracing::info!(pod = %pod_ref(pending), released, "last GPU container allocated; allocation Lease released")
                 }
-                // The allocation stands; the operator frees a stuck Lease on its timeout.
+                // The allocation stands; the next bind on the node takes the Lease over once
+                // the operator's ledger index shows every GPU container recorded.
                 Err(e) => {
                     tracing::warn!(pod = %pod_ref(pending), error = %e, "could not release the allocation Lease")
                 }

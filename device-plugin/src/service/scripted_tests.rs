@@ -208,8 +208,8 @@ async fn a_reservation_changing_under_every_try_is_unavailable() {
     );
 }
 
-/// The allocation stands when only the Lease release fails (the operator frees a stuck Lease
-/// on its timeout).
+/// The allocation stands when only the Lease release fails (the next bind on the node takes the
+/// Lease over once the operator's ledger index shows every GPU container recorded).
 #[tokio::test]
 async fn allocate_succeeds_when_only_the_lease_release_fails() {
     let mut steps = reads(&[0]);

@@ -45,7 +45,7 @@ use kube::api::{Api, PostParams};
 
 use super::wire::{ExtenderBindingArgs, ExtenderBindingResult};
 use crate::context::{Context, pod_ref_by_name};
-use crate::lease::allocation::{self as lease, LeaseError};
+use crate::lease::allocation::{self as lease, HolderSeen, LeaseError};
 use crate::lease::turns::Turn;
 use crate::lease::watched::{Outlook, RECHECK_FIRST, RECHECK_MAX};
 use crate::ledger::render::{devices_summary, reservation_for};
@@ -528,10 +528,22 @@ async fn take_lease(
     use tokio::time::Instant;
     let deadline = (Instant::now() + ctx.timing.lease_wait).min(Instant::from_std(bind_deadline));
     let watched = &ctx.caches.leases;
-    // A holder the pod watch shows live is not looked up (a takeover still is: `try_take`).
-    let watched_live = |h: &Holder<'_>| {
+    // A holder the pod watch shows live is not looked up (a takeover still is: `try_take`),
+    // unless the ledger index shows its turn over (every GPU container recorded).
+    let seen = |h: &Holder<'_>| {
         let key = ReservationKey::new(h.namespace, h.pod);
-        ctx.caches.pods.shows_live(&key, h.uid)
+        let recorded = ctx.ledger.index.get(&key).is_some_and(|r| {
+            r.spec.pod_uid == h.uid
+                && !r.spec.containers.is_empty()
+                && gpuledger_crds::reservation::unallocated(&r).is_empty()
+        });
+        if recorded {
+            HolderSeen::TurnOver
+        } else if ctx.caches.pods.shows_live(&key, h.uid) {
+            HolderSeen::Live
+        } else {
+            HolderSeen::Unknown
+        }
     };
     let mut changes = watched.subscribe();
     let mut quiet = RECHECK_FIRST;
@@ -557,7 +569,7 @@ async fn take_lease(
                 node,
                 holder,
                 likely_free,
-                &watched_live,
+                &seen,
             )
             .await
             {
@@ -965,6 +977,34 @@ mod tests {
             assert!(!bind.is_finished());
             ctx.caches.leases.apply(&Event::Delete(held));
             assert!(bind.await.unwrap().is_ok());
+            api.finish().await;
+        }
+
+        /// The plugin recorded the holder's last GPU container but its delete of the Lease
+        /// failed: the ledger index shows the holder's turn over, and the bind takes the Lease
+        /// over (no read of the pod; one would be a request past the script).
+        #[tokio::test(start_paused = true)]
+        async fn a_holder_whose_containers_the_index_shows_recorded_is_taken_over() {
+            use crate::controllers::lifecycle::tests::{allocate, reservation};
+            let held: Lease =
+                serde_json::from_value(lease_json(OTHER, SignedDuration::from_secs(2), "7"))
+                    .unwrap();
+            let (client, api) = scripted(vec![
+                expect(Method::GET, LEASE).reply(200, json(&held)),
+                expect(Method::PUT, LEASE)
+                    .body_field("/spec/holderIdentity", ME.into())
+                    .reply(200, json(&lease(ME))),
+            ]);
+            let ctx = context_with(client, std::slice::from_ref(&held));
+            let mut done = reservation(Some(gpuledger_crds::ReservationPhase::Allocated), 0);
+            done.metadata.name = Some("q".into());
+            done.metadata.namespace = Some("ns".into());
+            done.spec.pod_name = "q".into();
+            done.spec.pod_uid = "uid-other".into();
+            allocate(&mut done, 0, &["GPU-a"]);
+            allocate(&mut done, 1, &["GPU-a"]);
+            ctx.ledger.index.apply_event(watcher::Event::Apply(done));
+            assert!(take(&ctx).await.unwrap().is_ok());
             api.finish().await;
         }
 

@@ -3,8 +3,9 @@
 //! plugin always knows which pending reservation a kubelet call belongs to (HAMi's node lock).
 //!
 //! Taking it: free, ours already, expired, or held by a pod that is gone (deleted, recreated
-//! under the same name, or finished) → take over with a resourceVersion precondition; held by
-//! another live pod within its duration → [`LeaseError::Held`].
+//! under the same name, or finished) or whose GPU containers are all allocated (the plugin's
+//! delete of the Lease failed) → take over with a resourceVersion precondition; held by another
+//! live pod within its duration → [`LeaseError::Held`].
 //!
 //! Whether a holder is gone is asked of the API server only when the operator's pod watch does
 //! not show its pod live: a watch can lag, but only behind the truth, so a pod it shows live
@@ -21,6 +22,19 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, PostParams};
 use kube::{Client, ResourceExt};
+
+/// What the operator's own caches show of a Lease holder, before any read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HolderSeen {
+    /// The pod watch shows its pod live: its turn goes on, no read needed.
+    Live,
+    /// The ledger index shows every GPU container of its reservation allocated: the plugin is
+    /// done with it and would have deleted the Lease; that delete failed (nothing retries it),
+    /// and left alone the Lease would keep the node's admissions waiting until it expires.
+    TurnOver,
+    /// Nothing either way: read the pod.
+    Unknown,
+}
 
 /// Why the Lease could not be taken or released.
 #[derive(Debug, thiserror::Error)]
@@ -64,19 +78,21 @@ fn is_conflict(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(s) if s.is_conflict() || s.is_already_exists())
 }
 
-/// Whether the pod named by `holder` no longer needs the Lease: not while `watched_live` says
-/// the pod watch shows it live, otherwise as the API server has it.
+/// Whether the pod named by `holder` no longer needs the Lease: as `seen` says when it knows,
+/// otherwise as the API server has the pod.
 async fn holder_gone(
     client: &Client,
     holder: &str,
-    watched_live: &(dyn Fn(&Holder<'_>) -> bool + Sync),
+    seen: &(dyn Fn(&Holder<'_>) -> HolderSeen + Sync),
 ) -> Result<bool, kube::Error> {
     let Some(parsed) = Holder::parse(holder) else {
         // Unreadable holder: nobody we could wait for.
         return Ok(true);
     };
-    if watched_live(&parsed) {
-        return Ok(false);
+    match seen(&parsed) {
+        HolderSeen::TurnOver => return Ok(true),
+        HolderSeen::Live => return Ok(false),
+        HolderSeen::Unknown => {}
     }
     let Holder {
         namespace: ns,
@@ -113,16 +129,17 @@ fn lease_spec(holder: &str, now: Timestamp) -> LeaseSpec {
 
 /// One attempt to take `node`'s Lease for `holder`. With `likely_free` (a bind's first try: the
 /// plugin deletes the Lease after each admission) it creates the Lease straight away and reads
-/// it only if it exists; otherwise it reads first. `watched_live` says whether the pod watch
-/// shows a holder's pod live (same UID, not finished; one being deleted still is); a holder it
-/// does not is looked up.
+/// it only if it exists; otherwise it reads first. `seen` says what the operator's caches show
+/// of a holder ([`HolderSeen`]: live in the pod watch, same UID and not finished, one being
+/// deleted included; or its turn over in the ledger index); a holder they say nothing of is
+/// looked up.
 pub async fn try_take(
     client: &Client,
     namespace: &str,
     node: &str,
     holder: &str,
     likely_free: bool,
-    watched_live: &(dyn Fn(&Holder<'_>) -> bool + Sync),
+    seen: &(dyn Fn(&Holder<'_>) -> HolderSeen + Sync),
 ) -> Result<Lease, LeaseError> {
     let api: Api<Lease> = Api::namespaced(client.clone(), namespace);
     let name = allocation_lease_name(node);
@@ -165,7 +182,7 @@ pub async fn try_take(
     let free = current_holder.is_empty()
         || expired(&spec, now)
         || (held_for(&spec, now) >= HOLDER_CHECK_AFTER
-            && holder_gone(client, &current_holder, watched_live)
+            && holder_gone(client, &current_holder, seen)
                 .await
                 .map_err(api_err)?);
     if !free {

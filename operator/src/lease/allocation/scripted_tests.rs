@@ -10,7 +10,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use serde_json::{Value, json};
 
-use super::{LeaseError, release, try_take};
+use super::{HolderSeen, LeaseError, release, try_take};
 use gpuledger_crds::protocol::lease::Holder;
 use gpuledger_crds::scripted_api::{expect, not_found, scripted, status};
 
@@ -61,8 +61,8 @@ fn pod(name: &str, uid: &str, phase: &str) -> Value {
 }
 
 /// The pod watch shows no holder live (not synced, or lagging): every check reads the pod.
-fn unseen(_: &Holder<'_>) -> bool {
-    false
+fn unseen(_: &Holder<'_>) -> HolderSeen {
+    HolderSeen::Unknown
 }
 
 fn conflict() -> Value {
@@ -130,7 +130,10 @@ async fn a_holder_the_pod_watch_shows_live_keeps_the_lease_without_a_pod_read() 
     let (client, api) = scripted(vec![
         expect(Method::GET, LEASE).reply(200, lease(OTHER, secs(5), "7")),
     ]);
-    let live = |h: &Holder<'_>| (h.namespace, h.pod, h.uid) == ("ml", "serve", "uid-other");
+    let live = |h: &Holder<'_>| match (h.namespace, h.pod, h.uid) == ("ml", "serve", "uid-other") {
+        true => HolderSeen::Live,
+        false => HolderSeen::Unknown,
+    };
     let got = try_take(&client, NS, "n1", ME, false, &live).await;
     api.finish().await;
     assert!(matches!(got, Err(LeaseError::Held { .. })), "{got:?}");
@@ -140,7 +143,11 @@ async fn a_holder_the_pod_watch_shows_live_keeps_the_lease_without_a_pod_read() 
 async fn a_holder_the_pod_watch_does_not_show_live_is_read_before_a_takeover() {
     // The watch shows another pod live, or nothing: only a fresh read may end a holder's turn,
     // and a live answer keeps it.
-    for live in [|_: &Holder<'_>| false, |h: &Holder<'_>| h.uid == "uid-me"] {
+    let me_live = |h: &Holder<'_>| match h.uid == "uid-me" {
+        true => HolderSeen::Live,
+        false => HolderSeen::Unknown,
+    };
+    for live in [unseen, me_live] {
         let (client, api) = scripted(vec![
             expect(Method::GET, LEASE).reply(200, lease(OTHER, secs(5), "7")),
             expect(Method::GET, OTHER_POD).reply(200, pod("serve", "uid-other", "Running")),
@@ -149,6 +156,31 @@ async fn a_holder_the_pod_watch_does_not_show_live_is_read_before_a_takeover() {
         api.finish().await;
         assert!(matches!(got, Err(LeaseError::Held { .. })), "{got:?}");
     }
+}
+
+/// The plugin's delete of the Lease after the last container's record failed (a 500, a reset
+/// connection; nothing retries it): the ledger index shows the holder's turn over, and the
+/// Lease is taken without a read of the pod, though the pod runs.
+#[tokio::test]
+async fn a_holder_whose_containers_are_all_recorded_gives_up_the_lease() {
+    let (client, api) = scripted(vec![
+        expect(Method::GET, LEASE).reply(200, lease(OTHER, secs(5), "7")),
+        expect(Method::PUT, LEASE)
+            .body_field("/metadata/resourceVersion", json!("7"))
+            .body_field("/spec/holderIdentity", json!(ME))
+            .reply(200, lease(ME, secs(0), "8")),
+    ]);
+    let over = |_: &Holder<'_>| HolderSeen::TurnOver;
+    let got = try_take(&client, NS, "n1", ME, false, &over).await;
+    api.finish().await;
+    assert!(got.is_ok(), "{got:?}");
+    // Within the first second it is not asked (the plugin deletes it itself).
+    let (client, api) = scripted(vec![
+        expect(Method::GET, LEASE).reply(200, lease(OTHER, SignedDuration::from_millis(200), "7")),
+    ]);
+    let got = try_take(&client, NS, "n1", ME, false, &over).await;
+    api.finish().await;
+    assert!(matches!(got, Err(LeaseError::Held { .. })), "{got:?}");
 }
 
 /// A holder being deleted may still be admitted by a kubelet that first sees it already
