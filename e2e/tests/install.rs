@@ -358,8 +358,6 @@ async fn the_charts_scheduler_and_webhooks_place_default_and_refuse_gpu_pods_ove
     drop((nodes, scheduler, cp));
 }
 
-/// The operator exports when its serving certificate expires, the very instant its Secret
-/// records: what an alert needs to catch a renewal that keeps failing weeks ahead.
 /// `kubectl debug` on a running GPU pod, as the API server sees it: an update of the pod's
 /// `ephemeralcontainers` subresource. A debug container gets `NVIDIA_VISIBLE_DEVICES=none`
 /// from the webhook (an `nvidia/cuda` image would otherwise say `all`); one that names GPUs
@@ -414,6 +412,8 @@ async fn debug_containers_are_shown_no_gpu(pods: &Api<Pod>, pod: &str) {
     assert_eq!(names, ["debugger"]);
 }
 
+/// The operator exports when its serving certificate expires, the very instant its Secret
+/// records: what an alert needs to catch a renewal that keeps failing weeks ahead.
 async fn serving_certificate_expiry_is_exported(cluster: &SimCluster) {
     let secrets: Api<k8s_openapi::api::core::v1::Secret> =
         Api::namespaced(cluster.cp.client(), DEFAULT_NAMESPACE);

@@ -758,3 +758,42 @@ fn the_charts_alerts_and_pod_monitors_watch_what_gpuledger_exports() {
     assert_eq!(alerts.len(), count, "alert names repeat");
     assert!(count >= 10, "{alerts:?}");
 }
+
+/// The pod webhooks as installed, by kustomize and by the chart: the pod mutation is called
+/// again after later mutating webhooks (a proxy they add is shown no GPU too), and debug
+/// containers added to GPU pods go through their own webhook, which fails closed.
+#[test]
+fn the_pod_webhooks_are_reinvoked_and_watch_debug_containers() {
+    for (what, yaml) in [
+        ("kustomize", kustomize_default()),
+        ("chart", helm_template(&[])),
+    ] {
+        let all = objects(&yaml);
+        let mutating = &all["MutatingWebhookConfiguration/gpuledger-pods"];
+        let hooks = mutating["webhooks"].as_array().unwrap();
+        let hook = |name: &str| {
+            hooks
+                .iter()
+                .find(|w| w["name"] == name)
+                .unwrap_or_else(|| panic!("{what}: no webhook {name}"))
+        };
+        let pods = hook("mutate.pods.gpuledger.io");
+        assert_eq!(pods["reinvocationPolicy"], "IfNeeded", "{what}");
+        let debug = hook("mutate-ephemeral.pods.gpuledger.io");
+        assert_eq!(debug["failurePolicy"], "Fail", "{what}");
+        assert_eq!(
+            debug["clientConfig"]["service"]["path"], "/mutate-ephemeral-containers",
+            "{what}"
+        );
+        assert_eq!(
+            debug["rules"][0]["resources"],
+            serde_json::json!(["pods/ephemeralcontainers"]),
+            "{what}"
+        );
+        assert_eq!(
+            debug["rules"][0]["operations"],
+            serde_json::json!(["UPDATE"]),
+            "{what}"
+        );
+    }
+}

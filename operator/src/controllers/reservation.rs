@@ -290,12 +290,12 @@ fn error_policy(key: &ReservationKey, e: &ReconcileError, lc: &Lifecycle) -> Rev
     Revisit::After(Duration::from_secs(5))
 }
 
-/// The step for reservation `key`: decided on the cached pod facts, and once more on the pod
-/// as the API server has it now when the cached facts call for a deletion
-/// ([`Step::needs_fresh_pod`]).
 /// How soon a reservation whose deletion waited for its pod's bind is decided again.
 const BIND_RUNNING_RECHECK: Duration = Duration::from_secs(1);
 
+/// The step for reservation `key`: decided on the cached pod facts, and once more on the pod
+/// as the API server has it now when the cached facts call for a deletion or for booking init
+/// containers again ([`Step::needs_fresh_pod`]).
 async fn decide(
     lc: &Lifecycle,
     key: &ReservationKey,

@@ -2,8 +2,9 @@
 //!
 //! Bind writes a pod's reservation before its Binding, so a bound GPU pod always has one, on its
 //! node, unless something went around that order: a Binding that landed after bind had given it
-//! up for lost, a pod bound by someone else, a reservation deleted by hand, or one the lifecycle
-//! controller removed because it named another node than the pod's. Such a pod runs on GPUs the
+//! up for lost, a pod bound by someone else, a reservation deleted by hand, one the lifecycle
+//! controller removed because it named another node than the pod's, or one that failed or was
+//! released while the pod's containers went on to run. Such a pod runs on GPUs the
 //! ledger does not count, which is worse than no ledger. Every [`SWEEP_EVERY`] this looks at the
 //! pods the lifecycle controller's pod watch knows (those whose pod or reservation changed since
 //! the last look, and every pod every [`WHOLE_LOOK_EVERY`] looks: `LookPlan`) and, for each
@@ -160,7 +161,8 @@ fn books_the_pod(r: &GpuReservation, facts: &PodFacts, node: &str) -> bool {
 }
 
 /// The bound GPU pods (all, or among the look's keys) whose reservation is missing from the
-/// index or names another node or pod.
+/// index, names another node or pod, or no longer holds capacity while the pod's containers
+/// run ([`books_the_pod`]).
 fn unreserved(ctx: &Context, pods: &PodFactsCache, look: &Look) -> Vec<(ReservationKey, PodFacts)> {
     let lacks = |key: &ReservationKey, facts: &PodFacts| lacks_reservation(ctx, key, facts);
     match look {
