@@ -142,6 +142,21 @@ pub struct GpuReservationStatus {
     pub conditions: Vec<Condition>,
 }
 
+impl GpuReservation {
+    /// Its phase; one without a status yet was just created by bind, and is `Reserved`.
+    pub fn phase(&self) -> ReservationPhase {
+        self.status
+            .as_ref()
+            .and_then(|s| s.phase)
+            .unwrap_or_default()
+    }
+
+    /// Whether it holds GPU capacity now (see [`ReservationPhase::holds_capacity`]).
+    pub fn holds_capacity(&self) -> bool {
+        self.phase().holds_capacity()
+    }
+}
+
 impl GpuReservationSpec {
     /// Every reserved GPU UUID, in container then device order, without repeats.
     pub fn device_uuids(&self) -> Vec<&str> {

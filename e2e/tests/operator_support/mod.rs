@@ -236,13 +236,7 @@ pub async fn over_commits(client: &Client) -> (BTreeMap<String, Load>, Vec<Strin
         .items;
     let mut load: BTreeMap<String, Load> = BTreeMap::new();
     for r in reservations(client).await {
-        let holds = r
-            .status
-            .as_ref()
-            .and_then(|s| s.phase)
-            .unwrap_or_default()
-            .holds_capacity();
-        if !holds {
+        if !r.holds_capacity() {
             continue;
         }
         for d in r.spec.containers.iter().flat_map(|c| c.devices.iter()) {

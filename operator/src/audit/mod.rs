@@ -364,10 +364,10 @@ impl Finding {
 /// old holder's record was closed. Those are gone a moment later; a disagreement that lasts is
 /// in both looks.
 pub fn lasting(first: &[Finding], second: Vec<Finding>) -> Vec<Finding> {
-    let seen: BTreeSet<String> = first.iter().map(|f| format!("{:?}", f.subject())).collect();
+    let seen: BTreeSet<Finding> = first.iter().map(Finding::subject).collect();
     second
         .into_iter()
-        .filter(|f| seen.contains(&format!("{:?}", f.subject())))
+        .filter(|f| seen.contains(&f.subject()))
         .collect()
 }
 
@@ -425,15 +425,6 @@ fn check_quotas(snap: &Snapshot, out: &mut Vec<Finding>) {
     }
 }
 
-fn holds_capacity(r: &GpuReservation) -> bool {
-    // A reservation without a status yet was just created by bind: it already holds capacity.
-    r.status
-        .as_ref()
-        .and_then(|s| s.phase)
-        .unwrap_or(ReservationPhase::Reserved)
-        .holds_capacity()
-}
-
 fn pod_ended(p: &Pod) -> bool {
     matches!(
         p.status.as_ref().and_then(|s| s.phase.as_deref()),
@@ -471,7 +462,7 @@ fn check_capacity(snap: &Snapshot, out: &mut Vec<Finding>) {
         .filter_map(|n| Some((n.metadata.name.as_deref()?, n)))
         .collect();
     let mut used: BTreeMap<(&str, String), Held> = BTreeMap::new();
-    for r in snap.reservations.iter().filter(|r| holds_capacity(r)) {
+    for r in snap.reservations.iter().filter(|r| r.holds_capacity()) {
         let name = key(r.metadata.namespace.as_ref(), r.metadata.name.as_ref());
         for share in reservation_usage(r.spec.shares()) {
             let e = used
@@ -537,7 +528,7 @@ fn check_pods(snap: &Snapshot, out: &mut Vec<Finding>) {
         .collect();
     // Pod UID -> its live reservation and the node that holds capacity on.
     let mut reserved: BTreeMap<&str, (String, &str)> = BTreeMap::new();
-    for r in snap.reservations.iter().filter(|r| holds_capacity(r)) {
+    for r in snap.reservations.iter().filter(|r| r.holds_capacity()) {
         let name = key(r.metadata.namespace.as_ref(), r.metadata.name.as_ref());
         let pod_key = key(r.metadata.namespace.as_ref(), Some(&r.spec.pod_name));
         let detail = match pods.get(&pod_key) {

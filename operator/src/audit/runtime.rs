@@ -21,7 +21,7 @@ use std::collections::BTreeMap;
 
 use gpuledger_crds::{GpuNode, GpuReservation};
 
-use super::{Finding, Snapshot, holds_capacity, key};
+use super::{Finding, Snapshot, key};
 
 /// Who recorded a replica: reservation `ns/name`, container index, whether an init container.
 type Holder = (String, u32, bool);
@@ -45,7 +45,7 @@ pub fn check_runtime(snap: &Snapshot, out: &mut Vec<Finding>) {
         .collect();
     // (node, replica) -> holders (reservation, container index, init).
     let mut holders: BTreeMap<(&str, &str), Vec<Holder>> = BTreeMap::new();
-    for r in snap.reservations.iter().filter(|r| holds_capacity(r)) {
+    for r in snap.reservations.iter().filter(|r| r.holds_capacity()) {
         let name = key(r.metadata.namespace.as_ref(), r.metadata.name.as_ref());
         for a in recorded(r) {
             let init = r.spec.container(a.index).is_some_and(|c| c.init);

@@ -87,10 +87,6 @@ impl Step {
     }
 }
 
-fn phase_of(r: &GpuReservation) -> ReservationPhase {
-    r.status.as_ref().and_then(|s| s.phase).unwrap_or_default()
-}
-
 fn elapsed_since(t: Option<Timestamp>, now: Timestamp) -> Duration {
     t.map(|t| now.duration_since(t))
         .and_then(|d: SignedDuration| Duration::try_from(d).ok())
@@ -172,7 +168,7 @@ pub fn next_step(
 /// One already being deleted is left alone: its pod's end takes it away.
 fn lacks_finalizer(r: &GpuReservation) -> bool {
     r.metadata.deletion_timestamp.is_none()
-        && phase_of(r).holds_capacity()
+        && r.phase().holds_capacity()
         && !r
             .metadata
             .finalizers
@@ -204,7 +200,7 @@ fn phase_step(
             why: "pod gone or recreated",
         };
     };
-    let phase = phase_of(r);
+    let phase = r.phase();
     if pod.finished {
         return if phase.holds_capacity() {
             Step::Phase {

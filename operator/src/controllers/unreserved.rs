@@ -149,15 +149,9 @@ fn lacks_reservation(ctx: &Context, key: &ReservationKey, facts: &PodFacts) -> b
 /// pod the node's Lease named next; a booking that timed out while its containers waited for
 /// their image). One that has not started yet is refused by the plugin and fails admission.
 fn books_the_pod(r: &GpuReservation, facts: &PodFacts, node: &str) -> bool {
-    let holds = r
-        .status
-        .as_ref()
-        .and_then(|s| s.phase)
-        .unwrap_or_default()
-        .holds_capacity();
     facts.uid.is(&r.spec.pod_uid)
         && r.spec.node_name == node
-        && (holds || !facts.containers_started)
+        && (r.holds_capacity() || !facts.containers_started)
 }
 
 /// The bound GPU pods (all, or among the look's keys) whose reservation is missing from the

@@ -149,13 +149,7 @@ pub fn validate<'r>(
     let Some(r) = reservation else {
         return Err(no_reservation());
     };
-    let holds = r
-        .status
-        .as_ref()
-        .and_then(|s| s.phase)
-        .unwrap_or_default()
-        .holds_capacity();
-    if r.spec.pod_uid != spec.pod_uid || r.spec.node_name != spec.node_name || !holds {
+    if r.spec.pod_uid != spec.pod_uid || r.spec.node_name != spec.node_name || !r.holds_capacity() {
         return Err(no_reservation());
     }
     let allocated = r
