@@ -18,7 +18,7 @@ use crate::events::{EventQueue, reporter};
 use crate::lease::turns::Turns;
 use crate::lease::watched::WatchedLeases;
 use crate::ledger::in_flight::BindsInFlight;
-use crate::ledger::{Holds, LedgerIndex, LedgerWriter, NodeLocks};
+use crate::ledger::{Holds, LedgerIndex, LedgerWriter, NodeLocks, QuotaLocks};
 use crate::schedule::{self, FitView, NodeViewCache, PlaceError, Placement, Policy};
 use crate::telemetry::{Health, Metrics};
 
@@ -54,9 +54,9 @@ pub struct Ledger {
     pub writer: LedgerWriter,
     /// Per-node serialisation shared by bind, init shrink, refits and repairs.
     pub node_locks: Arc<NodeLocks>,
-    /// Per-namespace serialisation of binds in namespaces with GPU quotas (taken before the
-    /// node's lock), so two binds cannot both pass on the same quota room.
-    pub quota_locks: Arc<NodeLocks>,
+    /// Per-namespace turns of binds (taken before the node's lock): one at a time where a GPU
+    /// quota applies, so two binds cannot both pass on the same quota room.
+    pub quota_locks: Arc<QuotaLocks>,
     /// Filter's answers whose binds have not written a reservation yet.
     pub holds: Holds,
     /// Pods whose bind is running (one bind per pod at a time).
@@ -157,7 +157,7 @@ impl Context {
                 writer: LedgerWriter::new(client.clone(), index.clone()),
                 index,
                 node_locks: Arc::new(NodeLocks::new()),
-                quota_locks: Arc::new(NodeLocks::new()),
+                quota_locks: Arc::new(QuotaLocks::new()),
                 holds: Holds::default(),
                 binds: BindsInFlight::default(),
             },

@@ -271,31 +271,26 @@ async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Bound, Bi
 
     let turn = wait_turn(ctx, &args.node, deadline).await?;
     let reservation = {
-        // The namespace's lock before the node's, always in this order (nothing that holds a
-        // node lock waits for a namespace's), and only where a GPU quota applies.
+        // The namespace's turn before the node's lock, always in this order (nothing that
+        // holds a node lock waits for a namespace's turn). Exclusive where a GPU quota applies,
+        // shared otherwise, so a quota created meanwhile is checked only once every bind that
+        // decided without it has written ([`crate::ledger::quota_lock`]).
         let ns = &args.pod_namespace;
-        let limits = quota::limits(
-            &ctx.caches.quotas,
-            ns,
-            ctx.defaults.pod_api.get().memory_factor,
-        );
-        let limited = !limits.is_unlimited();
-        let _namespace = match limited {
-            true => {
-                let ns_lock = async { Ok(ctx.ledger.quota_locks.lock(ns).await) };
-                Some(
-                    within(
-                        deadline,
-                        started,
-                        args,
-                        "the namespace's quota lock",
-                        ns_lock,
-                    )
-                    .await?,
-                )
-            }
-            false => None,
+        let limits_now = || {
+            quota::limits(
+                &ctx.caches.quotas,
+                ns,
+                ctx.defaults.pod_api.get().memory_factor,
+            )
         };
+        let turn = ctx
+            .ledger
+            .quota_locks
+            .turn(ns, || !limits_now().is_unlimited());
+        let turn = async { Ok(turn.await) };
+        let _namespace =
+            within(deadline, started, args, "the namespace's quota turn", turn).await?;
+        let limits = limits_now();
         let node_lock = async { Ok(ctx.ledger.node_locks.lock(&args.node).await) };
         let _node = within(deadline, started, args, "the node lock", node_lock).await?;
         // Again, after the waits: a leader whose renewal went unanswered steps down before a
@@ -312,7 +307,7 @@ async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Bound, Bi
                 reason,
             })?;
         let desired = reservation_for(&pod, &args.node, placement.containers, &alignment);
-        if limited {
+        if !limits.is_unlimited() {
             let asked = quota_use_of_load(&reservation_load(&desired));
             let this_pod = Some((args.pod_name.as_str(), args.pod_uid.as_str()));
             quota::check(&limits, &ctx.ledger.index, ns, this_pod, asked).map_err(|reason| {
@@ -772,6 +767,39 @@ mod tests {
                 .index
                 .get(&ReservationKey::new("ns", "p"))
                 .is_none()
+        );
+    }
+
+    /// A bind in a namespace without a quota still takes the namespace's (shared) turn: a bind
+    /// checking a quota the admin just created holds it exclusively, and would otherwise
+    /// check while this one, decided without the quota, has yet to write.
+    #[tokio::test]
+    async fn a_bind_without_a_quota_waits_while_a_quota_is_checked_in_its_namespace() {
+        let ctx = Arc::new(context());
+        ctx.caches.pods.apply(&watcher::Event::Init);
+        ctx.caches.pods.apply(&watcher::Event::InitDone);
+        ctx.caches
+            .pods
+            .apply(&watcher::Event::Apply(wanting_a_gpu(pod(
+                "p", "u1", None, "Pending",
+            ))));
+        let checking = ctx.ledger.quota_locks.turn("ns", || true).await;
+        let binding = tokio::spawn({
+            let ctx = ctx.clone();
+            async move { bind_pod(&ctx, &args("u1")).await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(
+            !binding.is_finished(),
+            "the bind decided while a quota check held its namespace"
+        );
+        drop(checking);
+        // No GpuNode n1 in this context: once its turn comes, the bind finds no room.
+        let got = binding.await.unwrap();
+        assert!(
+            matches!(got, Err(BindError::NoFit { .. })),
+            "{:?}",
+            got.err()
         );
     }
 

@@ -28,7 +28,7 @@ use crate::events::reporter;
 use crate::lease::leader;
 use crate::lease::watched::WatchedLeases;
 use crate::ledger::feed::feed_index;
-use crate::ledger::{LedgerIndex, LedgerWriter, NodeLocks};
+use crate::ledger::{LedgerIndex, LedgerWriter, NodeLocks, QuotaLocks};
 use crate::schedule::Policy;
 use crate::telemetry::{Health, Metrics};
 use crate::watches::{
@@ -250,7 +250,7 @@ pub async fn run(config: RunConfig, shutdown: impl Future<Output = ()>) -> Resul
             writer: LedgerWriter::new(client.clone(), index.clone()),
             index: index.clone(),
             node_locks: Arc::new(NodeLocks::new()),
-            quota_locks: Arc::new(NodeLocks::new()),
+            quota_locks: Arc::new(QuotaLocks::new()),
             holds: Default::default(),
             binds: Default::default(),
         },
