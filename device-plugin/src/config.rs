@@ -42,6 +42,11 @@ pub struct Cli {
     /// How long GetPreferredAllocation waits for a NUMA refit (e.g. 2s, 500ms).
     #[arg(long, env = "GPULEDGER_REFIT_TIMEOUT", default_value = "2s", value_parser = parse_positive_duration)]
     pub refit_timeout: Duration,
+    /// Longest a GetPreferredAllocation or an Allocate may take (e.g. 60s). The kubelet waits
+    /// for both without a deadline of its own, one pod after another, so a stalled API server
+    /// would otherwise hold every admission on the node. Must be longer than --refit-timeout.
+    #[arg(long, env = "GPULEDGER_ADMISSION_TIMEOUT", default_value = "60s", value_parser = parse_positive_duration)]
+    pub admission_timeout: Duration,
     /// Address of the /metrics and /healthz endpoint; empty disables it.
     #[arg(long, env = "GPULEDGER_METRICS_ADDR", default_value = "0.0.0.0:9400", value_parser = parse_addr)]
     pub metrics_addr: OptionalAddr,
@@ -90,14 +95,39 @@ fn parse_addr(raw: &str) -> Result<OptionalAddr, std::net::AddrParseError> {
     raw.trim().parse().map(|a| OptionalAddr(Some(a)))
 }
 
+/// Flags that parse one by one but do not make a configuration together.
+#[derive(Debug, thiserror::Error)]
+pub enum FlagError {
+    /// An `--ignored-xids` entry is not a number.
+    #[error(transparent)]
+    Xids(#[from] XidListError),
+    /// The admission deadline leaves no room for the refit it may wait on.
+    #[error(
+        "--admission-timeout={admission:?} must be longer than --refit-timeout={refit:?}: a GetPreferredAllocation waiting on a refit would be cut off before the refit could answer"
+    )]
+    AdmissionShorterThanRefit {
+        /// `--admission-timeout`.
+        admission: Duration,
+        /// `--refit-timeout`.
+        refit: Duration,
+    },
+}
+
 impl Cli {
-    /// The plugin's options from the flags; an `--ignored-xids` entry that is not a number is
-    /// an error naming it.
-    pub fn plugin_options(&self) -> Result<PluginOptions, XidListError> {
+    /// The plugin's options from the flags; an `--ignored-xids` entry that is not a number, or
+    /// an admission timeout no longer than the refit timeout, is an error naming it.
+    pub fn plugin_options(&self) -> Result<PluginOptions, FlagError> {
+        if self.admission_timeout <= self.refit_timeout {
+            return Err(FlagError::AdmissionShorterThanRefit {
+                admission: self.admission_timeout,
+                refit: self.refit_timeout,
+            });
+        }
         let mut o = PluginOptions::new(self.node_name.clone(), self.device_plugin_dir.clone());
         o.namespace = self.namespace.clone();
         o.split_count = self.split_count;
         o.refit_timeout = self.refit_timeout;
+        o.admission_timeout = self.admission_timeout;
         o.hami_core_dir = self.hami_core_dir.clone();
         o.pod_resources_socket = self.pod_resources_socket.clone();
         o.refresh_interval = self.refresh_interval;
@@ -179,7 +209,11 @@ mod tests {
     /// zero refit timeout would give up every refit before asking.
     #[test]
     fn a_zero_interval_or_timeout_is_refused_naming_the_flag() {
-        for flag in ["--refresh-interval", "--refit-timeout"] {
+        for flag in [
+            "--refresh-interval",
+            "--refit-timeout",
+            "--admission-timeout",
+        ] {
             let err = Cli::try_parse_from(["p", "--node-name=n1", flag, "0"])
                 .err()
                 .unwrap()
@@ -187,6 +221,39 @@ mod tests {
             assert!(err.contains(flag) && err.contains("above zero"), "{err}");
             assert!(Cli::try_parse_from(["p", "--node-name=n1", flag, "100ms"]).is_ok());
         }
+    }
+
+    /// An admission deadline at or under the refit timeout would cut off every refit the
+    /// kubelet's GetPreferredAllocation waits on: refused at start, naming both flags.
+    #[test]
+    fn an_admission_timeout_not_above_the_refit_timeout_is_refused() {
+        let cli = Cli::try_parse_from(["p", "--node-name=n1"]).unwrap();
+        assert_eq!(cli.admission_timeout, Duration::from_secs(60));
+        assert_eq!(
+            cli.plugin_options().unwrap().admission_timeout,
+            Duration::from_secs(60)
+        );
+        for admission in ["2s", "1s"] {
+            let flag = format!("--admission-timeout={admission}");
+            let cli =
+                Cli::try_parse_from(["p", "--node-name=n1", "--refit-timeout=2s", &flag]).unwrap();
+            let err = cli.plugin_options().unwrap_err().to_string();
+            assert!(
+                err.contains("--admission-timeout") && err.contains("--refit-timeout=2s"),
+                "{err}"
+            );
+        }
+        let cli = Cli::try_parse_from([
+            "p",
+            "--node-name=n1",
+            "--refit-timeout=2s",
+            "--admission-timeout=3s",
+        ])
+        .unwrap();
+        assert_eq!(
+            cli.plugin_options().unwrap().admission_timeout,
+            Duration::from_secs(3)
+        );
     }
 
     /// Every flag has its row in device-plugin/README.md's "## Flags" table, with its

@@ -21,7 +21,8 @@ use prometheus_client::registry::Registry;
 /// Label of the per-call counters.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabel {
-    /// `ok`, `no_preference`, `rejected` or `error`.
+    /// `ok`, `refit`, `no_preference`, `rejected`, `error` or `timed_out` (past
+    /// `--admission-timeout`).
     pub outcome: String,
 }
 

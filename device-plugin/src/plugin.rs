@@ -37,6 +37,9 @@ pub struct PluginOptions {
     pub split_count: u32,
     /// `--refit-timeout`.
     pub refit_timeout: Duration,
+    /// `--admission-timeout`: the longest one kubelet call (GetPreferredAllocation, Allocate)
+    /// may take.
+    pub admission_timeout: Duration,
     /// `--hami-core-dir`.
     pub hami_core_dir: Option<PathBuf>,
     /// `--pod-resources-socket`.
@@ -61,6 +64,7 @@ impl PluginOptions {
             device_plugin_dir: device_plugin_dir.into(),
             split_count: 10,
             refit_timeout: Duration::from_secs(2),
+            admission_timeout: Duration::from_secs(60),
             hami_core_dir: None,
             pod_resources_socket: None,
             refresh_interval: Duration::from_secs(10),
@@ -280,6 +284,7 @@ pub async fn run(
         ServiceConfig {
             hami_core_dir: options.hami_core_dir.clone(),
             refit_timeout: options.refit_timeout,
+            admission_timeout: options.admission_timeout,
             kubelet_check,
         },
         metrics.clone(),

@@ -46,6 +46,8 @@ pub struct ServiceConfig {
     pub hami_core_dir: Option<PathBuf>,
     /// `--refit-timeout`, handed to the refit hook.
     pub refit_timeout: Duration,
+    /// `--admission-timeout`: the longest one GetPreferredAllocation or Allocate may take.
+    pub admission_timeout: Duration,
     /// `--pod-resources-socket`: the cross-check run after each Allocate.
     pub kubelet_check: Option<KubeletCheck>,
 }
@@ -286,17 +288,26 @@ impl api::device_plugin_server::DevicePlugin for DevicePluginService {
         request: Request<api::PreferredAllocationRequest>,
     ) -> Result<Response<api::PreferredAllocationResponse>, Status> {
         let request = request.into_inner();
-        let _admission = self.shared.admission.lock().await;
-        let inventory = self.shared.inventory.borrow().clone();
-        let pending = self.pending("GetPreferredAllocation").await?;
-        let mut container_responses = Vec::new();
-        for (k, req) in request.container_requests.iter().enumerate() {
-            let device_i_ds = self.preferred_for(&inventory, &pending, k, req).await?;
-            container_responses.push(api::ContainerPreferredAllocationResponse { device_i_ds });
+        let limit = self.shared.config.admission_timeout;
+        match tokio::time::timeout(limit, self.preferred(&request)).await {
+            Ok(answer) => answer.map(Response::new),
+            // No preference lets the kubelet go on choosing by itself; Allocate, under the
+            // same deadline, still hands out what the reservation holds.
+            Err(_) => {
+                Metrics::count(&self.shared.metrics.preferred, "timed_out");
+                tracing::warn!(
+                    ?limit,
+                    "GetPreferredAllocation ran past --admission-timeout; answering no preference"
+                );
+                let no_preference = request
+                    .container_requests
+                    .iter()
+                    .map(|_| api::ContainerPreferredAllocationResponse::default());
+                Ok(Response::new(api::PreferredAllocationResponse {
+                    container_responses: no_preference.collect(),
+                }))
+            }
         }
-        Ok(Response::new(api::PreferredAllocationResponse {
-            container_responses,
-        }))
     }
 
     async fn allocate(
@@ -304,29 +315,30 @@ impl api::device_plugin_server::DevicePlugin for DevicePluginService {
         request: Request<api::AllocateRequest>,
     ) -> Result<Response<api::AllocateResponse>, Status> {
         let request = request.into_inner();
-        let metrics = &self.shared.metrics;
-        let _admission = self.shared.admission.lock().await;
-        let inventory = self.shared.inventory.borrow().clone();
-        let mut tries = 0;
-        let result = loop {
-            tries += 1;
-            let pending = match self.pending("Allocate").await {
-                Ok(p) => p,
-                Err(s) => break Err(s),
-            };
-            match self.allocate_for(&inventory, &pending, &request).await {
-                // The reservation changed after it was read (its record carries the version
-                // read): what was about to be handed out may no longer be what it holds.
-                Err(Recorded::Changed(e)) if tries < ALLOCATE_TRIES => {
-                    tracing::info!(pod = %pod_ref(&pending), error = %e, "reading the reservation again");
+        let limit = self.shared.config.admission_timeout;
+        let seen = std::sync::Mutex::new(None);
+        let result = match tokio::time::timeout(limit, self.allocate_in_turn(&request, &seen)).await
+        {
+            Ok(answer) => answer,
+            // The pod fails admission (its controller places it again) and the node's next
+            // pod gets its turn; nothing later in this call runs, so what it recorded before
+            // the deadline stays for the lifecycle to release with the failed pod.
+            Err(_) => {
+                let pending = seen.lock().unwrap_or_else(|e| e.into_inner()).take();
+                let who = pending
+                    .as_ref()
+                    .map_or_else(|| "the pod".to_string(), |p| format!("pod {}", pod_ref(p)));
+                if let Some(p) = &pending {
+                    self.release_after_rejection(p);
                 }
-                Err(Recorded::Changed(e)) => break Err(e.to_status()),
-                Err(Recorded::Refused(s)) => break Err(s),
-                Ok(answer) => break Ok(answer),
+                tracing::warn!(pod = %who, ?limit, "Allocate ran past --admission-timeout");
+                Err(Status::deadline_exceeded(format!(
+                    "{who}: Allocate took longer than --admission-timeout ({limit:?}); the API server did not answer the ledger's reads and writes in time, and the node's other admissions wait behind this one"
+                )))
             }
         };
         Metrics::count(
-            &metrics.allocations,
+            &self.shared.metrics.allocations,
             if result.is_ok() { "ok" } else { "error" },
         );
         result.map(Response::new)
@@ -341,8 +353,54 @@ impl api::device_plugin_server::DevicePlugin for DevicePluginService {
 }
 
 impl DevicePluginService {
-    /// A rejected admission ends the pod's turn on this node (HAMi's `PodAllocationFailed`):
-    /// free the allocation Lease so the next pod can be admitted. In the background, so the
+    /// GetPreferredAllocation once the admission's turn is taken.
+    async fn preferred(
+        &self,
+        request: &api::PreferredAllocationRequest,
+    ) -> Result<api::PreferredAllocationResponse, Status> {
+        let _admission = self.shared.admission.lock().await;
+        let inventory = self.shared.inventory.borrow().clone();
+        let pending = self.pending("GetPreferredAllocation").await?;
+        let mut container_responses = Vec::new();
+        for (k, req) in request.container_requests.iter().enumerate() {
+            let device_i_ds = self.preferred_for(&inventory, &pending, k, req).await?;
+            container_responses.push(api::ContainerPreferredAllocationResponse { device_i_ds });
+        }
+        Ok(api::PreferredAllocationResponse {
+            container_responses,
+        })
+    }
+
+    /// Allocate once the admission's turn is taken; the pending pod, once read, is left in
+    /// `seen` for the caller to free its turn if the deadline cuts this short.
+    async fn allocate_in_turn(
+        &self,
+        request: &api::AllocateRequest,
+        seen: &std::sync::Mutex<Option<Pending>>,
+    ) -> Result<api::AllocateResponse, Status> {
+        let _admission = self.shared.admission.lock().await;
+        let inventory = self.shared.inventory.borrow().clone();
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let pending = self.pending("Allocate").await?;
+            *seen.lock().unwrap_or_else(|e| e.into_inner()) = Some(pending.clone());
+            match self.allocate_for(&inventory, &pending, request).await {
+                // The reservation changed after it was read (its record carries the version
+                // read): what was about to be handed out may no longer be what it holds.
+                Err(Recorded::Changed(e)) if tries < ALLOCATE_TRIES => {
+                    tracing::info!(pod = %pod_ref(&pending), error = %e, "reading the reservation again");
+                }
+                Err(Recorded::Changed(e)) => return Err(e.to_status()),
+                Err(Recorded::Refused(s)) => return Err(s),
+                Ok(answer) => return Ok(answer),
+            }
+        }
+    }
+
+    /// A rejected admission (or one past `--admission-timeout`) ends the pod's turn on this
+    /// node (HAMi's `PodAllocationFailed`): free the allocation Lease so the next pod can be
+    /// admitted. In the background, so the
     /// kubelet gets its answer within the refit timeout even when the API server is stalled.
     fn release_after_rejection(&self, pending: &Pending) {
         let ledger = self.shared.ledger.clone();

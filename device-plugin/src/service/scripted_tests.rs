@@ -39,6 +39,7 @@ fn service_with(
         ServiceConfig {
             hami_core_dir: hami_core_dir.map(std::path::Path::to_path_buf),
             refit_timeout: Duration::from_secs(2),
+            admission_timeout: Duration::from_secs(60),
             kubelet_check: None,
         },
         Arc::new(Metrics::default()),
@@ -244,4 +245,75 @@ async fn a_pod_uid_that_is_a_path_is_refused_before_its_cache_directory_is_made(
         !hami.path().join("escaped_1").exists(),
         "a cache directory was made outside the containers' directory"
     );
+}
+
+/// How long a test waits for a kubelet call before calling it stuck: far past the 60 s
+/// admission timeout of [`service`], on the paused clock these tests run on.
+const STUCK: Duration = Duration::from_secs(600);
+
+/// The kubelet calls Allocate without a deadline, one pod at a time: an API server that stops
+/// answering the record would hold every admission on the node. Past `--admission-timeout` the
+/// pod fails admission, naming itself and the flag, and its allocation Lease is freed so the
+/// node's next pod gets its turn.
+#[tokio::test(start_paused = true)]
+async fn an_allocate_the_api_server_stalls_ends_at_the_admission_timeout_and_frees_the_turn() {
+    let mut steps = reads(&[0]);
+    steps.push(record().never_reply());
+    steps.push(delete_lease("41").reply(200, lease(Some(HOLDER), "41")));
+    let (client, api) = scripted(steps);
+    let service = service(client);
+    let got = tokio::time::timeout(STUCK, service.allocate(allocate_one(&["GPU-1-0"])))
+        .await
+        .expect("Allocate still waiting on a stalled API server");
+    api.finish().await;
+    let s = got.unwrap_err();
+    assert_eq!(s.code(), Code::DeadlineExceeded);
+    assert!(
+        s.message().contains("pod ml/train") && s.message().contains("--admission-timeout"),
+        "{s:?}"
+    );
+}
+
+/// Stalled before the pod is known: the kubelet still gets its answer at the deadline, and the
+/// next call is not held behind the first one's turn.
+#[tokio::test(start_paused = true)]
+async fn an_allocate_stalled_before_the_pod_is_known_ends_and_the_next_call_goes_on() {
+    let mut steps = vec![expect(Method::GET, LEASE).never_reply()];
+    steps.extend(reads(&[0, 1]));
+    let (client, api) = scripted(steps);
+    let service = service(client);
+    let first = tokio::time::timeout(STUCK, service.allocate(allocate_one(&["GPU-1-0"])))
+        .await
+        .expect("Allocate still waiting on a stalled API server");
+    let s = first.unwrap_err();
+    assert_eq!(s.code(), Code::DeadlineExceeded);
+    assert!(s.message().starts_with("the pod: "), "{s:?}");
+    let second = tokio::time::timeout(STUCK, service.allocate(allocate_one(&["GPU-1-0"])))
+        .await
+        .expect("the next Allocate waited behind the one that ran out of time");
+    api.finish().await;
+    assert_eq!(second.unwrap_err().code(), Code::FailedPrecondition);
+}
+
+/// GetPreferredAllocation past the deadline answers no preference for each container: the
+/// kubelet chooses and goes on to Allocate instead of failing the pod.
+#[tokio::test(start_paused = true)]
+async fn a_preferred_allocation_the_api_server_stalls_answers_no_preference_at_the_deadline() {
+    use crate::api::{ContainerPreferredAllocationRequest, PreferredAllocationRequest};
+    let (client, api) = scripted(vec![expect(Method::GET, LEASE).never_reply()]);
+    let service = service(client);
+    let request = Request::new(PreferredAllocationRequest {
+        container_requests: vec![ContainerPreferredAllocationRequest {
+            available_device_i_ds: vec!["GPU-0-0".into(), "GPU-1-0".into()],
+            must_include_device_i_ds: Vec::new(),
+            allocation_size: 1,
+        }],
+    });
+    let got = tokio::time::timeout(STUCK, service.get_preferred_allocation(request))
+        .await
+        .expect("GetPreferredAllocation still waiting on a stalled API server");
+    api.finish().await;
+    let answer = got.unwrap().into_inner();
+    assert_eq!(answer.container_responses.len(), 1);
+    assert!(answer.container_responses[0].device_i_ds.is_empty());
 }
