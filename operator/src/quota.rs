@@ -4,8 +4,10 @@
 //! Filter checks a pod's share on its chosen node against them and answers an error when it does
 //! not fit (kube-scheduler retries an error with backoff; a refusal would park the pod until some
 //! cluster event, and a quota freeing up is not one it sees). Bind checks again under the
-//! namespace's lock, taken before the node's lock, so two binds of one namespace on different
-//! nodes cannot both pass on the same room. Namespaces without GPU limits take no lock.
+//! namespace's exclusive turn, taken before the node's lock, so two binds of one namespace on
+//! different nodes cannot both pass on the same room. Binds in namespaces without GPU limits
+//! take a shared turn, which a quota's first check waits out
+//! ([`crate::ledger::quota_lock`]).
 
 use std::collections::BTreeMap;
 

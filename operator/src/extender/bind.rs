@@ -50,7 +50,7 @@ use crate::lease::turns::Turn;
 use crate::lease::watched::{Outlook, RECHECK_FIRST, RECHECK_MAX};
 use crate::ledger::render::{devices_summary, reservation_for};
 use crate::ledger::usage::{quota_use_of_load, reservation_load};
-use crate::ledger::{ReservationKey, WriteError};
+use crate::ledger::{QuotaTurn, ReservationKey, WriteError};
 use crate::quota::{self, QuotaError};
 use crate::schedule::PlaceError;
 
@@ -288,9 +288,14 @@ async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Bound, Bi
             .quota_locks
             .turn(ns, || !limits_now().is_unlimited());
         let turn = async { Ok(turn.await) };
-        let _namespace =
-            within(deadline, started, args, "the namespace's quota turn", turn).await?;
-        let limits = limits_now();
+        let namespace = within(deadline, started, args, "the namespace's quota turn", turn).await?;
+        // Checked only under an exclusive turn: a quota that reached the cache just after a
+        // shared turn was taken must not be checked by several binds at once on the same
+        // room. Such a bind counts as decided before the quota, as those it runs beside.
+        let limits = match &namespace {
+            QuotaTurn::Exclusive(_) => Some(limits_now()).filter(|l| !l.is_unlimited()),
+            QuotaTurn::Shared(_) => None,
+        };
         let node_lock = async { Ok(ctx.ledger.node_locks.lock(&args.node).await) };
         let _node = within(deadline, started, args, "the node lock", node_lock).await?;
         // Again, after the waits: a leader whose renewal went unanswered steps down before a
@@ -307,10 +312,10 @@ async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Bound, Bi
                 reason,
             })?;
         let desired = reservation_for(&pod, &args.node, placement.containers, &alignment);
-        if !limits.is_unlimited() {
+        if let Some(limits) = &limits {
             let asked = quota_use_of_load(&reservation_load(&desired));
             let this_pod = Some((args.pod_name.as_str(), args.pod_uid.as_str()));
-            quota::check(&limits, &ctx.ledger.index, ns, this_pod, asked).map_err(|reason| {
+            quota::check(limits, &ctx.ledger.index, ns, this_pod, asked).map_err(|reason| {
                 BindError::Quota {
                     pod: pod_id.clone(),
                     reason,
