@@ -37,6 +37,7 @@ pub mod allocate;
 pub mod config;
 pub mod discovery;
 pub mod gpunode;
+pub mod hami_cache;
 pub mod health;
 pub mod inventory;
 pub mod kubelet_check;

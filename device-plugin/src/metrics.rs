@@ -57,7 +57,7 @@ pub const CHECK_UNSEEN: &str = "unseen";
 /// The plugin's metrics.
 pub struct Metrics {
     registry: Registry,
-    /// Allocate calls by outcome.
+    /// Allocate calls by outcome (`ok`, `error` or `timed_out`, past `--admission-timeout`).
     pub allocations: Family<OutcomeLabel, Counter>,
     /// GetPreferredAllocation containers by outcome.
     pub preferred: Family<OutcomeLabel, Counter>,
@@ -80,6 +80,10 @@ pub struct Metrics {
     pub kubelet_registered: Gauge,
     /// Errors of the plugin's watches, by watch and failure.
     pub watch_errors: Family<WatchErrorLabels, Counter>,
+    /// HAMi-core cache directories of pods gone from the node, removed ([`crate::hami_cache`]).
+    pub hami_cache_removed: Counter,
+    /// Sweeps of those directories that removed nothing because they failed.
+    pub hami_cache_sweep_failures: Counter,
     /// Why the GpuNode does not carry the current inventory; `None` once it does.
     gpunode_problem: Mutex<Option<String>>,
 }
@@ -165,6 +169,18 @@ impl Default for Metrics {
             "Errors of the plugin's watches, by watch and by whether the API server refused it (refused) or did not serve it (not_served)",
             watch_errors.clone(),
         );
+        let hami_cache_removed = Counter::default();
+        registry.register(
+            "hami_cache_removed",
+            "HAMi-core cache directories of pods gone from the node, removed from the host",
+            hami_cache_removed.clone(),
+        );
+        let hami_cache_sweep_failures = Counter::default();
+        registry.register(
+            "hami_cache_sweep_failures",
+            "Sweeps of the HAMi-core cache directories that failed and removed nothing",
+            hami_cache_sweep_failures.clone(),
+        );
         Metrics {
             registry,
             allocations,
@@ -178,6 +194,8 @@ impl Default for Metrics {
             gpunode_publish_failures,
             kubelet_registered,
             watch_errors,
+            hami_cache_removed,
+            hami_cache_sweep_failures,
             gpunode_problem: Mutex::new(Some("GpuNode not published yet".into())),
         }
     }

@@ -273,6 +273,16 @@ pub async fn run(
         });
     }
 
+    if let Some(dir) = options.hami_core_dir.clone() {
+        tasks.spawn(crate::hami_cache::sweep_loop(
+            client.clone(),
+            options.node_name.clone(),
+            dir,
+            metrics.clone(),
+            shutdown.clone(),
+        ));
+    }
+
     let kubelet_check = options
         .pod_resources_socket
         .clone()

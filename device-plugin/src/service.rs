@@ -9,6 +9,7 @@ use futures::Stream;
 use gpuledger_crds::ContainerAllocation;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use tokio::sync::{Mutex, watch};
+use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 
 use crate::allocate::{container_cache_dir, container_response, uid_fits_a_path};
@@ -18,12 +19,18 @@ use crate::kubelet_check::KubeletCheck;
 use crate::ledger::{Ledger, LedgerError, Pending, unallocated};
 use crate::metrics::Metrics;
 use crate::preferred::{SelectError, check_known, physical_gpus, select_replicas};
+use crate::refit::outcome::{self, Answer};
 use crate::refit::{RefitContext, RefitHook, RefitOutcome};
 
 /// How many times one Allocate reads the reservation and tries to record on it, when it keeps
 /// changing between the read and the record (each change is another writer's status or spec
 /// write landing in that moment: rare, and never for long).
 const ALLOCATE_TRIES: u32 = 5;
+
+/// What a refit leaves of the admission deadline for answering the kubelet: the refit hook is
+/// given at most the time left less this, so its own timeout (and the outcome matrix's answer
+/// for it) comes before the call's deadline.
+const AFTER_REFIT: Duration = Duration::from_millis(250);
 
 /// Why one try of an Allocate did not answer.
 enum Recorded {
@@ -151,6 +158,7 @@ impl DevicePluginService {
         pending: &Pending,
         k: usize,
         req: &api::ContainerPreferredAllocationRequest,
+        deadline: Instant,
     ) -> Result<Vec<String>, Status> {
         let metrics = &self.shared.metrics;
         let containers = pending.unallocated();
@@ -179,6 +187,12 @@ impl DevicePluginService {
             Err(SelectError::AnnotatedDeviceUnavailable { uuid }) => {
                 tracing::info!(pod = %pod_ref(pending), container = %container.name, gpu = %uuid,
                     "reserved GPU not among the available replicas; handing over to the refit hook");
+                // Within the admission deadline: a refit cut off by it could still commit a
+                // move the plugin never hears of, and its outcome would go unanswered.
+                let left = deadline
+                    .saturating_duration_since(Instant::now())
+                    .saturating_sub(AFTER_REFIT);
+                let timeout = self.shared.config.refit_timeout.min(left);
                 let ctx = RefitContext {
                     namespace: pending.namespace.clone(),
                     pod_name: pending.pod.clone(),
@@ -192,10 +206,21 @@ impl DevicePluginService {
                     must_include_device_ids: req.must_include_device_i_ds.clone(),
                     allocation_size: size,
                     allowed_gpus: physical_gpus(inventory, &req.available_device_i_ds),
-                    timeout: self.shared.config.refit_timeout,
+                    timeout,
                     inventory: inventory.clone(),
                 };
-                match self.shared.refit.refit(ctx).await {
+                let outcome = match timeout.is_zero() {
+                    // No time left to ask: the outcome of a refit that timed out.
+                    true => outcome::decide(
+                        &pod_ref(pending),
+                        &container.name,
+                        pending.reservation.spec.alignment,
+                        &Answer::TimedOut,
+                        |_| Err("not asked".into()),
+                    ),
+                    false => self.shared.refit.refit(ctx).await,
+                };
+                match outcome {
                     RefitOutcome::Preferred(ids) => {
                         Metrics::count(&metrics.preferred, "refit");
                         Ok(ids)
@@ -289,23 +314,16 @@ impl api::device_plugin_server::DevicePlugin for DevicePluginService {
     ) -> Result<Response<api::PreferredAllocationResponse>, Status> {
         let request = request.into_inner();
         let limit = self.shared.config.admission_timeout;
-        match tokio::time::timeout(limit, self.preferred(&request)).await {
+        let deadline = Instant::now() + limit;
+        let seen = std::sync::Mutex::new(None);
+        match tokio::time::timeout_at(deadline, self.preferred(&request, deadline, &seen)).await {
             Ok(answer) => answer.map(Response::new),
-            // No preference lets the kubelet go on choosing by itself; Allocate, under the
-            // same deadline, still hands out what the reservation holds.
+            // The ledger could not be read in time (a refit is bounded within the deadline):
+            // the pod fails admission now rather than again in Allocate, which would wait on
+            // the same API server while the node's other admissions queue behind it.
             Err(_) => {
                 Metrics::count(&self.shared.metrics.preferred, "timed_out");
-                tracing::warn!(
-                    ?limit,
-                    "GetPreferredAllocation ran past --admission-timeout; answering no preference"
-                );
-                let no_preference = request
-                    .container_requests
-                    .iter()
-                    .map(|_| api::ContainerPreferredAllocationResponse::default());
-                Ok(Response::new(api::PreferredAllocationResponse {
-                    container_responses: no_preference.collect(),
-                }))
+                Err(self.past_the_deadline("GetPreferredAllocation", limit, &seen))
             }
         }
     }
@@ -317,30 +335,18 @@ impl api::device_plugin_server::DevicePlugin for DevicePluginService {
         let request = request.into_inner();
         let limit = self.shared.config.admission_timeout;
         let seen = std::sync::Mutex::new(None);
-        let result = match tokio::time::timeout(limit, self.allocate_in_turn(&request, &seen)).await
-        {
-            Ok(answer) => answer,
-            // The pod fails admission (its controller places it again) and the node's next
-            // pod gets its turn; nothing later in this call runs, so what it recorded before
-            // the deadline stays for the lifecycle to release with the failed pod.
-            Err(_) => {
-                let pending = seen.lock().unwrap_or_else(|e| e.into_inner()).take();
-                let who = pending
-                    .as_ref()
-                    .map_or_else(|| "the pod".to_string(), |p| format!("pod {}", pod_ref(p)));
-                if let Some(p) = &pending {
-                    self.release_after_rejection(p);
-                }
-                tracing::warn!(pod = %who, ?limit, "Allocate ran past --admission-timeout");
-                Err(Status::deadline_exceeded(format!(
-                    "{who}: Allocate took longer than --admission-timeout ({limit:?}); the API server did not answer the ledger's reads and writes in time, and the node's other admissions wait behind this one"
-                )))
-            }
-        };
-        Metrics::count(
-            &self.shared.metrics.allocations,
-            if result.is_ok() { "ok" } else { "error" },
-        );
+        let (result, outcome) =
+            match tokio::time::timeout(limit, self.allocate_in_turn(&request, &seen)).await {
+                Ok(Ok(answer)) => (Ok(answer), "ok"),
+                Ok(Err(refused)) => (Err(refused), "error"),
+                // Nothing later in this call runs, so what it recorded before the deadline
+                // stays for the lifecycle to release with the failed pod.
+                Err(_) => (
+                    Err(self.past_the_deadline("Allocate", limit, &seen)),
+                    "timed_out",
+                ),
+            };
+        Metrics::count(&self.shared.metrics.allocations, outcome);
         result.map(Response::new)
     }
 
@@ -353,17 +359,44 @@ impl api::device_plugin_server::DevicePlugin for DevicePluginService {
 }
 
 impl DevicePluginService {
-    /// GetPreferredAllocation once the admission's turn is taken.
+    /// A kubelet call past `--admission-timeout`: the pod fails admission (a pod with a
+    /// controller is placed again) and, when the pod was read, its turn on the node ends.
+    fn past_the_deadline(
+        &self,
+        call: &str,
+        limit: Duration,
+        seen: &std::sync::Mutex<Option<Pending>>,
+    ) -> Status {
+        let pending = seen.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let who = pending
+            .as_ref()
+            .map_or_else(|| "the pod".to_string(), |p| format!("pod {}", pod_ref(p)));
+        if let Some(p) = &pending {
+            self.release_after_rejection(p);
+        }
+        tracing::warn!(pod = %who, ?limit, "{call} ran past --admission-timeout");
+        Status::deadline_exceeded(format!(
+            "{who}: {call} took longer than --admission-timeout ({limit:?}); the API server did not answer the ledger's reads and writes in time, and the node's other admissions wait behind this one"
+        ))
+    }
+
+    /// GetPreferredAllocation once the admission's turn is taken; the pending pod, once read,
+    /// is left in `seen` for the caller to end its turn if the deadline cuts this short.
     async fn preferred(
         &self,
         request: &api::PreferredAllocationRequest,
+        deadline: Instant,
+        seen: &std::sync::Mutex<Option<Pending>>,
     ) -> Result<api::PreferredAllocationResponse, Status> {
         let _admission = self.shared.admission.lock().await;
         let inventory = self.shared.inventory.borrow().clone();
         let pending = self.pending("GetPreferredAllocation").await?;
+        *seen.lock().unwrap_or_else(|e| e.into_inner()) = Some(pending.clone());
         let mut container_responses = Vec::new();
         for (k, req) in request.container_requests.iter().enumerate() {
-            let device_i_ds = self.preferred_for(&inventory, &pending, k, req).await?;
+            let device_i_ds = self
+                .preferred_for(&inventory, &pending, k, req, deadline)
+                .await?;
             container_responses.push(api::ContainerPreferredAllocationResponse { device_i_ds });
         }
         Ok(api::PreferredAllocationResponse {

@@ -127,6 +127,7 @@ async fn device_plugin_against_the_real_api_server() {
     an_unhealthy_gpu_reaches_the_kubelet_and_the_gpunode(&sim, &admin, &sample).await;
     admission_latency_report(&sim, &admin).await;
     the_refit_client_hears_the_commit_in_the_ledger(&cp, &admin, &plugin_client, &sample).await;
+    hami_core_caches_of_pods_gone_from_the_node_are_swept(&cp, &admin, &plugin_client, &tmp).await;
 
     stop_tx.send(true).unwrap();
     plugin.await.unwrap().unwrap();
@@ -990,4 +991,122 @@ async fn start_refit(
         inventory,
     };
     tokio::spawn(hook.refit(ctx))
+}
+
+/// The HAMi-core cache directories Allocate makes on the host go once their pod is no longer
+/// on the node, listed with the plugin's own rights; everything else stays, and a sweep that
+/// cannot list the node's pods removes nothing.
+async fn hami_core_caches_of_pods_gone_from_the_node_are_swept(
+    cp: &ControlPlane,
+    admin: &Client,
+    plugin_client: &Client,
+    tmp: &tempfile::TempDir,
+) {
+    use gpuledger_device_plugin::hami_cache::{GRACE, sweep_once};
+    use k8s_openapi::api::core::v1::{Container, Pod, PodSpec as CorePodSpec};
+    let pods = Api::<Pod>::namespaced(admin.clone(), NS);
+    let create = |name: &str, node: &str| {
+        let pod = Pod {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                ..Default::default()
+            },
+            spec: Some(CorePodSpec {
+                node_name: Some(node.into()),
+                containers: vec![Container {
+                    name: "main".into(),
+                    image: Some("registry.k8s.io/pause:3.10".into()),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let pods = pods.clone();
+        async move { pods.create(&PostParams::default(), &pod).await.unwrap() }
+    };
+    let here = create("cache-here", NODE).await.uid().unwrap();
+    let elsewhere = create("cache-elsewhere", "another-node")
+        .await
+        .uid()
+        .unwrap();
+    let gone = "0b6c0e0e-7d1a-4c1e-9a43-3f1e2a8b9c10";
+    let hami = tmp.path().join("hami-core");
+    let containers = hami.join("containers");
+    let names = [
+        format!("{here}_0"),
+        format!("{here}_1"),
+        format!("{elsewhere}_0"),
+        format!("{gone}_2"),
+        "not-a-pod".to_string(),
+    ];
+    for name in &names {
+        std::fs::create_dir_all(containers.join(name)).unwrap();
+        std::fs::write(containers.join(name).join("cache"), b"x").unwrap();
+    }
+    let left = || {
+        let mut left: Vec<String> = std::fs::read_dir(&containers)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        left.sort_unstable();
+        left
+    };
+    let all = {
+        let mut all = names.to_vec();
+        all.sort_unstable();
+        all
+    };
+
+    // Just made: left for a later sweep.
+    assert_eq!(
+        sweep_once(plugin_client, NODE, &hami, GRACE).await.unwrap(),
+        0
+    );
+    assert_eq!(left(), all);
+    // An identity that may not list pods: an error, and nothing removed.
+    let nobody = client_from_kubeconfig_as(
+        cp.kubeconfig(),
+        "an identity without rights",
+        Some(("gpuledger-e2e:nobody", &["system:authenticated"])),
+    )
+    .await
+    .unwrap();
+    let refused = sweep_once(&nobody, NODE, &hami, Duration::ZERO).await;
+    assert!(
+        refused
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("listing the pods of node")),
+        "{refused:?}"
+    );
+    assert_eq!(left(), all);
+    // Past the grace: the pod on another node and the one that never existed go.
+    let removed = sweep_once(plugin_client, NODE, &hami, Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!(removed, 2);
+    let mut kept = vec![
+        format!("{here}_0"),
+        format!("{here}_1"),
+        "not-a-pod".to_string(),
+    ];
+    kept.sort_unstable();
+    assert_eq!(left(), kept);
+    // The pod deleted: its directories go too.
+    pods.delete(
+        "cache-here",
+        &kube::api::DeleteParams::default().grace_period(0),
+    )
+    .await
+    .unwrap();
+    gpuledger_e2e::cluster::wait_for("pod cache-here gone", WAIT, || async {
+        Ok::<_, kube::Error>(pods.get_opt("cache-here").await?.is_none().then_some(()))
+    })
+    .await
+    .unwrap();
+    let removed = sweep_once(plugin_client, NODE, &hami, Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!(removed, 2);
+    assert_eq!(left(), vec!["not-a-pod".to_string()]);
 }

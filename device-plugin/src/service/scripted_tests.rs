@@ -295,25 +295,138 @@ async fn an_allocate_stalled_before_the_pod_is_known_ends_and_the_next_call_goes
     assert_eq!(second.unwrap_err().code(), Code::FailedPrecondition);
 }
 
-/// GetPreferredAllocation past the deadline answers no preference for each container: the
-/// kubelet chooses and goes on to Allocate instead of failing the pod.
+/// GetPreferredAllocation past the deadline fails the admission at once, rather than letting
+/// the kubelet go on to an Allocate that would wait on the same stalled API server.
 #[tokio::test(start_paused = true)]
-async fn a_preferred_allocation_the_api_server_stalls_answers_no_preference_at_the_deadline() {
-    use crate::api::{ContainerPreferredAllocationRequest, PreferredAllocationRequest};
+async fn a_preferred_allocation_the_api_server_stalls_fails_at_the_deadline() {
     let (client, api) = scripted(vec![expect(Method::GET, LEASE).never_reply()]);
     let service = service(client);
-    let request = Request::new(PreferredAllocationRequest {
+    let got = tokio::time::timeout(
+        STUCK,
+        service.get_preferred_allocation(prefer(&["GPU-0-0"])),
+    )
+    .await
+    .expect("GetPreferredAllocation still waiting on a stalled API server");
+    api.finish().await;
+    let s = got.unwrap_err();
+    assert_eq!(s.code(), Code::DeadlineExceeded);
+    assert!(s.message().contains("--admission-timeout"), "{s:?}");
+}
+
+/// The kubelet's GetPreferredAllocation for one container among these replicas.
+fn prefer(available: &[&str]) -> Request<crate::api::PreferredAllocationRequest> {
+    use crate::api::{ContainerPreferredAllocationRequest, PreferredAllocationRequest};
+    Request::new(PreferredAllocationRequest {
         container_requests: vec![ContainerPreferredAllocationRequest {
-            available_device_i_ds: vec!["GPU-0-0".into(), "GPU-1-0".into()],
+            available_device_i_ds: available.iter().map(|r| r.to_string()).collect(),
             must_include_device_i_ds: Vec::new(),
             allocation_size: 1,
         }],
-    });
-    let got = tokio::time::timeout(STUCK, service.get_preferred_allocation(request))
-        .await
-        .expect("GetPreferredAllocation still waiting on a stalled API server");
+    })
+}
+
+/// A refit hook that records the timeout it was given and lets the kubelet choose.
+#[derive(Default)]
+struct Timed(std::sync::Mutex<Vec<Duration>>);
+
+impl crate::refit::RefitHook for Timed {
+    fn refit(
+        &self,
+        ctx: crate::refit::RefitContext,
+    ) -> futures::future::BoxFuture<'static, crate::refit::RefitOutcome> {
+        self.0.lock().unwrap().push(ctx.timeout);
+        Box::pin(async {
+            crate::refit::RefitOutcome::KubeletChooses {
+                reason: "test".into(),
+            }
+        })
+    }
+}
+
+fn service_with_refit(client: kube::Client, refit: Arc<Timed>) -> DevicePluginService {
+    let inventory = Inventory::new(vec![gpu("GPU-0", 0, Some(0)), gpu("GPU-1", 1, Some(0))], 2);
+    let (_, inventory) = watch::channel(inventory);
+    let shared = Shared::new(
+        inventory,
+        Ledger::new(client, NODE, LEASE_NS),
+        refit,
+        ServiceConfig {
+            hami_core_dir: None,
+            refit_timeout: Duration::from_secs(2),
+            admission_timeout: Duration::from_secs(60),
+            kubelet_check: None,
+        },
+        Arc::new(Metrics::default()),
+    );
+    let (_, stop) = watch::channel(false);
+    DevicePluginService::new(Arc::new(shared), stop)
+}
+
+/// Reads answered `after` into the call, of a reservation (container 1 on GPU-1) with
+/// `alignment`.
+fn slow_reads(after: Duration, alignment: gpuledger_crds::Alignment) -> Vec<Step> {
+    let mut r = reservation("pod-uid", NODE, &[0]);
+    r.spec.alignment = alignment;
+    vec![
+        expect(Method::GET, LEASE).reply_after(after, 200, lease(Some(HOLDER), "41")),
+        expect(Method::GET, RESERVATION).reply(200, json_of(&r)),
+    ]
+}
+
+/// A refit is given what is left of the admission deadline when that is less than
+/// `--refit-timeout`: cut off by the deadline instead, it could still commit a move the plugin
+/// never hears of, and the outcome matrix would not be applied to it.
+#[tokio::test(start_paused = true)]
+async fn a_refit_late_in_the_admission_gets_only_the_time_left() {
+    let steps = slow_reads(
+        Duration::from_secs(59),
+        gpuledger_crds::Alignment::BestEffort,
+    );
+    let (client, api) = scripted(steps);
+    let hook = Arc::new(Timed::default());
+    let service = service_with_refit(client, hook.clone());
+    // GPU-1, the reserved one, is not among the replicas the kubelet allows.
+    let got = tokio::time::timeout(
+        STUCK,
+        service.get_preferred_allocation(prefer(&["GPU-0-0"])),
+    )
+    .await
+    .unwrap();
     api.finish().await;
-    let answer = got.unwrap().into_inner();
-    assert_eq!(answer.container_responses.len(), 1);
-    assert!(answer.container_responses[0].device_i_ds.is_empty());
+    assert!(
+        got.unwrap().into_inner().container_responses[0]
+            .device_i_ds
+            .is_empty()
+    );
+    let given = hook.0.lock().unwrap().clone();
+    assert_eq!(given.len(), 1);
+    assert!(
+        given[0] <= Duration::from_millis(750) && !given[0].is_zero(),
+        "{given:?}"
+    );
+}
+
+/// With no time left to ask, the refit is not asked and its timed-out outcome applies: a
+/// `strict` pod fails admission, and its turn on the node ends.
+#[tokio::test(start_paused = true)]
+async fn no_time_left_for_a_refit_fails_a_strict_pod_without_asking() {
+    let mut steps = slow_reads(
+        Duration::from_millis(59_900),
+        gpuledger_crds::Alignment::Strict,
+    );
+    steps.push(delete_lease("41").reply(200, lease(Some(HOLDER), "41")));
+    let (client, api) = scripted(steps);
+    let hook = Arc::new(Timed::default());
+    let service = service_with_refit(client, hook.clone());
+    let got = tokio::time::timeout(
+        STUCK,
+        service.get_preferred_allocation(prefer(&["GPU-0-0"])),
+    )
+    .await
+    .unwrap();
+    api.finish().await;
+    let s = got.unwrap_err();
+    assert_eq!(s.code(), Code::FailedPrecondition);
+    assert!(s.message().contains("strict"), "{s:?}");
+    assert!(hook.0.lock().unwrap().is_empty(), "the refit was asked");
 }
