@@ -42,6 +42,10 @@ pub struct PluginOptions {
     pub admission_timeout: Duration,
     /// `--hami-core-dir`.
     pub hami_core_dir: Option<PathBuf>,
+    /// How often the HAMi-core cache directories of pods gone from the node are swept.
+    pub hami_cache_sweep_every: Duration,
+    /// How long a pod must have been gone before its cache directories go.
+    pub hami_cache_grace: Duration,
     /// `--pod-resources-socket`.
     pub pod_resources_socket: Option<PathBuf>,
     /// How often discovery runs again to notice health changes.
@@ -66,6 +70,8 @@ impl PluginOptions {
             refit_timeout: Duration::from_secs(2),
             admission_timeout: Duration::from_secs(60),
             hami_core_dir: None,
+            hami_cache_sweep_every: crate::hami_cache::SWEEP_EVERY,
+            hami_cache_grace: crate::hami_cache::GRACE,
             pod_resources_socket: None,
             refresh_interval: Duration::from_secs(10),
             poll_interval: Duration::from_secs(1),
@@ -274,10 +280,12 @@ pub async fn run(
     }
 
     if let Some(dir) = options.hami_core_dir.clone() {
+        let sweep =
+            crate::hami_cache::Sweep::new(&options.node_name, dir, options.hami_cache_grace);
         tasks.spawn(crate::hami_cache::sweep_loop(
             client.clone(),
-            options.node_name.clone(),
-            dir,
+            sweep,
+            options.hami_cache_sweep_every,
             metrics.clone(),
             shutdown.clone(),
         ));

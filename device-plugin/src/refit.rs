@@ -78,6 +78,12 @@ pub enum RefitOutcome {
 pub trait RefitHook: Send + Sync {
     /// Decides for one container; must finish within about `ctx.timeout`.
     fn refit(&self, ctx: RefitContext) -> BoxFuture<'static, RefitOutcome>;
+
+    /// Whether it asks the operator (and so needs time): with no time left for a refit, one
+    /// that does is not called, and its timed-out outcome applies instead.
+    fn asks_the_operator(&self) -> bool {
+        true
+    }
 }
 
 /// No refit: the kubelet chooses, with a log whose severity follows the alignment mode.
@@ -85,6 +91,12 @@ pub trait RefitHook: Send + Sync {
 pub struct NoRefit;
 
 impl RefitHook for NoRefit {
+    /// Decides at once, whatever the time left (`--refit=false` lets the kubelet choose,
+    /// `strict` included).
+    fn asks_the_operator(&self) -> bool {
+        false
+    }
+
     fn refit(&self, ctx: RefitContext) -> BoxFuture<'static, RefitOutcome> {
         let pod = format!("{}/{}", ctx.namespace, ctx.pod_name);
         let container = ctx.container.name.clone();

@@ -209,7 +209,7 @@ impl DevicePluginService {
                     timeout,
                     inventory: inventory.clone(),
                 };
-                let outcome = match timeout.is_zero() {
+                let outcome = match timeout.is_zero() && self.shared.refit.asks_the_operator() {
                     // No time left to ask: the outcome of a refit that timed out.
                     true => outcome::decide(
                         &pod_ref(pending),

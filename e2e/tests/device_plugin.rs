@@ -127,7 +127,14 @@ async fn device_plugin_against_the_real_api_server() {
     an_unhealthy_gpu_reaches_the_kubelet_and_the_gpunode(&sim, &admin, &sample).await;
     admission_latency_report(&sim, &admin).await;
     the_refit_client_hears_the_commit_in_the_ledger(&cp, &admin, &plugin_client, &sample).await;
-    hami_core_caches_of_pods_gone_from_the_node_are_swept(&cp, &admin, &plugin_client, &tmp).await;
+    hami_core_caches_of_pods_gone_from_the_node_are_swept(
+        &cp,
+        &admin,
+        &plugin_client,
+        &tmp,
+        &sample,
+    )
+    .await;
 
     stop_tx.send(true).unwrap();
     plugin.await.unwrap().unwrap();
@@ -995,14 +1002,16 @@ async fn start_refit(
 
 /// The HAMi-core cache directories Allocate makes on the host go once their pod is no longer
 /// on the node, listed with the plugin's own rights; everything else stays, and a sweep that
-/// cannot list the node's pods removes nothing.
+/// cannot list the node's pods removes nothing. Then the same through `plugin::run`, which
+/// sweeps when `--hami-core-dir` is set.
 async fn hami_core_caches_of_pods_gone_from_the_node_are_swept(
     cp: &ControlPlane,
     admin: &Client,
     plugin_client: &Client,
     tmp: &tempfile::TempDir,
+    sample: &Path,
 ) {
-    use gpuledger_device_plugin::hami_cache::{GRACE, sweep_once};
+    use gpuledger_device_plugin::hami_cache::{GRACE, Sweep};
     use k8s_openapi::api::core::v1::{Container, Pod, PodSpec as CorePodSpec};
     let pods = Api::<Pod>::namespaced(admin.clone(), NS);
     let create = |name: &str, node: &str| {
@@ -1025,6 +1034,19 @@ async fn hami_core_caches_of_pods_gone_from_the_node_are_swept(
         let pods = pods.clone();
         async move { pods.create(&PostParams::default(), &pod).await.unwrap() }
     };
+    let delete = |name: &'static str| {
+        let pods = pods.clone();
+        async move {
+            pods.delete(name, &kube::api::DeleteParams::default().grace_period(0))
+                .await
+                .unwrap();
+            gpuledger_e2e::cluster::wait_for("the pod gone", WAIT, || async {
+                Ok::<_, kube::Error>(pods.get_opt(name).await?.is_none().then_some(()))
+            })
+            .await
+            .unwrap();
+        }
+    };
     let here = create("cache-here", NODE).await.uid().unwrap();
     let elsewhere = create("cache-elsewhere", "another-node")
         .await
@@ -1033,17 +1055,12 @@ async fn hami_core_caches_of_pods_gone_from_the_node_are_swept(
     let gone = "0b6c0e0e-7d1a-4c1e-9a43-3f1e2a8b9c10";
     let hami = tmp.path().join("hami-core");
     let containers = hami.join("containers");
-    let names = [
-        format!("{here}_0"),
-        format!("{here}_1"),
-        format!("{elsewhere}_0"),
-        format!("{gone}_2"),
-        "not-a-pod".to_string(),
-    ];
-    for name in &names {
-        std::fs::create_dir_all(containers.join(name)).unwrap();
-        std::fs::write(containers.join(name).join("cache"), b"x").unwrap();
-    }
+    let make = |names: &[String]| {
+        for name in names {
+            std::fs::create_dir_all(containers.join(name)).unwrap();
+            std::fs::write(containers.join(name).join("cache"), b"x").unwrap();
+        }
+    };
     let left = || {
         let mut left: Vec<String> = std::fs::read_dir(&containers)
             .unwrap()
@@ -1052,18 +1069,24 @@ async fn hami_core_caches_of_pods_gone_from_the_node_are_swept(
         left.sort_unstable();
         left
     };
-    let all = {
-        let mut all = names.to_vec();
-        all.sort_unstable();
-        all
+    let sorted = |mut v: Vec<String>| {
+        v.sort_unstable();
+        v
     };
+    let names = vec![
+        format!("{here}_0"),
+        format!("{here}_1"),
+        format!("{elsewhere}_0"),
+        format!("{gone}_2"),
+        "not-a-pod_0".to_string(),
+    ];
+    make(&names);
 
-    // Just made: left for a later sweep.
-    assert_eq!(
-        sweep_once(plugin_client, NODE, &hami, GRACE).await.unwrap(),
-        0
-    );
-    assert_eq!(left(), all);
+    // Gone pods are first only noted: the grace counts from there.
+    let mut waiting = Sweep::new(NODE, &hami, GRACE);
+    let swept = waiting.once(plugin_client).await.unwrap();
+    assert_eq!(swept.removed, 0);
+    assert_eq!(left(), sorted(names.clone()));
     // An identity that may not list pods: an error, and nothing removed.
     let nobody = client_from_kubeconfig_as(
         cp.kubeconfig(),
@@ -1072,41 +1095,61 @@ async fn hami_core_caches_of_pods_gone_from_the_node_are_swept(
     )
     .await
     .unwrap();
-    let refused = sweep_once(&nobody, NODE, &hami, Duration::ZERO).await;
+    let refused = Sweep::new(NODE, &hami, Duration::ZERO).once(&nobody).await;
     assert!(
         refused
             .as_ref()
             .is_err_and(|e| e.to_string().contains("listing the pods of node")),
         "{refused:?}"
     );
-    assert_eq!(left(), all);
-    // Past the grace: the pod on another node and the one that never existed go.
-    let removed = sweep_once(plugin_client, NODE, &hami, Duration::ZERO)
-        .await
-        .unwrap();
-    assert_eq!(removed, 2);
-    let mut kept = vec![
+    assert_eq!(left(), sorted(names.clone()));
+    // No grace: the pod on another node and the one that never existed go.
+    let mut at_once = Sweep::new(NODE, &hami, Duration::ZERO);
+    let swept = at_once.once(plugin_client).await.unwrap();
+    assert_eq!((swept.removed, swept.failed.len()), (2, 0));
+    let kept = sorted(vec![
         format!("{here}_0"),
         format!("{here}_1"),
-        "not-a-pod".to_string(),
-    ];
-    kept.sort_unstable();
+        "not-a-pod_0".to_string(),
+    ]);
     assert_eq!(left(), kept);
     // The pod deleted: its directories go too.
-    pods.delete(
-        "cache-here",
-        &kube::api::DeleteParams::default().grace_period(0),
-    )
-    .await
-    .unwrap();
-    gpuledger_e2e::cluster::wait_for("pod cache-here gone", WAIT, || async {
-        Ok::<_, kube::Error>(pods.get_opt("cache-here").await?.is_none().then_some(()))
+    delete("cache-here").await;
+    assert_eq!(at_once.once(plugin_client).await.unwrap().removed, 2);
+    assert_eq!(left(), vec!["not-a-pod_0".to_string()]);
+
+    // Through the plugin: a second one for this node, sweeping often, with no grace.
+    let running = create("cache-running", NODE).await.uid().unwrap();
+    make(&[format!("{running}_0"), format!("{gone}_0")]);
+    let dir = tmp.path().join("sweeping-device-plugins");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut options = PluginOptions::new(NODE, &dir);
+    options.hami_core_dir = Some(hami.clone());
+    options.hami_cache_sweep_every = Duration::from_millis(100);
+    options.hami_cache_grace = Duration::ZERO;
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let sweeping = tokio::spawn(plugin::run(
+        options,
+        plugin_client.clone(),
+        Arc::new(FileDiscovery::new(sample)),
+        Arc::new(NoRefit),
+        Arc::default(),
+        stop_rx,
+    ));
+    let want = sorted(vec![format!("{running}_0"), "not-a-pod_0".to_string()]);
+    gpuledger_e2e::cluster::wait_for("the plugin's sweep", WAIT, || async {
+        Ok::<_, std::io::Error>((left() == want).then_some(()))
     })
     .await
     .unwrap();
-    let removed = sweep_once(plugin_client, NODE, &hami, Duration::ZERO)
-        .await
-        .unwrap();
-    assert_eq!(removed, 2);
-    assert_eq!(left(), vec!["not-a-pod".to_string()]);
+    delete("cache-running").await;
+    let want = vec!["not-a-pod_0".to_string()];
+    gpuledger_e2e::cluster::wait_for("the plugin's sweep after the pod went", WAIT, || async {
+        Ok::<_, std::io::Error>((left() == want).then_some(()))
+    })
+    .await
+    .unwrap();
+    stop_tx.send(true).unwrap();
+    sweeping.await.unwrap().unwrap();
+    delete("cache-elsewhere").await;
 }

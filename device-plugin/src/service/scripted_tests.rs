@@ -343,7 +343,10 @@ impl crate::refit::RefitHook for Timed {
     }
 }
 
-fn service_with_refit(client: kube::Client, refit: Arc<Timed>) -> DevicePluginService {
+fn service_with_refit(
+    client: kube::Client,
+    refit: Arc<dyn crate::refit::RefitHook>,
+) -> DevicePluginService {
     let inventory = Inventory::new(vec![gpu("GPU-0", 0, Some(0)), gpu("GPU-1", 1, Some(0))], 2);
     let (_, inventory) = watch::channel(inventory);
     let shared = Shared::new(
@@ -429,4 +432,60 @@ async fn no_time_left_for_a_refit_fails_a_strict_pod_without_asking() {
     assert_eq!(s.code(), Code::FailedPrecondition);
     assert!(s.message().contains("strict"), "{s:?}");
     assert!(hook.0.lock().unwrap().is_empty(), "the refit was asked");
+}
+
+/// With `--refit=false` nothing is asked, so no time is needed: a `strict` pod late in its
+/// admission is still left to the kubelet, as the flag promises.
+#[tokio::test(start_paused = true)]
+async fn without_refits_a_strict_pod_late_in_its_admission_is_left_to_the_kubelet() {
+    let steps = slow_reads(
+        Duration::from_millis(59_900),
+        gpuledger_crds::Alignment::Strict,
+    );
+    let (client, api) = scripted(steps);
+    let service = service(client);
+    let got = tokio::time::timeout(
+        STUCK,
+        service.get_preferred_allocation(prefer(&["GPU-0-0"])),
+    )
+    .await
+    .unwrap();
+    api.finish().await;
+    assert!(
+        got.unwrap().into_inner().container_responses[0]
+            .device_i_ds
+            .is_empty()
+    );
+}
+
+/// A refit hook that never answers, whatever its timeout.
+struct Stalling;
+
+impl crate::refit::RefitHook for Stalling {
+    fn refit(
+        &self,
+        _ctx: crate::refit::RefitContext,
+    ) -> futures::future::BoxFuture<'static, crate::refit::RefitOutcome> {
+        Box::pin(futures::future::pending())
+    }
+}
+
+/// Past the deadline with the pod read, GetPreferredAllocation ends the pod's turn on the node
+/// (its allocation Lease, on the version read), as Allocate does.
+#[tokio::test(start_paused = true)]
+async fn a_preferred_allocation_past_the_deadline_after_the_pod_was_read_frees_its_turn() {
+    let mut steps = slow_reads(Duration::ZERO, gpuledger_crds::Alignment::BestEffort);
+    steps.push(delete_lease("41").reply(200, lease(Some(HOLDER), "41")));
+    let (client, api) = scripted(steps);
+    let service = service_with_refit(client, Arc::new(Stalling));
+    let got = tokio::time::timeout(
+        STUCK,
+        service.get_preferred_allocation(prefer(&["GPU-0-0"])),
+    )
+    .await
+    .expect("GetPreferredAllocation still waiting on a refit hook that never answers");
+    api.finish().await;
+    let s = got.unwrap_err();
+    assert_eq!(s.code(), Code::DeadlineExceeded);
+    assert!(s.message().contains("pod ml/train"), "{s:?}");
 }
