@@ -242,12 +242,11 @@ fn remove_bounded(path: &Path) -> Result<(), SweepError> {
     let mut pending = vec![(path.to_path_buf(), 0usize)];
     let mut seen = 0usize;
     while let Some((dir, depth)) = pending.pop() {
-        // Collected before descending: one open directory at a time, whatever the depth.
-        let children: Vec<std::fs::DirEntry> = std::fs::read_dir(&dir)
-            .map_err(io(&dir))?
-            .collect::<Result<_, _>>()
-            .map_err(io(&dir))?;
-        for child in children {
+        // One open directory at a time, whatever the depth: its subdirectories are noted and
+        // walked after it is closed. Counted while read, so one huge directory is not read
+        // whole before the bound applies.
+        for child in std::fs::read_dir(&dir).map_err(io(&dir))? {
+            let child = child.map_err(io(&dir))?;
             seen += 1;
             let is_dir = child.file_type().map_err(io(&dir))?.is_dir();
             if seen > MAX_ENTRIES || (is_dir && depth + 1 > MAX_DEPTH) {
@@ -260,7 +259,11 @@ fn remove_bounded(path: &Path) -> Result<(), SweepError> {
             }
         }
     }
-    std::fs::remove_dir_all(path).map_err(io(path))
+    match std::fs::remove_dir_all(path) {
+        // Gone meanwhile (an admin, or another sweep): what the sweep wanted.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        done => done.map_err(io(path)),
+    }
 }
 
 /// Sweeps every `every` until `shutdown`.

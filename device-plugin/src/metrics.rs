@@ -82,7 +82,8 @@ pub struct Metrics {
     pub watch_errors: Family<WatchErrorLabels, Counter>,
     /// HAMi-core cache directories of pods gone from the node, removed ([`crate::hami_cache`]).
     pub hami_cache_removed: Counter,
-    /// Sweeps of those directories that removed nothing because they failed.
+    /// Sweeps that failed (nothing removed), and directories due that could not be removed
+    /// (again at every sweep, until an admin removes them).
     pub hami_cache_sweep_failures: Counter,
     /// Why the GpuNode does not carry the current inventory; `None` once it does.
     gpunode_problem: Mutex<Option<String>>,
@@ -178,7 +179,7 @@ impl Default for Metrics {
         let hami_cache_sweep_failures = Counter::default();
         registry.register(
             "hami_cache_sweep_failures",
-            "Sweeps of the HAMi-core cache directories that failed and removed nothing",
+            "Failed sweeps of the HAMi-core cache directories, and directories due that could not be removed (counted at every sweep until removed)",
             hami_cache_sweep_failures.clone(),
         );
         Metrics {
