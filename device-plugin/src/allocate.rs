@@ -65,18 +65,20 @@ pub fn container_response(
     resp
 }
 
-/// Whether `pod_uid` can name a host directory: what the API server gives a pod (a UUID) is
-/// letters, digits and dashes. The UID comes from the allocation Lease and the reservation,
-/// objects a node does not own alone; one holding `/` or `..` would put the read-write cache
-/// mount anywhere on the host.
-pub fn uid_fits_a_path(pod_uid: &str) -> bool {
-    !pod_uid.is_empty()
-        && pod_uid
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-')
+/// Whether `pod_uid` has the shape the API server gives a pod's UID (a UUID: 8-4-4-4-12
+/// hexadecimal digits), and so can name a host directory. The UID comes from the allocation
+/// Lease and the reservation, objects a node does not own alone; one holding `/` or `..` would
+/// put the read-write cache mount anywhere on the host, and one of another shape would make a
+/// directory the cache sweep ([`crate::hami_cache`]) does not take for ours.
+pub fn is_pod_uid(pod_uid: &str) -> bool {
+    pod_uid.len() == 36
+        && pod_uid.char_indices().all(|(i, c)| match i {
+            8 | 13 | 18 | 23 => c == '-',
+            _ => c.is_ascii_hexdigit(),
+        })
 }
 
-/// Host directory holding one container's HAMi-core cache (for a UID [`uid_fits_a_path`]).
+/// Host directory holding one container's HAMi-core cache (for a UID [`is_pod_uid`]).
 pub fn container_cache_dir(hami_core_dir: &Path, pod_uid: &str, index: u32) -> PathBuf {
     hami_core_dir
         .join("containers")

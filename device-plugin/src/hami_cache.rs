@@ -29,6 +29,7 @@ use kube::{Client, ResourceExt};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use crate::allocate::is_pod_uid;
 use crate::metrics::Metrics;
 
 /// How often the directories are swept, unless configured otherwise.
@@ -83,15 +84,6 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> SweepError + '_ {
     }
 }
 
-/// Whether `s` has the shape of a pod UID (a UUID: 8-4-4-4-12 hexadecimal digits).
-fn is_uuid(s: &str) -> bool {
-    s.len() == 36
-        && s.char_indices().all(|(i, c)| match i {
-            8 | 13 | 18 | 23 => c == '-',
-            _ => c.is_ascii_hexdigit(),
-        })
-}
-
 /// The pod UID a directory of ours belongs to; none for a name that is not
 /// `<UUID>_<container index>` (the index in plain decimal, as Allocate writes it).
 pub fn pod_uid_of(name: &str) -> Option<&str> {
@@ -100,7 +92,7 @@ pub fn pod_uid_of(name: &str) -> Option<&str> {
         && index.bytes().all(|b| b.is_ascii_digit())
         && (index == "0" || !index.starts_with('0'))
         && index.parse::<u32>().is_ok();
-    (is_uuid(uid) && decimal).then_some(uid)
+    (is_pod_uid(uid) && decimal).then_some(uid)
 }
 
 /// When each directory's pod was first found gone, kept from one sweep to the next.

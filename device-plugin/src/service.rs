@@ -12,7 +12,7 @@ use tokio::sync::{Mutex, watch};
 use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 
-use crate::allocate::{container_cache_dir, container_response, uid_fits_a_path};
+use crate::allocate::{container_cache_dir, container_response, is_pod_uid};
 use crate::api;
 use crate::inventory::Inventory;
 use crate::kubelet_check::KubeletCheck;
@@ -460,7 +460,7 @@ impl DevicePluginService {
         let mut recorded = pending.recorded();
         let mut container_responses = Vec::new();
         let hami_dir = self.shared.config.hami_core_dir.as_deref();
-        if hami_dir.is_some() && !uid_fits_a_path(&pending.uid) {
+        if hami_dir.is_some() && !is_pod_uid(&pending.uid) {
             return Err(Status::failed_precondition(format!(
                 "pod {}: UID {:?} (from the allocation Lease and the reservation) is not a pod UID, and would name the host directory of its HAMi-core cache",
                 pod_ref(pending),

@@ -489,3 +489,24 @@ async fn a_preferred_allocation_past_the_deadline_after_the_pod_was_read_frees_i
     assert_eq!(s.code(), Code::DeadlineExceeded);
     assert!(s.message().contains("pod ml/train"), "{s:?}");
 }
+
+/// A UID that fits a path but is not a UUID (a hand-made Lease and reservation): its cache
+/// directory would be one the sweep never takes for ours, left on the host for good. Refused
+/// before anything is made or recorded.
+#[tokio::test]
+async fn a_pod_uid_that_is_no_uuid_is_refused_before_its_cache_directory_is_made() {
+    let hami = tempfile::tempdir().unwrap();
+    let uid = "backup";
+    let (client, api) = scripted(vec![
+        expect(Method::GET, LEASE).reply(200, lease(Some(&format!("ml/train/{uid}")), "41")),
+        expect(Method::GET, RESERVATION).reply(200, json_of(&reservation(uid, NODE, &[0]))),
+    ]);
+    let got = service_with(client, Some(hami.path()))
+        .allocate(allocate_one(&["GPU-1-0"]))
+        .await;
+    api.finish().await;
+    let s = got.unwrap_err();
+    assert_eq!(s.code(), Code::FailedPrecondition);
+    assert!(s.message().contains("is not a pod UID"), "{s:?}");
+    assert!(!hami.path().join("containers").exists());
+}
