@@ -100,15 +100,7 @@ async fn device_plugin_against_the_real_api_server() {
         &sample,
     )
     .unwrap();
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let plugin = tokio::spawn(plugin::run(
-        options,
-        plugin_client.clone(),
-        Arc::new(FileDiscovery::new(&sample)),
-        Arc::new(NoRefit),
-        Arc::default(),
-        stop_rx,
-    ));
+    let (stop_tx, plugin) = run_plugin(options, plugin_client.clone(), &sample);
 
     registers_and_advertises_80_replicas_with_numa(&sim).await;
     gpunode_is_published_and_shown_by_kubectl(&cp).await;
@@ -143,6 +135,27 @@ async fn device_plugin_against_the_real_api_server() {
         "socket removed on shutdown"
     );
     sim.stop().await;
+}
+
+/// Runs `plugin::run` with `options` on the GPUs of `sample` and no refits; send `true` to stop.
+fn run_plugin(
+    options: PluginOptions,
+    client: Client,
+    sample: &Path,
+) -> (
+    watch::Sender<bool>,
+    tokio::task::JoinHandle<Result<(), plugin::PluginError>>,
+) {
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let running = tokio::spawn(plugin::run(
+        options,
+        client,
+        Arc::new(FileDiscovery::new(sample)),
+        Arc::new(NoRefit),
+        Arc::default(),
+        stop_rx,
+    ));
+    (stop_tx, running)
 }
 
 /// The plugin's `/readyz` (the DaemonSet's readiness probe) once its GpuNode is published and
@@ -197,15 +210,7 @@ async fn a_plugin_whose_watches_are_refused_counts_them_as_refused(
     let mut options = PluginOptions::new(NODE, &dir);
     let port = gpuledger_e2e::cluster::free_port().unwrap();
     options.metrics_addr = Some(([127, 0, 0, 1], port).into());
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let refused = tokio::spawn(plugin::run(
-        options,
-        nobody,
-        Arc::new(FileDiscovery::new(sample)),
-        Arc::new(NoRefit),
-        Arc::default(),
-        stop_rx,
-    ));
+    let (stop_tx, refused) = run_plugin(options, nobody, sample);
     let counted = |metrics: &str, watch: &str, failure: &str| {
         gpuledger_e2e::prometheus::sample(
             metrics,
@@ -246,15 +251,7 @@ async fn a_plugin_given_another_nodes_name_is_not_ready_and_says_why(
     let mut options = PluginOptions::new("not-this-node", &dir);
     let port = gpuledger_e2e::cluster::free_port().unwrap();
     options.metrics_addr = Some(([127, 0, 0, 1], port).into());
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let misnamed = tokio::spawn(plugin::run(
-        options,
-        plugin_client.clone(),
-        Arc::new(FileDiscovery::new(sample)),
-        Arc::new(NoRefit),
-        Arc::default(),
-        stop_rx,
-    ));
+    let (stop_tx, misnamed) = run_plugin(options, plugin_client.clone(), sample);
     let refused =
         gpuledger_e2e::cluster::wait_for("the misnamed plugin saying why", WAIT, || async {
             let (code, body) = gpuledger_e2e::http::get(port, "/readyz").await?;
@@ -1127,15 +1124,7 @@ async fn hami_core_caches_of_pods_gone_from_the_node_are_swept(
     options.hami_core_dir = Some(hami.clone());
     options.hami_cache_sweep_every = Duration::from_millis(100);
     options.hami_cache_grace = Duration::ZERO;
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let sweeping = tokio::spawn(plugin::run(
-        options,
-        plugin_client.clone(),
-        Arc::new(FileDiscovery::new(sample)),
-        Arc::new(NoRefit),
-        Arc::default(),
-        stop_rx,
-    ));
+    let (stop_tx, sweeping) = run_plugin(options, plugin_client.clone(), sample);
     let want = sorted(vec![format!("{running}_0"), "not-a-pod_0".to_string()]);
     gpuledger_e2e::cluster::wait_for("the plugin's sweep", WAIT, || async {
         Ok::<_, std::io::Error>((left() == want).then_some(()))

@@ -30,12 +30,22 @@ fn service_with(
     client: kube::Client,
     hami_core_dir: Option<&std::path::Path>,
 ) -> DevicePluginService {
+    service_over(client, hami_core_dir, Arc::new(NoRefit))
+}
+
+/// The service over `client` for GPU-0 and GPU-1 (2 replicas each), refits through `refit`, a
+/// 2 s refit timeout and a 60 s admission timeout.
+fn service_over(
+    client: kube::Client,
+    hami_core_dir: Option<&std::path::Path>,
+    refit: Arc<dyn crate::refit::RefitHook>,
+) -> DevicePluginService {
     let inventory = Inventory::new(vec![gpu("GPU-0", 0, Some(0)), gpu("GPU-1", 1, Some(0))], 2);
     let (_, inventory) = watch::channel(inventory);
     let shared = Shared::new(
         inventory,
         Ledger::new(client, NODE, LEASE_NS),
-        Arc::new(NoRefit),
+        refit,
         ServiceConfig {
             hami_core_dir: hami_core_dir.map(std::path::Path::to_path_buf),
             refit_timeout: Duration::from_secs(2),
@@ -343,28 +353,6 @@ impl crate::refit::RefitHook for Timed {
     }
 }
 
-fn service_with_refit(
-    client: kube::Client,
-    refit: Arc<dyn crate::refit::RefitHook>,
-) -> DevicePluginService {
-    let inventory = Inventory::new(vec![gpu("GPU-0", 0, Some(0)), gpu("GPU-1", 1, Some(0))], 2);
-    let (_, inventory) = watch::channel(inventory);
-    let shared = Shared::new(
-        inventory,
-        Ledger::new(client, NODE, LEASE_NS),
-        refit,
-        ServiceConfig {
-            hami_core_dir: None,
-            refit_timeout: Duration::from_secs(2),
-            admission_timeout: Duration::from_secs(60),
-            kubelet_check: None,
-        },
-        Arc::new(Metrics::default()),
-    );
-    let (_, stop) = watch::channel(false);
-    DevicePluginService::new(Arc::new(shared), stop)
-}
-
 /// Reads answered `after` into the call, of a reservation (container 1 on GPU-1) with
 /// `alignment`.
 fn slow_reads(after: Duration, alignment: gpuledger_crds::Alignment) -> Vec<Step> {
@@ -387,7 +375,7 @@ async fn a_refit_late_in_the_admission_gets_only_the_time_left() {
     );
     let (client, api) = scripted(steps);
     let hook = Arc::new(Timed::default());
-    let service = service_with_refit(client, hook.clone());
+    let service = service_over(client, None, hook.clone());
     // GPU-1, the reserved one, is not among the replicas the kubelet allows.
     let got = tokio::time::timeout(
         STUCK,
@@ -420,7 +408,7 @@ async fn no_time_left_for_a_refit_fails_a_strict_pod_without_asking() {
     steps.push(delete_lease("41").reply(200, lease(Some(HOLDER), "41")));
     let (client, api) = scripted(steps);
     let hook = Arc::new(Timed::default());
-    let service = service_with_refit(client, hook.clone());
+    let service = service_over(client, None, hook.clone());
     let got = tokio::time::timeout(
         STUCK,
         service.get_preferred_allocation(prefer(&["GPU-0-0"])),
@@ -477,7 +465,7 @@ async fn a_preferred_allocation_past_the_deadline_after_the_pod_was_read_frees_i
     let mut steps = slow_reads(Duration::ZERO, gpuledger_crds::Alignment::BestEffort);
     steps.push(delete_lease("41").reply(200, lease(Some(HOLDER), "41")));
     let (client, api) = scripted(steps);
-    let service = service_with_refit(client, Arc::new(Stalling));
+    let service = service_over(client, None, Arc::new(Stalling));
     let got = tokio::time::timeout(
         STUCK,
         service.get_preferred_allocation(prefer(&["GPU-0-0"])),
