@@ -50,7 +50,7 @@ use crate::lease::turns::Turn;
 use crate::lease::watched::{Outlook, RECHECK_FIRST, RECHECK_MAX};
 use crate::ledger::render::{devices_summary, reservation_for};
 use crate::ledger::usage::{quota_use_of_load, reservation_load};
-use crate::ledger::{QuotaTurn, ReservationKey, WriteError};
+use crate::ledger::{ReservationKey, WriteError};
 use crate::quota::{self, QuotaError};
 use crate::schedule::PlaceError;
 
@@ -276,26 +276,16 @@ async fn bind_pod(ctx: &Context, args: &ExtenderBindingArgs) -> Result<Bound, Bi
         // shared otherwise, so a quota created meanwhile is checked only once every bind that
         // decided without it has written ([`crate::ledger::quota_lock`]).
         let ns = &args.pod_namespace;
-        let limits_now = || {
-            quota::limits(
-                &ctx.caches.quotas,
-                ns,
-                ctx.defaults.pod_api.get().memory_factor,
-            )
+        let memory_factor = ctx.defaults.pod_api.get().memory_factor;
+        let quota_now = || {
+            Some(quota::limits(&ctx.caches.quotas, ns, memory_factor)).filter(|l| !l.is_unlimited())
         };
-        let turn = ctx
-            .ledger
-            .quota_locks
-            .turn(ns, || !limits_now().is_unlimited());
+        let turn = ctx.ledger.quota_locks.turn(ns, quota_now);
         let turn = async { Ok(turn.await) };
-        let namespace = within(deadline, started, args, "the namespace's quota turn", turn).await?;
-        // Checked only under an exclusive turn: a quota that reached the cache just after a
-        // shared turn was taken must not be checked by several binds at once on the same
-        // room. Such a bind counts as decided before the quota, as those it runs beside.
-        let limits = match &namespace {
-            QuotaTurn::Exclusive(_) => Some(limits_now()).filter(|l| !l.is_unlimited()),
-            QuotaTurn::Shared(_) => None,
-        };
+        // The limits read under the turn, only where it is exclusive: a bind on a shared turn
+        // counts as decided before any quota, as those it runs beside.
+        let (_namespace, limits) =
+            within(deadline, started, args, "the namespace's quota turn", turn).await?;
         let node_lock = async { Ok(ctx.ledger.node_locks.lock(&args.node).await) };
         let _node = within(deadline, started, args, "the node lock", node_lock).await?;
         // Again, after the waits: a leader whose renewal went unanswered steps down before a
@@ -746,16 +736,19 @@ mod tests {
         assert!(matches!(read, Err(BindError::Api { .. })), "{read:?}");
     }
 
-    #[tokio::test]
-    async fn a_bind_that_waited_while_its_replica_stepped_down_writes_nothing() {
+    /// A leader whose pod watch shows pod ns/p (UID u1) unbound, wanting a GPU.
+    fn watching_u1() -> Arc<Context> {
         let ctx = Arc::new(context());
         ctx.caches.pods.apply(&watcher::Event::Init);
         ctx.caches.pods.apply(&watcher::Event::InitDone);
-        ctx.caches
-            .pods
-            .apply(&watcher::Event::Apply(wanting_a_gpu(pod(
-                "p", "u1", None, "Pending",
-            ))));
+        let p = wanting_a_gpu(pod("p", "u1", None, "Pending"));
+        ctx.caches.pods.apply(&watcher::Event::Apply(p));
+        ctx
+    }
+
+    #[tokio::test]
+    async fn a_bind_that_waited_while_its_replica_stepped_down_writes_nothing() {
+        let ctx = watching_u1();
         // Another bind or a refit holds the node while this one passes its first check.
         let held = ctx.ledger.node_locks.lock("n1").await;
         let binding = tokio::spawn({
@@ -780,15 +773,8 @@ mod tests {
     /// check while this one, decided without the quota, has yet to write.
     #[tokio::test]
     async fn a_bind_without_a_quota_waits_while_a_quota_is_checked_in_its_namespace() {
-        let ctx = Arc::new(context());
-        ctx.caches.pods.apply(&watcher::Event::Init);
-        ctx.caches.pods.apply(&watcher::Event::InitDone);
-        ctx.caches
-            .pods
-            .apply(&watcher::Event::Apply(wanting_a_gpu(pod(
-                "p", "u1", None, "Pending",
-            ))));
-        let checking = ctx.ledger.quota_locks.turn("ns", || true).await;
+        let ctx = watching_u1();
+        let checking = ctx.ledger.quota_locks.turn("ns", || Some(())).await;
         let binding = tokio::spawn({
             let ctx = ctx.clone();
             async move { bind_pod(&ctx, &args("u1")).await }

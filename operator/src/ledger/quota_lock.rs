@@ -33,24 +33,30 @@ impl QuotaLocks {
         Self::default()
     }
 
-    /// Takes `namespace`'s turn: exclusive when `limited` (which reads the quota cache) says a
-    /// GPU quota applies, shared otherwise. It is asked again after the wait for a shared
-    /// turn, since a quota may appear while a bind waits. Tokio's lock queues in
-    /// order, so a bind waiting for an exclusive turn is not starved by later shared ones.
-    /// Entries are never removed: one small entry per namespace that ever bound a GPU pod.
-    pub async fn turn(&self, namespace: &str, limited: impl Fn() -> bool) -> QuotaTurn {
+    /// Takes `namespace`'s turn and returns it with the quota `limits` reads (the cache, as
+    /// `Some` when a GPU quota applies) while the turn is held: a bind checks exactly what
+    /// chose its turn. Every turn starts shared and reads the quota once granted, so a quota
+    /// that appeared while the bind waited is seen; where one applies, the turn is given back
+    /// and taken exclusively, and the quota read again under it (a shared turn never carries
+    /// limits). Tokio's lock queues in order, so a bind waiting for an exclusive turn is not
+    /// starved by later shared ones. Entries are never removed: one small entry per namespace
+    /// that ever bound a GPU pod.
+    pub async fn turn<L>(
+        &self,
+        namespace: &str,
+        limits: impl Fn() -> Option<L>,
+    ) -> (QuotaTurn, Option<L>) {
         let lock = {
             let mut map = self.locks.lock().unwrap_or_else(|e| e.into_inner());
             map.entry(namespace.to_string()).or_default().clone()
         };
-        if !limited() {
-            let shared = lock.clone().read_owned().await;
-            if !limited() {
-                return QuotaTurn::Shared(shared);
-            }
-            // A quota appeared while this bind waited: it must not decide alongside others.
+        let shared = lock.clone().read_owned().await;
+        if limits().is_none() {
+            return (QuotaTurn::Shared(shared), None);
         }
-        QuotaTurn::Exclusive(lock.write_owned().await)
+        drop(shared);
+        let exclusive = lock.write_owned().await;
+        (QuotaTurn::Exclusive(exclusive), limits())
     }
 }
 
@@ -60,6 +66,20 @@ mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::time::Duration;
 
+    fn none() -> Option<()> {
+        None
+    }
+
+    fn quota() -> Option<()> {
+        Some(())
+    }
+
+    /// Reads `flag` as the quota cache: `Some` while a quota applies.
+    fn reading(flag: &Arc<AtomicBool>) -> impl Fn() -> Option<()> + Send + 'static {
+        let flag = flag.clone();
+        move || flag.load(Ordering::SeqCst).then_some(())
+    }
+
     async fn pending<T>(task: &tokio::task::JoinHandle<T>) -> bool {
         tokio::time::sleep(Duration::from_millis(20)).await;
         !task.is_finished()
@@ -68,9 +88,9 @@ mod tests {
     #[tokio::test]
     async fn binds_without_a_quota_run_alongside() {
         let locks = QuotaLocks::new();
-        let a = locks.turn("ns", || false).await;
+        let (a, _) = locks.turn("ns", none).await;
         // Would wait forever if the second turn were exclusive.
-        let b = locks.turn("ns", || false).await;
+        let (b, _) = locks.turn("ns", none).await;
         assert!(matches!(
             (&a, &b),
             (QuotaTurn::Shared(_), QuotaTurn::Shared(_))
@@ -80,18 +100,18 @@ mod tests {
     #[tokio::test]
     async fn binds_under_a_quota_take_turns() {
         let locks = Arc::new(QuotaLocks::new());
-        let first = locks.turn("ns", || true).await;
-        assert!(matches!(first, QuotaTurn::Exclusive(_)));
+        let (first, limits) = locks.turn("ns", quota).await;
+        assert!(matches!(first, QuotaTurn::Exclusive(_)) && limits.is_some());
         let second = tokio::spawn({
             let locks = locks.clone();
-            async move { locks.turn("ns", || true).await }
+            async move { locks.turn("ns", quota).await.0 }
         });
         assert!(
             pending(&second).await,
             "two binds decided on one quota at once"
         );
         // Another namespace is not held up.
-        let _other = locks.turn("other", || true).await;
+        let _other = locks.turn("other", quota).await;
         drop(first);
         assert!(matches!(second.await.unwrap(), QuotaTurn::Exclusive(_)));
     }
@@ -102,15 +122,11 @@ mod tests {
     async fn a_bind_that_sees_a_new_quota_waits_for_binds_that_decided_without_it() {
         let locks = Arc::new(QuotaLocks::new());
         let quota = Arc::new(AtomicBool::new(false));
-        let read = |q: &Arc<AtomicBool>| {
-            let q = q.clone();
-            move || q.load(Ordering::SeqCst)
-        };
-        let unlimited = locks.turn("ns", read(&quota)).await;
+        let (unlimited, _) = locks.turn("ns", reading(&quota)).await;
         assert!(matches!(unlimited, QuotaTurn::Shared(_)));
         quota.store(true, Ordering::SeqCst);
         let checking = tokio::spawn({
-            let (locks, read) = (locks.clone(), read(&quota));
+            let (locks, read) = (locks.clone(), reading(&quota));
             async move { locks.turn("ns", read).await }
         });
         assert!(
@@ -118,29 +134,33 @@ mod tests {
             "a bind checked the new quota while a bind decided without it was still writing"
         );
         drop(unlimited);
-        assert!(matches!(checking.await.unwrap(), QuotaTurn::Exclusive(_)));
+        let (turn, limits) = checking.await.unwrap();
+        assert!(matches!(turn, QuotaTurn::Exclusive(_)) && limits.is_some());
     }
 
-    /// A bind that read "no quota", then waited behind a bind holding the namespace under a
-    /// quota, must not go on alongside others once its turn comes.
+    /// A bind that waited behind one holding the namespace under a quota reads the quota once
+    /// its turn comes, not before: one that appeared during the wait makes the turn exclusive.
     #[tokio::test]
     async fn a_quota_that_appears_during_the_wait_makes_the_turn_exclusive() {
         let locks = Arc::new(QuotaLocks::new());
         let quota = Arc::new(AtomicBool::new(false));
-        let first_read = Arc::new(AtomicBool::new(true));
-        let held = locks.turn("ns", || true).await;
+        let (held, _) = locks.turn("ns", || Some(())).await;
         let waiting = tokio::spawn({
-            let (locks, quota, first_read) = (locks.clone(), quota.clone(), first_read.clone());
-            async move {
-                let read = move || {
-                    !first_read.swap(false, Ordering::SeqCst) && quota.load(Ordering::SeqCst)
-                };
-                locks.turn("ns", read).await
-            }
+            let (locks, read) = (locks.clone(), reading(&quota));
+            async move { locks.turn("ns", read).await }
         });
         assert!(pending(&waiting).await);
         quota.store(true, Ordering::SeqCst);
         drop(held);
-        assert!(matches!(waiting.await.unwrap(), QuotaTurn::Exclusive(_)));
+        let (turn, limits) = waiting.await.unwrap();
+        assert!(matches!(turn, QuotaTurn::Exclusive(_)) && limits.is_some());
+    }
+
+    /// A shared turn never carries limits, whatever the cache says a moment later.
+    #[tokio::test]
+    async fn a_shared_turn_carries_no_limits_to_check() {
+        let locks = QuotaLocks::new();
+        let (turn, limits) = locks.turn("ns", none).await;
+        assert!(matches!(turn, QuotaTurn::Shared(_)) && limits.is_none());
     }
 }
